@@ -1,0 +1,37 @@
+# The two commands a user needs: `make demo` and `make test`. Both build .venv when missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench lint format clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch is installed first and pinned exactly so no dependency can pull a different (CUDA) build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]' torch==2.13.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tardigrade demo
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+	$(BIN)/python -m pytest tests
+
+bench: $(STAMP)
+	$(BIN)/python -m bench $(BENCH_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,51 @@
+"""Tardigrade: PyTorch training state that survives anything.
+
+>>> import tardigrade as tg
+>>> tg.save("ckpt/step-100", {"model": model, "optim": optim, "rng": tg.RNGState()})  # doctest: +SKIP
+>>> tg.load("ckpt/step-100", into=state)                                               # doctest: +SKIP
+"""
+
+__version__ = "0.1.0"
+
+from ._load import VerifyReport, load, read_manifest, verify
+from ._rng import RNGState
+from ._save import SaveResult, save
+from ._tree import Stateful
+from .errors import (
+    CheckpointExistsError,
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    SaveError,
+    StateMismatchError,
+    StorageError,
+    TardigradeError,
+    UnsupportedFormatError,
+    UnsupportedTypeError,
+)
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointLockedError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "CorruptCheckpointError",
+    "InvalidArgumentError",
+    "RNGState",
+    "SaveError",
+    "SaveResult",
+    "StateMismatchError",
+    "Stateful",
+    "StorageError",
+    "TardigradeError",
+    "UnsupportedFormatError",
+    "UnsupportedTypeError",
+    "VerifyReport",
+    "__version__",
+    "load",
+    "read_manifest",
+    "save",
+    "verify",
+]

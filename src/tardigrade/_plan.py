@@ -1,0 +1,94 @@
+"""The save planner: which bytes go into which file. Plain frozen data, no I/O.
+
+Distributed and async saves reuse these plans unchanged: a plan item names an entry (a stored
+tensor), the slice of it to write, and the file it goes to; writers only move those bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from ._tree import Entry
+from .format.dtypes import ITEMSIZE
+
+# A file smaller than this is not worth a thread of its own.
+MIN_FILE_BYTES = 64 * 1024 * 1024
+DEFAULT_WORKERS = max(2, min(8, os.cpu_count() or 2))
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """Rows ``[start, stop)`` along dim 0 of entry ``entry`` (the whole tensor for 0-d)."""
+
+    entry: int
+    key: str
+    start: int
+    stop: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    name: str
+    items: tuple[WriteItem, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    files: tuple[FilePlan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+
+def entry_key(entry: Entry, index: int, used: set[str]) -> str:
+    """A readable, unique safetensors key: the tree path of the entry's first leaf."""
+    base = "/".join(str(p) for p in entry.paths[0]) if entry.paths and entry.paths[0] else "root"
+    key = base if base not in used else f"{base}#{index}"
+    used.add(key)
+    return key
+
+
+def plan_files(entries: list[Entry], *, workers: int = DEFAULT_WORKERS) -> SavePlan:
+    """Spread entries over files of similar size, splitting large tensors by rows."""
+    total = sum(e.tensor.numel() * ITEMSIZE[e.dtype] for e in entries)
+    n_files = max(1, min(workers, math.ceil(total / MIN_FILE_BYTES)))
+    target = max(1, math.ceil(total / n_files))
+    used: set[str] = set()
+    items: list[WriteItem] = []
+    for i, e in enumerate(entries):
+        key = entry_key(e, i, used)
+        t = e.tensor
+        nbytes = t.numel() * ITEMSIZE[e.dtype]
+        rows = t.shape[0] if t.dim() else 1
+        if nbytes > target and t.dim() and rows > 1:
+            row_bytes = nbytes // rows
+            per = max(1, target // max(1, row_bytes))
+            for start in range(0, rows, per):
+                stop = min(rows, start + per)
+                items.append(
+                    WriteItem(i, f"{key}@{start}", start, stop, (stop - start) * row_bytes)
+                )
+        else:
+            items.append(WriteItem(i, key, 0, rows, nbytes))
+    # Largest first into the least loaded file balances bytes across writer threads.
+    loads = [0] * n_files
+    bins: list[list[WriteItem]] = [[] for _ in range(n_files)]
+    for item in sorted(items, key=lambda it: -it.nbytes):
+        k = loads.index(min(loads))
+        bins[k].append(item)
+        loads[k] += item.nbytes
+    files = tuple(
+        FilePlan(
+            f"data-{k:05d}-of-{n_files:05d}.safetensors", tuple(sorted(b, key=lambda it: it.entry))
+        )
+        for k, b in enumerate(bins)
+    )
+    return SavePlan(files)

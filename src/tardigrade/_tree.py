@@ -1,0 +1,318 @@
+"""State trees: flatten live state into a JSON skeleton plus tensor entries, and back.
+
+The skeleton is what ``manifest.json`` stores under ``"tree"``. Every node is a small dict with
+a type tag ``"t"``, so each Python type round-trips exactly (tuple stays tuple, int stays int,
+``-0.0`` and NaN survive). Tensors and arrays appear as references into the manifest's tensor
+table; tensors that share storage are written once and come back sharing.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .errors import CorruptCheckpointError, UnsupportedTypeError
+from .format import limits
+from .format.dtypes import DTYPE_NAMES, NUMPY_DTYPES, NUMPY_NAMES, TORCH_DTYPES
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything saved through ``state_dict()`` and restored through ``load_state_dict()``.
+
+    On save Tardigrade calls ``state_dict()`` once; on ``load(into=...)`` it calls
+    ``state_dict()`` to find live tensors to read into, then ``load_state_dict(tree)``.
+    """
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+def is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """``('optim', 'param_groups', 0)`` -> ``state['optim']['param_groups'][0]``."""
+    return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+def tensor_dtype_name(t: torch.Tensor, path: tuple[Any, ...]) -> str:
+    name = DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise UnsupportedTypeError(
+            f"{path_str(path)}: tensor dtype {t.dtype} cannot be stored (supported: "
+            f"{', '.join(str(d) for d in TORCH_DTYPES.values())}). Convert it before saving, "
+            "e.g. torch.view_as_real() for complex tensors."
+        )
+    if t.layout != torch.strided or t.is_quantized or t.is_meta:
+        raise UnsupportedTypeError(
+            f"{path_str(path)}: only dense tensors can be stored, got layout {t.layout}"
+            f"{' (quantized)' if t.is_quantized else ''}{' (meta)' if t.is_meta else ''}; "
+            "convert it with .to_dense() / .dequantize() first."
+        )
+    return name
+
+
+@dataclass
+class Entry:
+    """One stored tensor: written once, referenced by one or more leaves."""
+
+    tensor: torch.Tensor  # what gets written (a leaf, or a span covering aliasing views)
+    dtype: str
+    paths: list[tuple[Any, ...]] = field(default_factory=list)
+    numpy: bool = False
+
+
+@dataclass
+class Flat:
+    tree: dict[str, Any]
+    entries: list[Entry]
+    stateful_calls: int = 0
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        # storage key -> [(view signature, node)] for dedup of tensors that share memory
+        self.by_storage: dict[tuple[str, int], list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+        self.nodes = 0
+        self.seen: set[int] = set()
+
+    def node(self, obj: Any, path: tuple[Any, ...], depth: int = 0) -> dict[str, Any]:
+        self.nodes += 1
+        if depth > limits.MAX_TREE_DEPTH:
+            raise UnsupportedTypeError(
+                f"{path_str(path)}: state is nested more than {limits.MAX_TREE_DEPTH} levels deep"
+            )
+        t = type(obj)
+        if obj is None:
+            return {"t": "none"}
+        if t is bool:
+            return {"t": "bool", "v": obj}
+        if t is int:
+            return {"t": "int", "v": str(obj)}
+        if t is float:
+            return {"t": "float", "v": obj.hex()}
+        if t is str:
+            return {"t": "str", "v": obj}
+        if t is bytes:
+            return {"t": "bytes", "v": base64.b64encode(obj).decode()}
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path)
+        if t is np.ndarray:
+            return self.ndarray(obj, path)
+        if isinstance(obj, torch.dtype):
+            return {"t": "dtype", "v": str(obj).removeprefix("torch.")}
+        if t in (list, tuple):
+            return self.container(obj, path, depth, "list" if t is list else "tuple")
+        if t in (dict, OrderedDict):
+            return self.mapping(obj, path, depth)
+        if is_stateful(obj):
+            if id(obj) in self.seen:
+                raise UnsupportedTypeError(
+                    f"{path_str(path)}: the same {t.__name__} object appears twice in the state; "
+                    "include each stateful object once."
+                )
+            self.seen.add(id(obj))
+            sd = obj.state_dict()
+            cls = f"{t.__module__}.{t.__qualname__}"
+            return {"t": "stateful", "cls": cls, "v": self.node(sd, path, depth + 1)}
+        hint = ""
+        if isinstance(obj, (int, float, str, bytes, np.generic)):
+            hint = " Convert it to the plain Python type first (e.g. int(x), float(x), str(x))."
+        raise UnsupportedTypeError(
+            f"{path_str(path)}: cannot store a value of type {t.__module__}.{t.__qualname__}. "
+            "Supported leaves: tensors, numpy arrays, int, float, bool, str, bytes, None, "
+            "torch.dtype, lists/tuples/dicts of those, and objects with state_dict()/"
+            f"load_state_dict().{hint}"
+        )
+
+    def container(self, obj: Any, path: tuple[Any, ...], depth: int, tag: str) -> dict[str, Any]:
+        return {"t": tag, "v": [self.node(v, (*path, i), depth + 1) for i, v in enumerate(obj)]}
+
+    def mapping(self, obj: Any, path: tuple[Any, ...], depth: int) -> dict[str, Any]:
+        items = []
+        for k, v in obj.items():
+            if (
+                type(k) not in (str, int, bool, float, bytes)
+                and k is not None
+                and type(k) is not tuple
+            ):
+                raise UnsupportedTypeError(
+                    f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} cannot be "
+                    "stored; use str, int, float, bool, bytes, None or tuples of those."
+                )
+            items.append([self.node(k, (*path, k), depth + 1), self.node(v, (*path, k), depth + 1)])
+        node: dict[str, Any] = {"t": "dict" if type(obj) is dict else "odict", "v": items}
+        meta = getattr(obj, "_metadata", None)
+        if isinstance(meta, dict):
+            # nn.Module state_dicts carry per-submodule versions load_state_dict relies on.
+            node["meta"] = self.node(dict(meta), (*path, "_metadata"), depth + 1)
+        return node
+
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        name = tensor_dtype_name(t, path)
+        t = t.detach()
+        node: dict[str, Any] = {"t": "tensor"}
+        if t.numel() == 0:
+            node["e"] = self.new_entry(t, name, path)
+            return node
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        sig = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+        group = self.by_storage.setdefault(key, [])
+        for other_sig, other in group:
+            if other_sig == sig:
+                node["e"] = other["e"]
+                if "view" in other:
+                    node["view"] = other["view"]
+                self.entries[node["e"]].paths.append(path)
+                return node
+        node["e"] = self.new_entry(t, name, path)
+        group.append((sig, node))
+        return node
+
+    def ndarray(self, a: np.ndarray, path: tuple[Any, ...]) -> dict[str, Any]:
+        name = NUMPY_NAMES.get(a.dtype)
+        if name is None or not a.dtype.isnative:
+            raise UnsupportedTypeError(
+                f"{path_str(path)}: numpy dtype {a.dtype} cannot be stored (supported: native-"
+                f"endian {', '.join(str(d) for d in NUMPY_DTYPES.values())})."
+            )
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return {"t": "ndarray", "e": self.new_entry(t, name, path, numpy=True)}
+
+    def new_entry(
+        self, t: torch.Tensor, dtype: str, path: tuple[Any, ...], numpy: bool = False
+    ) -> int:
+        self.entries.append(Entry(t, dtype, [path], numpy))
+        return len(self.entries) - 1
+
+    def merge_partial_aliases(self) -> None:
+        """Views that overlap one storage but differ in shape/offset: store the span once."""
+        for group in self.by_storage.values():
+            if len(group) < 2:
+                continue
+            dtypes = {sig[0] for sig, _ in group}
+            if len(dtypes) != 1:
+                continue  # reinterpreting views: each is saved by value; sharing is not kept
+            lo = min(sig[1] for sig, _ in group)
+            hi = max(
+                sig[1] + sum((n - 1) * s for n, s in zip(sig[2], sig[3], strict=True)) + 1
+                for sig, _ in group
+            )
+            first = self.entries[group[0][1]["e"]]
+            base = first.tensor.as_strided((hi - lo,), (1,), lo)
+            span = Entry(base, first.dtype, [])
+            self.entries.append(span)
+            span_id = len(self.entries) - 1
+            for sig, node in group:
+                old = self.entries[node["e"]]
+                span.paths.extend(old.paths)
+                old.paths = []
+                node["e"] = span_id
+                node["view"] = {
+                    "offset": sig[1] - lo,
+                    "shape": list(sig[2]),
+                    "stride": list(sig[3]),
+                }
+        # drop entries no leaf refers to any more, renumbering references
+        keep = [i for i, e in enumerate(self.entries) if e.paths]
+        if len(keep) != len(self.entries):
+            remap = {old: new for new, old in enumerate(keep)}
+            self.entries = [self.entries[i] for i in keep]
+            for group in self.by_storage.values():
+                for _, node in group:
+                    node["e"] = remap[node["e"]]
+
+
+def flatten(state: Any, root: tuple[Any, ...] = ()) -> Flat:
+    """Encode ``state`` into a skeleton and the tensors to write. Raises UnsupportedTypeError."""
+    f = _Flattener()
+    tree = f.node(state, root)
+    f.merge_partial_aliases()
+    return Flat(tree, f.entries)
+
+
+# ----------------------------------------------------------------------------------------------
+# decoding
+
+
+def _bad(where: str, path: tuple[Any, ...], what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where}: state tree at {path_str(path)}: {what}. The manifest is damaged; restore the "
+        "checkpoint from a backup or delete it."
+    )
+
+
+def decode(
+    node: Any,
+    leaf: Callable[[dict[str, Any], tuple[Any, ...]], Any],
+    where: str,
+    path: tuple[Any, ...] = (),
+    depth: int = 0,
+) -> Any:
+    """Rebuild Python values from a skeleton; ``leaf(node, path)`` supplies tensors and arrays.
+
+    Stateful nodes decode to their state_dict tree. Every malformed node raises
+    CorruptCheckpointError naming ``where`` and the path.
+    """
+    if depth > limits.MAX_TREE_DEPTH:
+        raise _bad(where, path, f"nested more than {limits.MAX_TREE_DEPTH} levels deep")
+    if not isinstance(node, dict) or not isinstance(node.get("t"), str):
+        raise _bad(where, path, "node is not an object with a type tag")
+    tag = node["t"]
+    v = node.get("v")
+    try:
+        if tag == "none":
+            return None
+        if tag == "bool" and type(v) is bool:
+            return v
+        if tag == "int" and type(v) is str and len(v) <= 10_000:
+            return int(v)
+        if tag == "float" and type(v) is str:
+            return float.fromhex(v)
+        if tag == "str" and type(v) is str:
+            return v
+        if tag == "bytes" and type(v) is str:
+            return base64.b64decode(v, validate=True)
+        if tag == "dtype" and type(v) is str and isinstance(getattr(torch, v, None), torch.dtype):
+            return getattr(torch, v)
+        if tag in ("tensor", "ndarray"):
+            return leaf(node, path)
+        if tag in ("list", "tuple") and type(v) is list:
+            items = [decode(x, leaf, where, (*path, i), depth + 1) for i, x in enumerate(v)]
+            return items if tag == "list" else tuple(items)
+        if tag in ("dict", "odict") and type(v) is list:
+            out: dict[Any, Any] = {} if tag == "dict" else OrderedDict()
+            for item in v:
+                if type(item) is not list or len(item) != 2:
+                    raise _bad(where, path, "dict item is not a [key, value] pair")
+                k = decode(item[0], leaf, where, path, depth + 1)
+                if type(k) in (list, dict, OrderedDict) or isinstance(
+                    k, (torch.Tensor, np.ndarray)
+                ):
+                    raise _bad(where, path, f"dict key of unhashable type {type(k).__name__}")
+                out[k] = decode(item[1], leaf, where, (*path, k), depth + 1)
+            if "meta" in node and tag == "odict":
+                out._metadata = decode(node["meta"], leaf, where, path, depth + 1)  # type: ignore[attr-defined]
+            return out
+        if tag == "stateful" and type(node.get("cls")) is str:
+            return decode(v, leaf, where, path, depth + 1)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise _bad(where, path, f"bad {tag!r} value ({e})") from None
+    raise _bad(where, path, f"unknown or malformed node of type {tag!r}")
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return NUMPY_DTYPES[name]

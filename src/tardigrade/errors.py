@@ -1,0 +1,87 @@
+"""The one exception tree of Tardigrade.
+
+Every error the library raises on purpose derives from :class:`TardigradeError`, and each
+subclass also inherits the built-in exception a caller would naturally catch, so
+``except FileNotFoundError`` keeps working for code that does not know about Tardigrade::
+
+    Exception
+     └── TardigradeError
+          ├── CheckpointNotFoundError   (+ FileNotFoundError)  no committed checkpoint at a path
+          ├── CheckpointExistsError     (+ FileExistsError)    refusing to overwrite a checkpoint
+          ├── CorruptCheckpointError    (+ ValueError)         bytes on disk are malformed or damaged
+          │    └── ChecksumMismatchError                       a chunk's checksum does not match
+          ├── UnsupportedFormatError    (+ ValueError)         a format version/dtype this build can't read
+          ├── UnsupportedTypeError      (+ TypeError)          a state leaf the format cannot represent
+          ├── StateMismatchError        (+ ValueError)         checkpoint and live state disagree
+          ├── CheckpointLockedError     (+ BlockingIOError)    another live writer owns the directory
+          ├── InvalidArgumentError      (+ ValueError)         a bad argument to a public function
+          ├── SaveError                 (+ RuntimeError)       a save failed (often in the background)
+          └── StorageError              (+ OSError)            the storage backend failed
+
+Messages name the checkpoint, the key or file, what is wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointLockedError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "CorruptCheckpointError",
+    "InvalidArgumentError",
+    "SaveError",
+    "StateMismatchError",
+    "StorageError",
+    "TardigradeError",
+    "UnsupportedFormatError",
+    "UnsupportedTypeError",
+]
+
+
+class TardigradeError(Exception):
+    """Base class of every error Tardigrade raises on purpose."""
+
+
+class CheckpointNotFoundError(TardigradeError, FileNotFoundError):
+    """No committed checkpoint exists at the given location."""
+
+
+class CheckpointExistsError(TardigradeError, FileExistsError):
+    """A checkpoint already exists where a new one would be written (pass ``overwrite=True``)."""
+
+
+class CorruptCheckpointError(TardigradeError, ValueError):
+    """A checkpoint's bytes are malformed, truncated, unsafe or otherwise damaged."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A chunk's bytes do not match the checksum recorded when it was written."""
+
+
+class UnsupportedFormatError(TardigradeError, ValueError):
+    """The checkpoint uses a format version or dtype this version of Tardigrade cannot read."""
+
+
+class UnsupportedTypeError(TardigradeError, TypeError):
+    """A state leaf cannot be represented in the format (the message gives its path)."""
+
+
+class StateMismatchError(TardigradeError, ValueError):
+    """The live state passed to ``load(into=...)`` does not match the checkpoint."""
+
+
+class CheckpointLockedError(TardigradeError, BlockingIOError):
+    """Another live writer holds the checkpoint directory's lock."""
+
+
+class InvalidArgumentError(TardigradeError, ValueError):
+    """A public function was called with an invalid argument."""
+
+
+class SaveError(TardigradeError, RuntimeError):
+    """A save failed; nothing was committed. The cause is chained as ``__cause__``."""
+
+
+class StorageError(TardigradeError, OSError):
+    """The storage backend failed to read, write or list."""

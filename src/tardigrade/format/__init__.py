@@ -1,0 +1,1 @@
+"""On-disk format v1: the manifest schema and the safetensors data files."""

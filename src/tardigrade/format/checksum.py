@@ -1,0 +1,27 @@
+"""Chunk checksums: xxh3-64, fast enough (>20 GB/s/core) to compute while writing and reading."""
+
+from __future__ import annotations
+
+import xxhash
+
+ALGORITHM = "xxh3-64"
+
+
+class Hasher:
+    """An incremental checksum over the bytes of one chunk."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def checksum(data: memoryview | bytes) -> str:
+    """The checksum of one buffer, as stored in the manifest."""
+    return xxhash.xxh3_64_hexdigest(data)

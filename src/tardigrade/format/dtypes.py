@@ -1,0 +1,47 @@
+"""The dtypes the format can hold, by their safetensors names."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# safetensors name -> torch dtype. Order matters only for readability.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+
+# numpy arrays are stored with the same names; these are the numpy dtypes we accept.
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "I16": np.dtype(np.int16),
+    "U16": np.dtype(np.uint16),
+    "I32": np.dtype(np.int32),
+    "U32": np.dtype(np.uint32),
+    "I64": np.dtype(np.int64),
+    "U64": np.dtype(np.uint64),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+}
+NUMPY_NAMES: dict[np.dtype, str] = {v: k for k, v in NUMPY_DTYPES.items()}
+
+ITEMSIZE: dict[str, int] = {
+    k: torch.empty((), dtype=v).element_size() for k, v in TORCH_DTYPES.items()
+}

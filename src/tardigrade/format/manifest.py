@@ -1,0 +1,193 @@
+"""The manifest: the one record that makes a checkpoint exist, and its validation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..storage.base import check_name
+from . import limits
+from .checksum import ALGORITHM
+from .dtypes import ITEMSIZE
+from .jsonio import loads_strict
+
+MANIFEST = "manifest.json"
+FORMAT_NAME = "tardigrade"
+FORMAT_VERSION = 1
+READABLE_VERSIONS = (1,)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    file: str
+    key: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    checksum: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+    numpy: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated manifest. ``raw`` keeps every field, including ones newer code added."""
+
+    raw: dict[str, Any]
+    tensors: tuple[TensorInfo, ...]
+    files: dict[str, int]  # name -> size in bytes
+
+    @property
+    def step(self) -> int | None:
+        return self.raw.get("step")
+
+    @property
+    def epoch(self) -> int | None:
+        return self.raw.get("epoch")
+
+    @property
+    def tree(self) -> dict[str, Any]:
+        return self.raw["tree"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.files.values())
+
+
+def _fail(where: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where}: {what}. The manifest is damaged or was not written by Tardigrade; restore "
+        "the checkpoint from a backup or delete it."
+    )
+
+
+def _int_list(v: Any) -> bool:
+    return (
+        isinstance(v, list)
+        and len(v) <= limits.MAX_DIMS
+        and all(type(x) is int and x >= 0 for x in v)
+    )
+
+
+def parse(raw_bytes: bytes, where: str) -> Manifest:
+    """Parse and validate manifest bytes; raise a TardigradeError naming ``where``."""
+    doc = loads_strict(raw_bytes, where)
+    if not isinstance(doc, dict):
+        raise _fail(where, "manifest is not a JSON object")
+    if doc.get("format") != FORMAT_NAME:
+        raise _fail(where, f"'format' is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
+    version = doc.get("format_version")
+    if type(version) is not int:
+        raise _fail(where, f"'format_version' is {version!r}, expected an integer")
+    if version not in READABLE_VERSIONS:
+        raise UnsupportedFormatError(
+            f"{where}: format_version {version} is not supported by this version of Tardigrade "
+            f"(it reads versions {list(READABLE_VERSIONS)}). Upgrade Tardigrade to read it."
+        )
+    if doc.get("checksum_algorithm") != ALGORITHM:
+        raise UnsupportedFormatError(
+            f"{where}: checksum algorithm {doc.get('checksum_algorithm')!r} is unknown "
+            f"(this version uses {ALGORITHM!r})."
+        )
+    for field in ("step", "epoch"):
+        if doc.get(field) is not None and type(doc[field]) is not int:
+            raise _fail(where, f"{field!r} must be an integer or null")
+    if not isinstance(doc.get("tree"), dict):
+        raise _fail(where, "'tree' is missing")
+    files = _files(doc.get("files"), where)
+    tensors = _tensors(doc.get("tensors"), files, where)
+    return Manifest(doc, tensors, files)
+
+
+def _files(v: Any, where: str) -> dict[str, int]:
+    if not isinstance(v, list) or len(v) > limits.MAX_FILES:
+        raise _fail(where, f"'files' must be a list of at most {limits.MAX_FILES} entries")
+    out: dict[str, int] = {}
+    for f in v:
+        if not isinstance(f, dict) or type(f.get("size")) is not int or f["size"] < 0:
+            raise _fail(where, f"file entry {f!r} must have a name and a non-negative size")
+        name = check_name(f.get("name"), where)
+        if name in out:
+            raise _fail(where, f"data file {name!r} is listed twice")
+        out[name] = f["size"]
+    return out
+
+
+def _tensors(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...]:
+    if not isinstance(v, list) or len(v) > limits.MAX_TENSORS:
+        raise _fail(where, f"'tensors' must be a list of at most {limits.MAX_TENSORS} entries")
+    out = []
+    for i, t in enumerate(v):
+        if not isinstance(t, dict):
+            raise _fail(where, f"tensor #{i} is not an object")
+        dtype = t.get("dtype")
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            raise UnsupportedFormatError(
+                f"{where}: tensor #{i} has unknown dtype {dtype!r}; this version of Tardigrade "
+                f"reads {sorted(ITEMSIZE)}. Upgrade Tardigrade to read it."
+            )
+        shape = t.get("shape")
+        if not _int_list(shape):
+            raise _fail(where, f"tensor #{i} has an invalid shape {shape!r}")
+        chunks = t.get("chunks")
+        if not isinstance(chunks, list) or (not chunks and math.prod(shape) > 0):
+            raise _fail(where, f"tensor #{i} lists no chunks")
+        parsed = tuple(_chunk(c, i, shape, files, where) for c in chunks)
+        _check_tiling(parsed, shape, i, where)
+        out.append(TensorInfo(dtype, tuple(shape), parsed, t.get("numpy") is True))
+    return tuple(out)
+
+
+def _chunk(c: Any, i: int, shape: list[int], files: dict[str, int], where: str) -> Chunk:
+    if not isinstance(c, dict):
+        raise _fail(where, f"tensor #{i} has a chunk that is not an object")
+    name = check_name(c.get("file"), where)
+    if name not in files:
+        raise _fail(where, f"tensor #{i} refers to data file {name!r}, which 'files' does not list")
+    offsets, cshape = c.get("offsets"), c.get("shape")
+    if not (_int_list(offsets) and _int_list(cshape) and len(offsets) == len(cshape) == len(shape)):
+        raise _fail(where, f"tensor #{i} has a chunk with invalid offsets/shape")
+    if any(o + n > s for o, n, s in zip(offsets, cshape, shape, strict=True)):
+        raise _fail(
+            where, f"tensor #{i} has a chunk at {offsets} of shape {cshape} outside {shape}"
+        )
+    if not isinstance(c.get("key"), str) or not isinstance(c.get("checksum"), str):
+        raise _fail(where, f"tensor #{i} has a chunk without key or checksum")
+    return Chunk(name, c["key"], tuple(offsets), tuple(cshape), c["checksum"])
+
+
+def _check_tiling(chunks: tuple[Chunk, ...], shape: list[int], i: int, where: str) -> None:
+    """Chunks must cover the tensor exactly once."""
+    if sum(c.numel for c in chunks) != math.prod(shape):
+        raise _fail(where, f"tensor #{i}: its chunks do not cover its shape {shape} exactly")
+    # Pairwise is quadratic; a writer never emits more chunks per tensor than ranks x files.
+    if 1 < len(chunks) <= 2048:
+        boxes = sorted(
+            (c.offsets, tuple(o + n for o, n in zip(c.offsets, c.shape, strict=True)))
+            for c in chunks
+            if c.numel
+        )
+        for a in range(len(boxes)):
+            for b in range(a + 1, len(boxes)):
+                lo1, hi1 = boxes[a]
+                lo2, hi2 = boxes[b]
+                if all(
+                    max(x1, x2) < min(y1, y2)
+                    for x1, y1, x2, y2 in zip(lo1, hi1, lo2, hi2, strict=True)
+                ):
+                    raise _fail(where, f"tensor #{i}: two of its chunks overlap")

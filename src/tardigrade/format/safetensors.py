@@ -1,0 +1,198 @@
+"""A streaming safetensors writer and a validating reader.
+
+Files are plain safetensors (8-byte little-endian header length, JSON header, raw bytes), so
+``safetensors.safe_open`` reads them. The writer streams each tensor's bytes from where they
+already live (no second copy of the state), hashing as it goes. The reader trusts nothing:
+every rule below is checked before a byte of tensor data is touched.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from . import limits
+from .checksum import Hasher
+from .dtypes import ITEMSIZE
+from .jsonio import dumps, loads_strict
+
+# Bytes hashed and handed to the OS per call: large enough to amortise syscalls, small enough
+# that the hash reads from cache-warm memory right before the write.
+SLICE_BYTES = 32 * 1024 * 1024
+HEADER_ALIGN = 8
+
+
+class ByteSink(Protocol):
+    def write(self, data: memoryview | bytes) -> None: ...
+
+
+class ByteSource(Protocol):
+    size: int
+    name: str
+
+    def readinto(self, offset: int, buf: memoryview) -> None: ...
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """One tensor to write: its key, safetensors dtype, shape and raw bytes (uint8 memoryview)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute offset in the file
+    end: int
+
+
+def file_order(tensors: Sequence[TensorBytes]) -> list[TensorBytes]:
+    """Largest item size first, so every tensor's bytes are aligned to its dtype (as safetensors does)."""
+    return sorted(tensors, key=lambda t: -ITEMSIZE[t.dtype])
+
+
+def encode_header(tensors: Sequence[TensorBytes], metadata: dict[str, str] | None) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for t in tensors:
+        n = t.data.nbytes
+        header[t.key] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    raw = dumps(header)
+    pad = (-(8 + len(raw))) % HEADER_ALIGN
+    raw += b" " * pad
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_file(
+    sink: ByteSink, tensors: Sequence[TensorBytes], metadata: dict[str, str] | None = None
+) -> tuple[int, dict[str, str]]:
+    """Stream a safetensors file into ``sink``; return (file size, checksum per key).
+
+    ``tensors`` must already be in :func:`file_order`.
+    """
+    head = encode_header(tensors, metadata)
+    sink.write(head)
+    size = len(head)
+    sums: dict[str, str] = {}
+    for t in tensors:
+        h = Hasher()
+        data = t.data
+        for start in range(0, data.nbytes, SLICE_BYTES):
+            piece = data[start : start + SLICE_BYTES]
+            h.update(piece)
+            sink.write(piece)
+        size += data.nbytes
+        sums[t.key] = h.hexdigest()
+    return size, sums
+
+
+def _corrupt(src: ByteSource, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{src.name}: {what}. The data file is damaged or was not written by a safetensors "
+        "writer; delete this checkpoint or restore it from a backup."
+    )
+
+
+def read_header(src: ByteSource) -> dict[str, HeaderEntry]:
+    """Read and validate a data file's header; return its entries by key."""
+    if src.size < 8:
+        raise _corrupt(src, f"file is {src.size} bytes, too short to hold a safetensors header")
+    buf = bytearray(8)
+    src.readinto(0, memoryview(buf))
+    (n,) = struct.unpack("<Q", buf)
+    if n > limits.MAX_HEADER_BYTES:
+        raise _corrupt(src, f"header length {n} exceeds the cap of {limits.MAX_HEADER_BYTES} bytes")
+    if 8 + n > src.size:
+        raise _corrupt(src, f"header length {n} runs past the end of the {src.size}-byte file")
+    raw = bytearray(n)
+    src.readinto(8, memoryview(raw))
+    header = loads_strict(bytes(raw), src.name)
+    if not isinstance(header, dict):
+        raise _corrupt(src, "header is not a JSON object")
+    header.pop("__metadata__", None)
+    if len(header) > limits.MAX_TENSORS_PER_FILE:
+        raise _corrupt(
+            src,
+            f"header lists {len(header)} tensors, over the cap of {limits.MAX_TENSORS_PER_FILE}",
+        )
+    data_start = 8 + n
+    entries: dict[str, HeaderEntry] = {}
+    for key, info in header.items():
+        entries[key] = _entry(src, key, info, data_start)
+    _check_layout(src, entries, data_start)
+    return entries
+
+
+def _entry(src: ByteSource, key: str, info: object, data_start: int) -> HeaderEntry:
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise _corrupt(src, f"tensor {key!r} must have exactly dtype, shape and data_offsets")
+    dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        raise UnsupportedFormatError(
+            f"{src.name}: tensor {key!r} has unknown dtype {dtype!r}; this version of Tardigrade "
+            f"reads {sorted(ITEMSIZE)}. Upgrade Tardigrade or re-save the checkpoint."
+        )
+    if (
+        not isinstance(shape, list)
+        or len(shape) > limits.MAX_DIMS
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
+        raise _corrupt(src, f"tensor {key!r} has an invalid shape {shape!r}")
+    if not (
+        isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)
+    ):
+        raise _corrupt(src, f"tensor {key!r} has invalid data_offsets {offs!r}")
+    begin, end = offs
+    if end < begin:
+        raise _corrupt(src, f"tensor {key!r} has data_offsets {offs} that end before they begin")
+    # Python ints do not overflow, but a hostile shape could be astronomically large: compare
+    # against the byte range, which is itself bounded by the file size below.
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
+    if nbytes != end - begin:
+        raise _corrupt(
+            src,
+            f"tensor {key!r}: shape {shape} of {dtype} needs {nbytes} bytes but data_offsets "
+            f"{offs} span {end - begin}",
+        )
+    if data_start + end > src.size:
+        raise _corrupt(src, f"tensor {key!r}: data_offsets {offs} run past the end of the file")
+    return HeaderEntry(key, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _check_layout(src: ByteSource, entries: dict[str, HeaderEntry], data_start: int) -> None:
+    """Tensors must tile the data region exactly: no overlap, no gap, no trailing bytes."""
+    pos = data_start
+    for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if e.begin < pos:
+            raise _corrupt(src, f"tensor {e.key!r} overlaps the tensor before it")
+        if e.begin > pos:
+            raise _corrupt(src, f"there is a gap of {e.begin - pos} bytes before tensor {e.key!r}")
+        pos = e.end
+    if pos != src.size:
+        raise _corrupt(src, f"{src.size - pos} trailing bytes after the last tensor")
+
+
+def read_range(src: ByteSource, begin: int, dest: memoryview, hasher: Hasher | None) -> None:
+    """Read ``dest.nbytes`` bytes at ``begin`` into ``dest``, hashing them when asked."""
+    for start in range(0, dest.nbytes, SLICE_BYTES):
+        piece = dest[start : start + SLICE_BYTES]
+        src.readinto(begin + start, piece)
+        if hasher is not None:
+            hasher.update(piece)

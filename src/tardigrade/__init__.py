@@ -7,6 +7,7 @@
 
 __version__ = "0.1.0"
 
+from ._async import AsyncCheckpointer, SaveFuture
 from ._load import VerifyReport, load, read_manifest, verify
 from ._rng import RNGState
 from ._save import SaveResult, save
@@ -27,6 +28,7 @@ from .errors import (
 )
 
 __all__ = [
+    "AsyncCheckpointer",
     "CheckpointExistsError",
     "CheckpointLockedError",
     "CheckpointNotFoundError",
@@ -35,6 +37,7 @@ __all__ = [
     "InvalidArgumentError",
     "RNGState",
     "SaveError",
+    "SaveFuture",
     "SaveResult",
     "StateMismatchError",
     "Stateful",

@@ -85,9 +85,14 @@ def plan_files(entries: list[Entry], *, workers: int = DEFAULT_WORKERS) -> SaveP
         k = loads.index(min(loads))
         bins[k].append(item)
         loads[k] += item.nbytes
+    # In-file order: largest item size first keeps every tensor aligned to its dtype (as
+    # safetensors does); the writer and the stager both follow this order.
     files = tuple(
         FilePlan(
-            f"data-{k:05d}-of-{n_files:05d}.safetensors", tuple(sorted(b, key=lambda it: it.entry))
+            f"data-{k:05d}-of-{n_files:05d}.safetensors",
+            tuple(
+                sorted(b, key=lambda it: (-ITEMSIZE[entries[it.entry].dtype], it.entry, it.start))
+            ),
         )
         for k, b in enumerate(bins)
     )

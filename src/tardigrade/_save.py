@@ -13,7 +13,7 @@ import os
 import platform
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import __version__
-from ._plan import DEFAULT_WORKERS, FilePlan, SavePlan, plan_files
+from ._plan import DEFAULT_WORKERS, FilePlan, SavePlan, WriteItem, plan_files
 from ._tree import Flat, flatten
 from .errors import (
     CheckpointExistsError,
@@ -31,7 +31,7 @@ from .errors import (
     TardigradeError,
 )
 from .format import safetensors as st
-from .format.checksum import ALGORITHM
+from .format.checksum import ALGORITHM, Hasher
 from .format.jsonio import dumps
 from .format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST
 from .storage import Storage, storage_for
@@ -64,9 +64,7 @@ class SaveJob:
     header: dict[str, Any]
     overwrite: bool
     started: float
-    buffers: list[torch.Tensor] | None = None  # contiguous CPU bytes per entry, after staging
-    blocking_seconds: float = 0.0
-    release: Callable[[], None] | None = None  # returns staging buffers to their pool
+    blocking_seconds: float | None = None  # set by an async save once staging is done
 
 
 def _check_metadata(metadata: Any) -> dict[str, Any]:
@@ -157,36 +155,94 @@ def contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def stage_borrowed(job: SaveJob) -> None:
-    """Synchronous staging: write straight from the live tensors (the caller waits)."""
-    job.buffers = [contiguous_cpu(e.tensor) for e in job.flat.entries]
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A zero-copy flat uint8 view of a dense tensor's bytes."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def as_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy uint8 view of a dense CPU tensor's bytes."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+def item_source(job: SaveJob, item: WriteItem) -> torch.Tensor:
+    """The rows an item covers, as a tensor (possibly strided or on an accelerator)."""
+    t = job.flat.entries[item.entry].tensor.detach()
+    return t[item.start : item.stop] if t.dim() else t
 
 
-def _write_file(job: SaveJob, fp: FilePlan, staging: str) -> tuple[int, dict[str, str]]:
-    assert job.buffers is not None
-    tensors = []
-    for item in fp.items:
-        buf = job.buffers[item.entry]
-        part = buf[item.start : item.stop] if buf.dim() else buf
-        shape = tuple(part.shape)
-        tensors.append(
-            st.TensorBytes(item.key, job.flat.entries[item.entry].dtype, shape, as_bytes(part))
-        )
-    writer = job.storage.open_writer(f"{staging}/{fp.name}")
+@dataclass(frozen=True)
+class Segment:
+    """Bytes of one item of a file, in file order; ``done`` releases their staging buffer."""
+
+    item: int  # index into the file's items
+    data: memoryview
+    done: Callable[[], None] | None = None
+
+
+# End of a file's segment stream; ABORT ends it because staging failed.
+END: Any = None
+ABORT: Any = object()
+
+
+def stream_borrowed(job: SaveJob) -> list[list[Any]]:
+    """Synchronous staging: segments that point straight at the live tensors (the caller waits)."""
+    streams = []
+    for fp in job.plan.files:
+        stream: list[Any] = []
+        for i, item in enumerate(fp.items):
+            data = as_bytes(contiguous_cpu(item_source(job, item)))
+            stream.append(Segment(i, memoryview(data.numpy())))
+        stream.append(END)
+        streams.append(stream)
+    return streams
+
+
+def _write_file(
+    job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]
+) -> tuple[int, dict[str, str]]:
+    """Stream one data file: header, then each item's bytes, hashed on the way; then fsync."""
+    specs = [
+        st.TensorSpec(it.key, job.flat.entries[it.entry].dtype, item_shape(job, it), it.nbytes)
+        for it in fp.items
+    ]
+    hashers = [Hasher() for _ in specs]
+    failure: BaseException | None = None
+    writer = None
+    size = 0
     try:
-        size, sums = st.write_file(writer, st.file_order(tensors), {"format": "pt"})
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close()
-    return size, sums
+        writer = job.storage.open_writer(f"{staging}/{fp.name}")
+        head = st.encode_header(specs, {"format": "pt"})
+        writer.write(head)
+        size = len(head)
+    except BaseException as e:
+        failure = e
+    # Drain the whole stream even after a failure: every segment must release its staging
+    # buffer, or a caller blocked on the staging budget would wait forever.
+    for seg in segments:
+        if seg is END or seg is ABORT:
+            if seg is ABORT and failure is None:
+                failure = SaveError(f"{job.storage.url(job.name)}: staging failed")
+            break
+        try:
+            if failure is None:
+                data = seg.data
+                for start in range(0, data.nbytes, st.SLICE_BYTES):
+                    piece = data[start : start + st.SLICE_BYTES]
+                    hashers[seg.item].update(piece)
+                    writer.write(piece)  # type: ignore[union-attr]
+                size += data.nbytes
+        except BaseException as e:
+            failure = e
+        finally:
+            if seg.done is not None:
+                seg.done()
+    if failure is not None:
+        if writer is not None:
+            writer.abort()
+        raise failure
+    writer.close()  # type: ignore[union-attr]
+    return size, {it.key: h.hexdigest() for it, h in zip(fp.items, hashers, strict=True)}
+
+
+def item_shape(job: SaveJob, item: WriteItem) -> tuple[int, ...]:
+    shape = tuple(job.flat.entries[item.entry].tensor.shape)
+    return (item.stop - item.start, *shape[1:]) if shape else ()
 
 
 def _manifest(job: SaveJob, sizes: dict[str, int], sums: dict[str, str]) -> dict[str, Any]:
@@ -196,12 +252,10 @@ def _manifest(job: SaveJob, sizes: dict[str, int], sums: dict[str, str]) -> dict
     ]
     for fp in job.plan.files:
         for item in fp.items:
-            t = job.flat.entries[item.entry].tensor
-            shape = list(t.shape)
+            shape = list(item_shape(job, item))
             offsets = [0] * len(shape)
             if shape:
                 offsets[0] = item.start
-                shape[0] = item.stop - item.start
             tensors[item.entry]["chunks"].append(
                 {
                     "file": fp.name,
@@ -219,22 +273,27 @@ def _manifest(job: SaveJob, sizes: dict[str, int], sums: dict[str, str]) -> dict
     }
 
 
-def write_and_commit(job: SaveJob) -> SaveResult:
-    """Write every file, then the manifest, then make the checkpoint visible. Cleans up on failure."""
+def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResult:
+    """Write every file from its segment stream, then the manifest, then commit atomically.
+
+    On any failure the staging directory is removed and nothing becomes visible.
+    """
     storage = job.storage
-    staging = storage.begin(job.name, job.header["save_id"])
+    staging = None
     try:
+        staging = storage.begin(job.name, job.header["save_id"])
         files = job.plan.files
-        sizes: dict[str, int] = {}
-        sums: dict[str, str] = {}
         if len(files) == 1:
-            results = [_write_file(job, files[0], staging)]
+            results = [_write_file(job, files[0], staging, streams[0])]
         else:
             with ThreadPoolExecutor(len(files), thread_name_prefix="tardigrade-write") as pool:
-                results = list(pool.map(lambda fp: _write_file(job, fp, staging), files))
-        for fp, (size, file_sums) in zip(files, results, strict=True):
-            sizes[fp.name] = size
-            sums.update(file_sums)
+                futures = [
+                    pool.submit(_write_file, job, fp, staging, stream)
+                    for fp, stream in zip(files, streams, strict=True)
+                ]
+                results = [f.result() for f in futures]
+        sizes = {fp.name: size for fp, (size, _) in zip(files, results, strict=True)}
+        sums = {k: v for _, file_sums in results for k, v in file_sums.items()}
         manifest = dumps(_manifest(job, sizes, sums))
         w = storage.open_writer(f"{staging}/{MANIFEST}")
         try:
@@ -250,7 +309,8 @@ def write_and_commit(job: SaveJob) -> SaveResult:
             )
         storage.commit(staging, job.name, replace=job.overwrite)
     except BaseException as e:
-        storage.delete(staging)
+        if staging is not None:
+            storage.delete(staging)
         if isinstance(e, TardigradeError) and not isinstance(e, StorageError):
             raise
         if isinstance(e, Exception):
@@ -258,17 +318,13 @@ def write_and_commit(job: SaveJob) -> SaveResult:
                 f"{storage.url(job.name)}: save failed and nothing was committed: {e}"
             ) from e
         raise
-    finally:
-        job.buffers = None
-        if job.release is not None:
-            job.release()
     total = time.perf_counter() - job.started
     return SaveResult(
         storage.url(job.name),
         job.header["step"],
         sum(sizes.values()) + len(manifest),
         len(files),
-        job.blocking_seconds or total,
+        job.blocking_seconds if job.blocking_seconds is not None else total,
         total,
     )
 
@@ -277,24 +333,32 @@ def save(
     path: str | os.PathLike[str],
     state: Any,
     *,
+    async_: bool = False,
     overwrite: bool = False,
     metadata: Mapping[str, Any] | None = None,
     step: int | None = None,
     epoch: int | None = None,
     metrics: Mapping[str, float] | None = None,
-) -> SaveResult:
-    """Save ``state`` atomically to the directory ``path``; return what was committed.
+) -> Any:
+    """Save ``state`` atomically to the directory ``path``.
 
-    The checkpoint appears only once complete and fsynced; a crash at any instant leaves
-    either nothing or the whole checkpoint. Raises ``CheckpointExistsError`` if ``path`` exists
-    (pass ``overwrite=True``) and ``UnsupportedTypeError`` naming the path of any leaf the format
-    cannot store.
+    The checkpoint appears only once complete and fsynced; a crash at any instant leaves either
+    nothing or the whole checkpoint. Returns a :class:`SaveResult`; with ``async_=True`` returns
+    a ``SaveFuture`` as soon as the state is copied to host memory, and writes in the background
+    (one save in flight at a time; see ``AsyncCheckpointer``). Raises ``CheckpointExistsError``
+    if ``path`` exists (pass ``overwrite=True``) and ``UnsupportedTypeError`` naming the path of
+    any leaf the format cannot store.
 
     >>> tg.save("ckpt/step-100", {"model": model, "optim": opt, "step": 100})  # doctest: +SKIP
+    >>> fut = tg.save("ckpt/step-200", state, async_=True)  # doctest: +SKIP
+    >>> fut.result()  # doctest: +SKIP
     """
-    job = plan(
-        path, state, overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics
-    )
-    stage_borrowed(job)
-    job.blocking_seconds = 0.0
-    return write_and_commit(job)
+    kw = dict(overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics)
+    if async_:
+        from ._async import default_checkpointer
+
+        return default_checkpointer().save(path, state, **kw)  # type: ignore[arg-type]
+    # The synchronous save is the same pipeline with a stager that borrows the live tensors
+    # instead of copying them, awaited in the caller.
+    job = plan(path, state, **kw)  # type: ignore[arg-type]
+    return write_and_commit(job, stream_borrowed(job))

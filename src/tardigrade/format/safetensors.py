@@ -1,9 +1,9 @@
-"""A streaming safetensors writer and a validating reader.
+"""Safetensors headers for streaming writes, and a validating reader.
 
 Files are plain safetensors (8-byte little-endian header length, JSON header, raw bytes), so
-``safetensors.safe_open`` reads them. The writer streams each tensor's bytes from where they
-already live (no second copy of the state), hashing as it goes. The reader trusts nothing:
-every rule below is checked before a byte of tensor data is touched.
+``safetensors.safe_open`` reads them. The header depends only on shapes and dtypes, so a writer
+emits it first and then streams each tensor's bytes from wherever they live. The reader trusts
+nothing: every rule below is checked before a byte of tensor data is touched.
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ SLICE_BYTES = 32 * 1024 * 1024
 HEADER_ALIGN = 8
 
 
-class ByteSink(Protocol):
-    def write(self, data: memoryview | bytes) -> None: ...
-
-
 class ByteSource(Protocol):
     size: int
     name: str
@@ -38,13 +34,13 @@ class ByteSource(Protocol):
 
 
 @dataclass(frozen=True)
-class TensorBytes:
-    """One tensor to write: its key, safetensors dtype, shape and raw bytes (uint8 memoryview)."""
+class TensorSpec:
+    """One tensor of a file to write: its key, safetensors dtype, shape and byte count."""
 
     key: str
     dtype: str
     shape: tuple[int, ...]
-    data: memoryview
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -56,51 +52,27 @@ class HeaderEntry:
     end: int
 
 
-def file_order(tensors: Sequence[TensorBytes]) -> list[TensorBytes]:
-    """Largest item size first, so every tensor's bytes are aligned to its dtype (as safetensors does)."""
-    return sorted(tensors, key=lambda t: -ITEMSIZE[t.dtype])
+def file_order(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """Largest item size first, so every tensor is aligned to its dtype (as safetensors does)."""
+    return sorted(specs, key=lambda t: -ITEMSIZE[t.dtype])
 
 
-def encode_header(tensors: Sequence[TensorBytes], metadata: dict[str, str] | None) -> bytes:
+def encode_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:
+    """The header for ``specs`` laid out back to back in the given order."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = metadata
     offset = 0
-    for t in tensors:
-        n = t.data.nbytes
+    for t in specs:
         header[t.key] = {
             "dtype": t.dtype,
             "shape": list(t.shape),
-            "data_offsets": [offset, offset + n],
+            "data_offsets": [offset, offset + t.nbytes],
         }
-        offset += n
+        offset += t.nbytes
     raw = dumps(header)
-    pad = (-(8 + len(raw))) % HEADER_ALIGN
-    raw += b" " * pad
+    raw += b" " * ((-(8 + len(raw))) % HEADER_ALIGN)
     return struct.pack("<Q", len(raw)) + raw
-
-
-def write_file(
-    sink: ByteSink, tensors: Sequence[TensorBytes], metadata: dict[str, str] | None = None
-) -> tuple[int, dict[str, str]]:
-    """Stream a safetensors file into ``sink``; return (file size, checksum per key).
-
-    ``tensors`` must already be in :func:`file_order`.
-    """
-    head = encode_header(tensors, metadata)
-    sink.write(head)
-    size = len(head)
-    sums: dict[str, str] = {}
-    for t in tensors:
-        h = Hasher()
-        data = t.data
-        for start in range(0, data.nbytes, SLICE_BYTES):
-            piece = data[start : start + SLICE_BYTES]
-            h.update(piece)
-            sink.write(piece)
-        size += data.nbytes
-        sums[t.key] = h.hexdigest()
-    return size, sums
 
 
 def _corrupt(src: ByteSource, what: str) -> CorruptCheckpointError:

@@ -1,0 +1,281 @@
+"""Asynchronous saves: block only to copy the state to host memory, write in the background.
+
+The design follows the Rust ``AsyncCheckpointer``: ``save`` snapshots every tensor into pooled
+host slabs synchronously, a background thread writes and commits, at most one save is in
+flight per checkpointer (the next one waits, or is skipped with a warning), ``wait()`` blocks
+until idle, errors surface on ``result()``, on the next ``save`` and on ``wait()``/``close()``,
+and closing (also at interpreter exit) waits for in-flight work.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+
+from ._save import (
+    ABORT,
+    END,
+    SaveJob,
+    SaveResult,
+    Segment,
+    as_bytes,
+    item_source,
+    plan,
+    write_and_commit,
+)
+from ._staging import SlabPool, StagingStats
+from .errors import InvalidArgumentError, SaveError, TardigradeError
+
+log = logging.getLogger("tardigrade")
+
+ALIGN = 64  # staging offsets stay cache-line aligned for fast copies
+_NEVER = object()
+
+
+class SaveFuture:
+    """The handle of an asynchronous save.
+
+    >>> fut = tg.save("ckpt/step-100", state, async_=True)   # doctest: +SKIP
+    >>> fut.staged()        # True: training may now mutate the state  # doctest: +SKIP
+    >>> fut.result()        # waits for the commit; re-raises a background error  # doctest: +SKIP
+    """
+
+    def __init__(self, path: str, future: Future[SaveResult]) -> None:
+        self.path = path
+        self._future = future
+        self._staged = threading.Event()
+        self.observed = False  # whether the caller has seen the outcome
+
+    def staged(self) -> bool:
+        """True once the state has been copied and training may mutate it."""
+        return self._staged.is_set()
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        """Wait for the commit and return what was saved; re-raise the background error."""
+        try:
+            out = self._future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"{self.path}: save still in flight after {timeout} s") from None
+        except BaseException:
+            self.observed = True
+            raise
+        self.observed = True
+        return out
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else ("writing" if self.staged() else "staging")
+        return f"<SaveFuture {self.path} {state}>"
+
+
+def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any]]) -> None:
+    """Copy every item's bytes into pool slabs and feed them to the file writers, file by file.
+
+    One file at a time, so at most one slab is partly filled: a budget of two slabs can never
+    deadlock against the writers draining them.
+    """
+    cuda_seen = False
+    for fp, stream in zip(job.plan.files, streams, strict=True):
+        slab = None
+        remaining = fp.nbytes + ALIGN * len(fp.items)  # upper bound, alignment included
+        for i, item in enumerate(fp.items):
+            src = item_source(job, item)
+            if src.device.type != "cpu":
+                cuda_seen = True
+            if not src.is_contiguous() or src.is_conj() or src.is_neg():
+                src = src.resolve_conj().resolve_neg().contiguous()
+            flat = as_bytes(src)
+            pos = 0
+            if flat.numel() == 0:
+                stream.put(Segment(i, memoryview(b"")))
+            while pos < flat.numel():
+                n = flat.numel() - pos
+                room = slab.room(ALIGN) if slab is not None else 0
+                # Start a fresh slab when this one is full, or when splitting a small item
+                # across slabs would only save a sliver of space.
+                if slab is None or room == 0 or (room < n and room < slab.capacity // 8):
+                    if slab is not None:
+                        slab.seal()
+                    slab = pool.acquire(remaining)
+                    room = slab.room(ALIGN)
+                n = min(n, room)
+                dst = slab.take(n, ALIGN)
+                dst.copy_(flat[pos : pos + n], non_blocking=True)
+                stream.put(Segment(i, memoryview(dst.numpy()), slab.done_one))
+                pos += n
+                remaining -= n
+            remaining -= ALIGN
+        if slab is not None:
+            slab.seal()
+        if cuda_seen:
+            # Device-to-host copies into pinned slabs are asynchronous; the writer must not see
+            # the bytes before they land. (Pushed per file so writers start early on CPU.)
+            torch.cuda.synchronize()
+        stream.put(END)
+
+
+_live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
+
+
+class AsyncCheckpointer:
+    """Saves in the background, one at a time, from reused host staging buffers.
+
+    >>> ckpt = tg.AsyncCheckpointer(max_staging_bytes=None)   # doctest: +SKIP
+    >>> fut = ckpt.save("ckpt/step-100", state)                 # returns after the host copy
+    >>> train_more()                                            # mutating state is safe now
+    >>> ckpt.wait()                                             # or fut.result()
+    >>> ckpt.close()                                            # also waits; idempotent
+
+    ``if_busy="wait"`` (default) makes a new save wait for the one in flight; ``"skip"`` skips
+    the new save with a warning instead (``save`` then returns None).
+    """
+
+    def __init__(self, *, max_staging_bytes: int | None = None, if_busy: str = "wait") -> None:
+        if if_busy not in ("wait", "skip"):
+            raise InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+        self.pool = SlabPool(max_bytes=max_staging_bytes)
+        self.if_busy = if_busy
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tardigrade-save")
+        self._last: SaveFuture | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        _live.add(self)
+
+    @property
+    def staging(self) -> StagingStats:
+        """Host memory held for staging (reused across saves)."""
+        return self.pool.stats()
+
+    def _raise_unobserved(self) -> None:
+        """Raise the last save's error if it failed and nobody has seen the failure yet."""
+        last = self._last
+        if last is None or not last.done() or last.observed:
+            return
+        last.observed = True
+        exc = last.exception()
+        if isinstance(exc, TardigradeError):
+            raise exc
+        if exc is not None:
+            raise SaveError(f"the async save to {last.path} failed: {exc}") from exc
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: Any,
+        *,
+        overwrite: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+        step: int | None = None,
+        epoch: int | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> SaveFuture | None:
+        """Stage ``state`` into host memory and write it in the background; see the class doc."""
+        started = time.perf_counter()
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError("this AsyncCheckpointer is closed; create a new one")
+            last = self._last
+            if last is not None and not last.done():
+                if self.if_busy == "skip":
+                    warnings.warn(
+                        f"skipping save to {os.fspath(path)}: the save to {last.path} is still "
+                        "in flight (if_busy='skip')",
+                        stacklevel=2,
+                    )
+                    return None
+                last.exception()  # wait; its error, if any, is raised just below
+            self._raise_unobserved()
+            job = plan(
+                path,
+                state,
+                overwrite=overwrite,
+                metadata=metadata,
+                step=step,
+                epoch=epoch,
+                metrics=metrics,
+            )
+            job.started = started
+            streams: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in job.plan.files]
+            # The writers read until END/ABORT, so the iterators' own sentinel never matches.
+            readers = [iter(q.get, _NEVER) for q in streams]
+            background = self._executor.submit(write_and_commit, job, readers)
+            fut = SaveFuture(job.storage.url(job.name), background)
+            try:
+                stage_copy(job, self.pool, streams)
+            except BaseException:
+                for s in streams:
+                    s.put(ABORT)
+                background.exception()  # let the writers clean up before we report
+                fut.observed = True
+                raise
+            finally:
+                job.blocking_seconds = time.perf_counter() - started
+            fut._staged.set()
+            self._last = fut
+            return fut
+
+    def wait(self) -> SaveResult | None:
+        """Block until no save is in flight; raise the last save's error if nobody has seen it."""
+        last = self._last
+        if last is None:
+            return None
+        last.exception()  # waits
+        self._raise_unobserved()
+        return None if last.exception() is not None else last.result()
+
+    def close(self) -> None:
+        """Wait for in-flight work and release the writer thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_default: AsyncCheckpointer | None = None
+_default_lock = threading.Lock()
+
+
+def default_checkpointer() -> AsyncCheckpointer:
+    """The process-wide checkpointer behind ``tg.save(..., async_=True)``."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed:
+            _default = AsyncCheckpointer()
+        return _default
+
+
+@atexit.register
+def _close_all() -> None:
+    for ckpt in list(_live):
+        try:
+            ckpt.close()
+        except TardigradeError as e:
+            log.error("tardigrade: an async save failed before exit: %s", e)

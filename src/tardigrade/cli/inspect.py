@@ -1,0 +1,218 @@
+"""``tardigrade inspect CKPT``: what a checkpoint holds, from its manifest alone.
+
+No tensor byte is read: the manifest records every tensor's dtype and shape and keeps small
+values (step counters, learning rates, ...) inline, so this is instant for any checkpoint size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import os
+from typing import Any
+
+from .. import read_manifest
+from ..format.dtypes import ITEMSIZE
+from ..format.manifest import MANIFEST
+from ._output import human_bytes, table
+
+HELP = "show what a checkpoint holds (reads the manifest only)"
+
+# Lists of plain values longer than this are summarised instead of printed in full.
+INLINE_ITEMS = 8
+MAX_TEXT = 80
+SCALARS = ("none", "bool", "int", "float", "str", "bytes", "dtype")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help=HELP,
+        description=(
+            "Summarise a checkpoint from its manifest, without reading tensor data: versions, "
+            "step, epoch, metrics, files and a tree of the saved state with each tensor's "
+            "dtype and shape and the value of each small leaf."
+        ),
+    )
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory (holds manifest.json)")
+    p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+    p.add_argument(
+        "--depth", type=int, default=None, metavar="N", help="expand the tree N levels deep"
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    m = read_manifest(args.ckpt)
+    if args.json:
+        print(json.dumps(m, indent=2))
+        return 0
+    print("\n".join(summary(args.ckpt, m)))
+    print()
+    print("state")
+    print("\n".join(render_tree(m, depth=args.depth)))
+    return 0
+
+
+def tensor_nbytes(info: dict[str, Any]) -> int:
+    return math.prod(info["shape"]) * ITEMSIZE[info["dtype"]]
+
+
+def summary(path: str, m: dict[str, Any]) -> list[str]:
+    versions = m.get("versions") or {}
+    files = m.get("files") or []
+    tensors = m.get("tensors") or []
+    try:
+        manifest_bytes = os.stat(os.path.join(path, MANIFEST)).st_size
+    except OSError:
+        manifest_bytes = 0
+    file_bytes = sum(f["size"] for f in files)
+    lines = [
+        f"{os.path.abspath(path)}",
+        f"  format        tardigrade v{m.get('format_version')}",
+        "  written by    " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+        f"  step          {_or_dash(m.get('step'))}",
+        f"  epoch         {_or_dash(m.get('epoch'))}",
+        f"  created       {_or_dash(m.get('created'))}",
+        f"  world size    {_or_dash(m.get('world_size'))}",
+    ]
+    if m.get("metrics"):
+        lines.append(
+            "  metrics       " + ", ".join(f"{k}={v:.6g}" for k, v in m["metrics"].items())
+        )
+    if m.get("metadata"):
+        lines.append("  metadata      " + _clip(json.dumps(m["metadata"]), 200))
+    lines.append(
+        f"  tensors       {len(tensors)} ({human_bytes(sum(tensor_nbytes(t) for t in tensors))})"
+    )
+    lines.append(
+        f"  total size    {human_bytes(file_bytes + manifest_bytes)} "
+        f"({file_bytes + manifest_bytes} bytes: {len(files)} data file(s) + manifest "
+        f"{human_bytes(manifest_bytes)})"
+    )
+    lines.append("  files")
+    rows = [[f["name"], human_bytes(f["size"])] for f in files]
+    rows.append([MANIFEST, human_bytes(manifest_bytes)])
+    lines.append(table(rows, ["NAME", "SIZE"], indent="    "))
+    return lines
+
+
+def _or_dash(v: object) -> str:
+    return "-" if v is None else str(v)
+
+
+def _clip(s: str, n: int = MAX_TEXT) -> str:
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def scalar_text(node: dict[str, Any], short: bool = False) -> str:
+    """A small leaf's value as Python would print it (``short``: floats to 6 digits)."""
+    t, v = node.get("t"), node.get("v")
+    try:
+        if t == "none":
+            return "None"
+        if t == "bool":
+            return repr(v)
+        if t == "int":
+            return _clip(str(v), 40)
+        if t == "float":
+            x = float.fromhex(v)
+            return f"{x:.6g}" if short else repr(x)
+        if t == "str":
+            return _clip(repr(v))
+        if t == "bytes":
+            raw = base64.b64decode(v)
+            return f"bytes[{len(raw)}]" if len(raw) > 16 else repr(raw)
+        if t == "dtype":
+            return f"torch.{v}"
+    except (TypeError, ValueError):
+        pass
+    return f"<malformed {t!r} value>"
+
+
+def key_text(node: Any) -> str:
+    if isinstance(node, dict) and node.get("t") == "str" and isinstance(node.get("v"), str):
+        return node["v"]
+    return scalar_text(node) if isinstance(node, dict) else "?"
+
+
+def _tensor_text(node: dict[str, Any], tensors: list[dict[str, Any]]) -> str:
+    e = node.get("e")
+    if type(e) is not int or not 0 <= e < len(tensors):
+        return "<tensor missing from the manifest>"
+    info = tensors[e]
+    view = node.get("view")
+    shape = view["shape"] if isinstance(view, dict) else info["shape"]
+    kind = "ndarray " if node.get("t") == "ndarray" else ""
+    nbytes = math.prod(shape) * ITEMSIZE[info["dtype"]]
+    extra = " (view of a shared tensor)" if view else ""
+    return f"{kind}{info['dtype']}{list(shape)}  {human_bytes(nbytes)}{extra}"
+
+
+def _plain_list_text(tag: str, items: list[dict[str, Any]]) -> str:
+    kinds = sorted({str(i.get("t")) for i in items})
+    if len(items) <= INLINE_ITEMS:
+        body = ", ".join(scalar_text(i) for i in items)
+        if tag == "tuple" and len(items) == 1:
+            body += ","
+        return _clip(f"({body})" if tag == "tuple" else f"[{body}]", 120)
+    head = ", ".join(scalar_text(i, short=True) for i in items[:3])
+    last = scalar_text(items[-1], short=True)
+    return f"{tag}[{len(items)}] of {'/'.join(kinds)}: [{head}, ..., {last}]"
+
+
+def render_tree(m: dict[str, Any], depth: int | None = None) -> list[str]:
+    """The state tree as indented ``key: value`` lines."""
+    tensors = m.get("tensors") or []
+    lines: list[str] = []
+
+    def children(node: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        t, v = node.get("t"), node.get("v")
+        if t in ("dict", "odict") and isinstance(v, list):
+            return [
+                (key_text(item[0]), item[1])
+                for item in v
+                if isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict)
+            ]
+        if t in ("list", "tuple") and isinstance(v, list):
+            return [(f"[{i}]", c) for i, c in enumerate(v) if isinstance(c, dict)]
+        return []
+
+    def walk(node: dict[str, Any], label: str, level: int) -> None:
+        pad = "  " * level
+        t = node.get("t")
+        cls = None
+        while t == "stateful" and isinstance(node.get("v"), dict):
+            cls = cls or node.get("cls")
+            node = node["v"]
+            t = node.get("t")
+        prefix = f"{pad}{label}: " if label else pad
+        tag = f"<{cls}> " if cls else ""
+        if t in SCALARS:
+            lines.append(f"{prefix}{tag}{scalar_text(node)}")
+            return
+        if t in ("tensor", "ndarray"):
+            lines.append(f"{prefix}{tag}{_tensor_text(node, tensors)}")
+            return
+        kids = children(node)
+        if t in ("list", "tuple") and all(c.get("t") in SCALARS for _, c in kids):
+            lines.append(f"{prefix}{tag}{_plain_list_text(t, [c for _, c in kids])}")
+            return
+        if t in ("dict", "odict", "list", "tuple"):
+            noun = {"dict": "dict", "odict": "dict", "list": "list", "tuple": "tuple"}[t]
+            lines.append(f"{prefix}{tag}{noun}[{len(kids)}]" if label or tag else "")
+            if depth is not None and level + 1 >= depth:
+                if kids:
+                    lines.append(f"{pad}  ...")
+                return
+            for k, c in kids:
+                walk(c, k, level + 1)
+            return
+        lines.append(f"{prefix}{tag}<unknown node {t!r}>")
+
+    tree = m.get("tree")
+    if isinstance(tree, dict):
+        walk(tree, "", -1)
+    return [ln for ln in lines if ln]

@@ -1,0 +1,56 @@
+"""``tardigrade ls DIR``: the checkpoints in a directory, oldest step first."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from ._listing import INCOMPLETE_TMP, list_checkpoints
+from ._output import human_bytes, table
+
+HELP = "list the checkpoints in a directory"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ls",
+        help=HELP,
+        description=(
+            "List the checkpoints in DIR with their step, epoch, size, creation time and status: "
+            "'committed' (complete, loadable), 'incomplete-tmp' (a save in flight or killed; "
+            "never visible to load), 'no-manifest' or 'unreadable'. Reads manifests only."
+        ),
+    )
+    p.add_argument("dir", metavar="DIR", help="directory holding checkpoint directories")
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.set_defaults(run=run)
+
+
+def _dash(v: object) -> str:
+    return "-" if v is None else str(v)
+
+
+def run(args: argparse.Namespace) -> int:
+    entries = list_checkpoints(args.dir)
+    if args.json:
+        print(json.dumps([asdict(e) for e in entries], indent=2))
+        return 0
+    if not entries:
+        print(f"no checkpoints in {args.dir}")
+        return 0
+    rows = [
+        [e.name, _dash(e.step), _dash(e.epoch), human_bytes(e.nbytes), _dash(e.created), e.status]
+        for e in entries
+    ]
+    print(table(rows, ["NAME", "STEP", "EPOCH", "SIZE", "CREATED", "STATUS"]))
+    committed = sum(e.status == "committed" for e in entries)
+    tmp = sum(e.status == INCOMPLETE_TMP for e in entries)
+    note = f"{committed} committed"
+    if tmp:
+        note += f", {tmp} incomplete (.tmp-*: a save that is running or was interrupted)"
+    print(note)
+    for e in entries:
+        if e.error:
+            print(f"{e.name}: {e.error}")
+    return 0

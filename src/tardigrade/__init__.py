@@ -12,6 +12,7 @@ from ._load import VerifyReport, load, read_manifest, verify
 from ._rng import RNGState
 from ._save import SaveResult, save
 from ._tree import Stateful
+from .data import ResumableSampler
 from .errors import (
     CheckpointExistsError,
     CheckpointLockedError,
@@ -26,19 +27,26 @@ from .errors import (
     UnsupportedFormatError,
     UnsupportedTypeError,
 )
+from .job import Job, JobRunner
+from .manager import CheckpointManager, SaveStats
 
 __all__ = [
     "AsyncCheckpointer",
     "CheckpointExistsError",
     "CheckpointLockedError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
     "InvalidArgumentError",
+    "Job",
+    "JobRunner",
     "RNGState",
+    "ResumableSampler",
     "SaveError",
     "SaveFuture",
     "SaveResult",
+    "SaveStats",
     "StateMismatchError",
     "Stateful",
     "StorageError",

@@ -1,0 +1,95 @@
+"""Job and JobRunner: the Caffe2 epoch-level training job, with checkpoints after every epoch.
+
+``JobRunner.run()`` runs ``init`` once (skipped when resuming), checkpoints epoch 0, then runs
+epochs, checkpointing after each, until ``stop()`` is true; then the ``download`` phase (e.g.
+gather sharded parameters) and the ``exit`` phase (e.g. export the final model). It returns the
+last epoch. A failed save never stops the job when the manager runs with
+``on_save_error="warn"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidArgumentError
+from .manager import CheckpointManager
+
+log = logging.getLogger("tardigrade")
+
+
+@dataclass(frozen=True)
+class Job:
+    """The phases of a job. ``epoch`` receives the 1-based epoch number it runs.
+
+    >>> job = tg.Job(init=init_fn, epoch=run_epoch, stop=lambda: state["epoch"] >= 10,
+    ...              download=gather_fn, exit=export_fn)                     # doctest: +SKIP
+    """
+
+    init: Callable[[], Any]
+    epoch: Callable[[int], Any]
+    stop: Callable[[], bool]
+    download: Callable[[], Any] | None = None
+    exit: Callable[[], Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("init", "epoch", "stop"):
+            if not callable(getattr(self, name)):
+                raise InvalidArgumentError(f"Job.{name} must be callable")
+        for name in ("download", "exit"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise InvalidArgumentError(f"Job.{name} must be callable or None")
+
+
+class JobRunner:
+    """Runs a :class:`Job` with a :class:`CheckpointManager`, resuming where it left off.
+
+    ``resume_from_epoch=None`` resumes from the latest checkpoint on disk (or starts fresh);
+    an int resumes from exactly that epoch, and the later checkpoints of the abandoned run are
+    replaced as the epochs are run again.
+
+    >>> with tg.CheckpointManager("ckpt", state) as mgr:                    # doctest: +SKIP
+    ...     last = tg.JobRunner(job, mgr).run()
+    """
+
+    def __init__(
+        self, job: Job, manager: CheckpointManager, resume_from_epoch: int | None = None
+    ) -> None:
+        if not isinstance(job, Job):
+            raise InvalidArgumentError(f"job must be a tg.Job, got {type(job).__name__}")
+        if not isinstance(manager, CheckpointManager):
+            raise InvalidArgumentError("manager must be a tg.CheckpointManager")
+        if resume_from_epoch is not None and (
+            type(resume_from_epoch) is not int or resume_from_epoch < 0
+        ):
+            raise InvalidArgumentError(
+                f"resume_from_epoch must be a non-negative int or None, got {resume_from_epoch!r}"
+            )
+        self.job = job
+        self.manager = manager
+        self.resume_from_epoch = resume_from_epoch
+
+    def run(self) -> int:
+        """Run to completion; return the last epoch."""
+        mgr = self.manager
+        epoch = mgr.restore(self.resume_from_epoch)
+        if epoch is None:
+            log.info("tardigrade: job starts from scratch")
+            self.job.init()
+            epoch = 0
+            mgr.save(0, epoch=0, force=True)
+        else:
+            log.info("tardigrade: job resumes after epoch %d", epoch)
+        while not self.job.stop():
+            epoch += 1
+            self.job.epoch(epoch)
+            mgr.save(epoch, epoch=epoch)
+        mgr.wait()
+        if self.job.download is not None:
+            self.job.download()
+        if self.job.exit is not None:
+            self.job.exit()
+        return epoch

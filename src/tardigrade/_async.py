@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,25 +88,43 @@ class SaveFuture:
 
 
 def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any]]) -> None:
-    """Copy every item's bytes into pool slabs and feed them to the file writers, file by file.
+    """Copy every item's bytes into pool slabs and feed them to the file writers.
 
-    One file at a time, so at most one slab is partly filled: a budget of two slabs can never
-    deadlock against the writers draining them.
+    Files are staged one after another, so at most one slab is partly filled and a budget of
+    two slabs cannot deadlock against the writers draining them. Without a budget, segments
+    are handed to the writers only once everything is staged: writing meanwhile would compete
+    with the copy for the cores and lengthen the time training is blocked.
     """
-    cuda_seen = False
+    bounded = pool.max_bytes is not None
+    held: list[tuple[queue.SimpleQueue[Any], list[Any]]] = []
     for fp, stream in zip(job.plan.files, streams, strict=True):
         slab = None
+        ready: list[Any] = []  # segments whose bytes may still be in flight from a device
+
+        def hand_over(final: bool, stream: queue.SimpleQueue[Any] = stream) -> None:
+            nonlocal ready
+            if any(s.device_copy for s in ready):
+                # Device-to-host copies into pinned slabs are asynchronous: the writer must
+                # not read a slab before its bytes have landed.
+                torch.cuda.synchronize()
+            segments = [s.segment for s in ready] + ([END] if final else [])
+            ready = []
+            if bounded:
+                for seg in segments:
+                    stream.put(seg)
+            else:
+                held.append((stream, segments))
+
         remaining = fp.nbytes + ALIGN * len(fp.items)  # upper bound, alignment included
         for i, item in enumerate(fp.items):
             src = item_source(job, item)
-            if src.device.type != "cpu":
-                cuda_seen = True
             if not src.is_contiguous() or src.is_conj() or src.is_neg():
                 src = src.resolve_conj().resolve_neg().contiguous()
             flat = as_bytes(src)
-            pos = 0
+            on_device = flat.device.type != "cpu"
             if flat.numel() == 0:
-                stream.put(Segment(i, memoryview(b"")))
+                ready.append(_Staged(Segment(i, memoryview(b"")), False))
+            pos = 0
             while pos < flat.numel():
                 n = flat.numel() - pos
                 room = slab.room(ALIGN) if slab is not None else 0
@@ -113,23 +132,29 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
                 # across slabs would only save a sliver of space.
                 if slab is None or room == 0 or (room < n and room < slab.capacity // 8):
                     if slab is not None:
+                        hand_over(final=False)
                         slab.seal()
                     slab = pool.acquire(remaining)
                     room = slab.room(ALIGN)
                 n = min(n, room)
                 dst = slab.take(n, ALIGN)
-                dst.copy_(flat[pos : pos + n], non_blocking=True)
-                stream.put(Segment(i, memoryview(dst.numpy()), slab.done_one))
+                dst.copy_(flat[pos : pos + n], non_blocking=on_device)
+                ready.append(_Staged(Segment(i, memoryview(dst.numpy()), slab.done_one), on_device))
                 pos += n
                 remaining -= n
             remaining -= ALIGN
+        hand_over(final=True)
         if slab is not None:
             slab.seal()
-        if cuda_seen:
-            # Device-to-host copies into pinned slabs are asynchronous; the writer must not see
-            # the bytes before they land. (Pushed per file so writers start early on CPU.)
-            torch.cuda.synchronize()
-        stream.put(END)
+    for stream, segments in held:
+        for seg in segments:
+            stream.put(seg)
+
+
+@dataclass(frozen=True)
+class _Staged:
+    segment: Segment
+    device_copy: bool
 
 
 _live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()

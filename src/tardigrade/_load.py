@@ -464,6 +464,9 @@ def load(
     """Load a checkpoint as a plain tree, or restore it in place into live state with ``into=``."""
     storage, name, m = open_manifest(path)
     where = storage.url(name)
+    _check_refs(m.tree, m, where)
+    # Validate the whole tree before walking it against keys or live state.
+    decode(m.tree, lambda node, p: None, where)
     tree = m.tree if keys is None else _select(m.tree, keys, where)
     needed = _check_refs(tree, m, where)
     matcher = _Matcher(m, where)
@@ -597,7 +600,7 @@ def verify(path: Any, *, workers: int = DEFAULT_WORKERS) -> VerifyReport:
             return src.size
 
     files = sorted(m.files)
-    errors: list[str] = []
+    errors: list[CorruptCheckpointError] = []
     nbytes = 0
     with ThreadPoolExecutor(max(1, min(workers, len(files) or 1))) as pool:
         futures = [pool.submit(one, f) for f in files]
@@ -605,16 +608,13 @@ def verify(path: Any, *, workers: int = DEFAULT_WORKERS) -> VerifyReport:
             try:
                 nbytes += f.result()
             except CorruptCheckpointError as e:
-                errors.append(str(e))
+                errors.append(e)
     if errors:
-        exc = (
-            ChecksumMismatchError
-            if all("checksum" in e for e in errors)
-            else CorruptCheckpointError
-        )
+        only_sums = all(isinstance(e, ChecksumMismatchError) for e in errors)
+        exc = ChecksumMismatchError if only_sums else CorruptCheckpointError
         raise exc(
             f"{where}: {len(errors)} of {len(files)} data file(s) failed verification:\n  "
-            + "\n  ".join(errors)
+            + "\n  ".join(str(e) for e in errors)
         )
     return VerifyReport(
         where, m.step, len(files), len(m.tensors), nbytes, time.perf_counter() - start

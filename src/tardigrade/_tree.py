@@ -309,6 +309,8 @@ def decode(
             return out
         if tag == "stateful" and type(node.get("cls")) is str:
             return decode(v, leaf, where, path, depth + 1)
+    except CorruptCheckpointError:
+        raise
     except (ValueError, TypeError, OverflowError) as e:
         raise _bad(where, path, f"bad {tag!r} value ({e})") from None
     raise _bad(where, path, f"unknown or malformed node of type {tag!r}")

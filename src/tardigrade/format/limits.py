@@ -8,3 +8,4 @@ MAX_FILES = 100_000  # data files listed by one manifest
 MAX_TREE_NODES = 50_000_000
 MAX_TREE_DEPTH = 200  # nesting of the state tree in the manifest
 MAX_DIMS = 64
+MAX_BOX_CHUNKS = 4096  # n-d chunks of one tensor checked pairwise for overlap

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,7 @@ def _tensors(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...
     if not isinstance(v, list) or len(v) > limits.MAX_TENSORS:
         raise _fail(where, f"'tensors' must be a list of at most {limits.MAX_TENSORS} entries")
     out = []
+    used = dict.fromkeys(files, 0)  # bytes claimed per data file, bounded by its size
     for i, t in enumerate(v):
         if not isinstance(t, dict):
             raise _fail(where, f"tensor #{i} is not an object")
@@ -148,6 +150,15 @@ def _tensors(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...
         if not isinstance(chunks, list) or (not chunks and math.prod(shape) > 0):
             raise _fail(where, f"tensor #{i} lists no chunks")
         parsed = tuple(_chunk(c, i, shape, files, where) for c in chunks)
+        # Bound every size by the bytes that really exist before anything is allocated.
+        for c in parsed:
+            used[c.file] += c.numel * ITEMSIZE[dtype]
+            if used[c.file] > files[c.file]:
+                raise _fail(
+                    where,
+                    f"tensor #{i} (shape {shape}) claims more bytes than data file {c.file!r} "
+                    f"holds ({files[c.file]})",
+                )
         _check_tiling(parsed, shape, i, where)
         out.append(TensorInfo(dtype, tuple(shape), parsed, t.get("numpy") is True))
     return tuple(out)
@@ -172,22 +183,35 @@ def _chunk(c: Any, i: int, shape: list[int], files: dict[str, int], where: str) 
 
 
 def _check_tiling(chunks: tuple[Chunk, ...], shape: list[int], i: int, where: str) -> None:
-    """Chunks must cover the tensor exactly once."""
+    """Chunks must cover the tensor exactly once: equal volume and no two overlapping."""
     if sum(c.numel for c in chunks) != math.prod(shape):
         raise _fail(where, f"tensor #{i}: its chunks do not cover its shape {shape} exactly")
-    # Pairwise is quadratic; a writer never emits more chunks per tensor than ranks x files.
-    if 1 < len(chunks) <= 2048:
-        boxes = sorted(
-            (c.offsets, tuple(o + n for o, n in zip(c.offsets, c.shape, strict=True)))
-            for c in chunks
-            if c.numel
+    boxes = [
+        (c.offsets, tuple(o + n for o, n in zip(c.offsets, c.shape, strict=True)))
+        for c in chunks
+        if c.numel
+    ]
+    if len(boxes) < 2:
+        return
+    rows_only = all(
+        lo[1:] == (0,) * (len(shape) - 1) and tuple(hi[1:]) == tuple(shape[1:]) for lo, hi in boxes
+    )
+    if rows_only:
+        # Row ranges (what writers emit): sorted intervals must not overlap. O(n log n).
+        spans = sorted((lo[0], hi[0]) for lo, hi in boxes)
+        if any(a_hi > b_lo for (_, a_hi), (b_lo, _) in itertools.pairwise(spans)):
+            raise _fail(where, f"tensor #{i}: two of its chunks overlap")
+        return
+    if len(boxes) > limits.MAX_BOX_CHUNKS:
+        raise _fail(
+            where,
+            f"tensor #{i} has {len(boxes)} non-row chunks, over the cap of {limits.MAX_BOX_CHUNKS}",
         )
-        for a in range(len(boxes)):
-            for b in range(a + 1, len(boxes)):
-                lo1, hi1 = boxes[a]
-                lo2, hi2 = boxes[b]
-                if all(
-                    max(x1, x2) < min(y1, y2)
-                    for x1, y1, x2, y2 in zip(lo1, hi1, lo2, hi2, strict=True)
-                ):
-                    raise _fail(where, f"tensor #{i}: two of its chunks overlap")
+    for a in range(len(boxes)):
+        lo1, hi1 = boxes[a]
+        for b in range(a + 1, len(boxes)):
+            lo2, hi2 = boxes[b]
+            if all(
+                max(x1, x2) < min(y1, y2) for x1, y1, x2, y2 in zip(lo1, hi1, lo2, hi2, strict=True)
+            ):
+                raise _fail(where, f"tensor #{i}: two of its chunks overlap")

@@ -154,6 +154,8 @@ class _Matcher:
             # Only modules have a fixed set of keys; optimizers etc. create state lazily.
             strict_keys = isinstance(live, torch.nn.Module) and not node["v"].get("pruned")
             self.match(node["v"], sd, path, lenient=not strict_keys)
+        elif path and _plain_node(node) and _plain_live(live):
+            return  # a subtree of plain values is replaced as a whole, whatever its shape
         elif tag in ("dict", "odict"):
             if not isinstance(live, Mapping):
                 self.replaced(tag, live, p)
@@ -247,6 +249,31 @@ def _leaf_shape_dtype(
     return shape, TORCH_DTYPES[info.dtype]
 
 
+def _plain_node(node: Any) -> bool:
+    """True if a (validated) checkpoint subtree holds no tensor, array or stateful object."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            if n.get("t") in ("tensor", "ndarray", "stateful"):
+                return False
+            stack.extend(n.get("v") or () if isinstance(n.get("v"), list) else ())
+        elif isinstance(n, list):
+            stack.extend(n)
+    return True
+
+
+def _plain_live(obj: Any, depth: int = 0) -> bool:
+    """True if a live value holds no tensor, array or stateful object (so it may be replaced)."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)) or is_stateful(obj) or depth > 100:
+        return False
+    if isinstance(obj, Mapping):
+        return all(_plain_live(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_plain_live(v, depth + 1) for v in obj)
+    return True
+
+
 class _Applier:
     """Puts loaded values into the live state; calls load_state_dict() on stateful objects."""
 
@@ -257,10 +284,15 @@ class _Applier:
 
     def apply(self, node: dict[str, Any], live: Any, value: Any, path: tuple[Any, ...]) -> Any:
         tag = node.get("t")
+        if path and _plain_node(node) and _plain_live(live):
+            return value
         if tag == "stateful" and is_stateful(live):
             try:
                 if isinstance(live, torch.nn.Module):
-                    live.load_state_dict(value, strict=self.strict and not node["v"].get("pruned"))
+                    strict = self.strict and not node["v"].get("pruned")
+                    if not strict:
+                        value = _fitting(value, self.matcher.live_sd.get(id(node)))
+                    live.load_state_dict(value, strict=strict)
                 else:
                     live.load_state_dict(value)
             except TardigradeError:
@@ -308,6 +340,22 @@ class _Applier:
                 np.copyto(live, value)
             return live
         return value
+
+
+def _fitting(value: Any, live_sd: Any) -> Any:
+    """Drop tensors whose shape/dtype differ from the live module's (strict=False loads)."""
+    if not isinstance(value, Mapping) or not isinstance(live_sd, Mapping):
+        return value
+    out = type(value)()
+    for k, v in value.items():
+        lv = live_sd.get(k)
+        mismatch = isinstance(v, torch.Tensor) and isinstance(lv, torch.Tensor)
+        if mismatch and (v.shape != lv.shape or v.dtype != lv.dtype):
+            continue
+        out[k] = v
+    if hasattr(value, "_metadata"):
+        out._metadata = value._metadata  # type: ignore[attr-defined]
+    return out
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ table; tensors that share storage are written once and come back sharing.
 from __future__ import annotations
 
 import base64
+import struct
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class _Flattener:
         self.by_storage: dict[tuple[str, int], list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
         self.nodes = 0
         self.seen: set[int] = set()
+        self.refs: list[dict[str, Any]] = []  # every node that refers to an entry
 
     def node(self, obj: Any, path: tuple[Any, ...], depth: int = 0) -> dict[str, Any]:
         self.nodes += 1
@@ -100,8 +102,13 @@ class _Flattener:
         if t is bool:
             return {"t": "bool", "v": obj}
         if t is int:
-            return {"t": "int", "v": str(obj)}
+            try:
+                return {"t": "int", "v": str(obj)}
+            except ValueError:  # more digits than Python converts to decimal: use hex
+                return {"t": "int", "x": hex(obj)}
         if t is float:
+            if obj != obj:  # NaN: keep sign and payload bits, which float.hex() drops
+                return {"t": "float", "bits": struct.pack(">d", obj).hex()}
             return {"t": "float", "v": obj.hex()}
         if t is str:
             return {"t": "str", "v": obj}
@@ -164,6 +171,7 @@ class _Flattener:
         name = tensor_dtype_name(t, path)
         t = t.detach()
         node: dict[str, Any] = {"t": "tensor"}
+        self.refs.append(node)
         if t.numel() == 0:
             node["e"] = self.new_entry(t, name, path)
             return node
@@ -189,8 +197,11 @@ class _Flattener:
                 f"{path_str(path)}: numpy dtype {a.dtype} cannot be stored (supported: native-"
                 f"endian {', '.join(str(d) for d in NUMPY_DTYPES.values())})."
             )
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        return {"t": "ndarray", "e": self.new_entry(t, name, path, numpy=True)}
+        # np.ascontiguousarray would turn a 0-d array into shape (1,)
+        t = torch.from_numpy(a if a.flags.c_contiguous else a.copy(order="C"))
+        node = {"t": "ndarray", "e": self.new_entry(t, name, path, numpy=True)}
+        self.refs.append(node)
+        return node
 
     def new_entry(
         self, t: torch.Tensor, dtype: str, path: tuple[Any, ...], numpy: bool = False
@@ -200,40 +211,35 @@ class _Flattener:
 
     def merge_partial_aliases(self) -> None:
         """Views that overlap one storage but differ in shape/offset: store the span once."""
+        moved: dict[int, tuple[int, dict[str, Any]]] = {}  # old entry -> (span entry, view)
         for group in self.by_storage.values():
-            if len(group) < 2:
-                continue
-            dtypes = {sig[0] for sig, _ in group}
-            if len(dtypes) != 1:
-                continue  # reinterpreting views: each is saved by value; sharing is not kept
+            if len(group) < 2 or len({sig[0] for sig, _ in group}) != 1:
+                continue  # reinterpreting views (other dtypes) are saved by value each
             lo = min(sig[1] for sig, _ in group)
             hi = max(
                 sig[1] + sum((n - 1) * s for n, s in zip(sig[2], sig[3], strict=True)) + 1
                 for sig, _ in group
             )
             first = self.entries[group[0][1]["e"]]
-            base = first.tensor.as_strided((hi - lo,), (1,), lo)
-            span = Entry(base, first.dtype, [])
+            span = Entry(first.tensor.as_strided((hi - lo,), (1,), lo), first.dtype, [])
             self.entries.append(span)
-            span_id = len(self.entries) - 1
             for sig, node in group:
                 old = self.entries[node["e"]]
                 span.paths.extend(old.paths)
                 old.paths = []
-                node["e"] = span_id
-                node["view"] = {
-                    "offset": sig[1] - lo,
-                    "shape": list(sig[2]),
-                    "stride": list(sig[3]),
-                }
-        # drop entries no leaf refers to any more, renumbering references
+                view = {"offset": sig[1] - lo, "shape": list(sig[2]), "stride": list(sig[3])}
+                moved[node["e"]] = (len(self.entries) - 1, view)
+        # Point every reference (aliases of a merged view included) at its new entry, then
+        # drop entries nothing refers to and renumber.
+        for node in self.refs:
+            if node["e"] in moved:
+                node["e"], node["view"] = moved[node["e"]]
         keep = [i for i, e in enumerate(self.entries) if e.paths]
         if len(keep) != len(self.entries):
             remap = {old: new for new, old in enumerate(keep)}
             self.entries = [self.entries[i] for i in keep]
-            for group in self.by_storage.values():
-                for _, node in group:
-                    node["e"] = remap[node["e"]]
+            for node in self.refs:
+                node["e"] = remap[node["e"]]
 
 
 def flatten(state: Any, root: tuple[Any, ...] = ()) -> Flat:
@@ -278,10 +284,14 @@ def decode(
             return None
         if tag == "bool" and type(v) is bool:
             return v
-        if tag == "int" and type(v) is str and len(v) <= 10_000:
+        if tag == "int" and type(v) is str and len(v) <= 4300:
             return int(v)
+        if tag == "int" and type(node.get("x")) is str and len(node["x"]) <= 1_000_000:
+            return int(node["x"], 16)
         if tag == "float" and type(v) is str:
             return float.fromhex(v)
+        if tag == "float" and type(node.get("bits")) is str and len(node["bits"]) == 16:
+            return struct.unpack(">d", bytes.fromhex(node["bits"]))[0]
         if tag == "str" and type(v) is str:
             return v
         if tag == "bytes" and type(v) is str:

@@ -284,12 +284,21 @@ class CheckpointManager:
     # -- restore ---------------------------------------------------------------------------
 
     def _remove_leftovers(self) -> None:
+        """Remove tmp dirs of dead writers; put back a checkpoint a crashed replace moved aside."""
         if not self._lock.held:
             return
-        for n in os.listdir(self.directory):
+        for n in sorted(os.listdir(self.directory)):
+            path = os.path.join(self.directory, n)
+            m = re.match(r"^\.tmp-(step-\d{9,})-replaced-", n)
+            target = os.path.join(self.directory, m.group(1)) if m else ""
+            committed = os.path.isfile(os.path.join(path, "manifest.json"))
+            if m and committed and not os.path.exists(target):
+                os.rename(path, target)
+                log.warning("tardigrade: recovered %s from an interrupted replace", m.group(1))
+                continue
             if n.startswith(".tmp-"):
                 log.info("tardigrade: removing leftover %s from an interrupted save", n)
-                shutil.rmtree(os.path.join(self.directory, n), ignore_errors=True)
+                shutil.rmtree(path, ignore_errors=True)
 
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest committed checkpoint that verifies into ``state``; return its step.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
@@ -9,6 +10,25 @@ import stat
 
 from ..errors import CorruptCheckpointError, StorageError
 from .base import Reader, Storage, Writer
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
 
 
 def fsync_dir(path: str) -> None:
@@ -147,14 +167,19 @@ class LocalStorage(Storage):
         try:
             fsync_dir(src)
             if replace and os.path.lexists(dst):
-                # rename() cannot replace a non-empty directory: move the old one aside first.
-                # A crash between the two renames leaves the old one under a tmp name, which the
-                # next manager removes; the new one is then already committed or still staged.
-                old = self._path(f".tmp-{name}-replaced-{staging.rsplit('-', 1)[-1]}")
-                os.rename(dst, old)
-                os.rename(src, dst)
-                fsync_dir(self.root)
-                shutil.rmtree(old, ignore_errors=True)
+                # rename() cannot replace a non-empty directory. Swap the two atomically, so at
+                # every instant the name holds a complete checkpoint (old, then new).
+                if _exchange(src, dst):
+                    fsync_dir(self.root)
+                    shutil.rmtree(src, ignore_errors=True)
+                else:
+                    # No atomic swap here: move the old one aside first. A crash in between
+                    # leaves it as ".tmp-NAME-replaced-ID", which recover() puts back.
+                    old = self._path(f".tmp-{name}-replaced-{staging.rsplit('-', 1)[-1]}")
+                    os.rename(dst, old)
+                    os.rename(src, dst)
+                    fsync_dir(self.root)
+                    shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(src, dst)
             fsync_dir(self.root)

@@ -1,0 +1,315 @@
+"""The golden format-v1 checkpoint (``v1/ckpt``, made once by ``v1/make_fixture.py``) keeps loading.
+
+Every value is checked against literals or against a deterministic re-creation written out here
+(not imported from the script, so editing the script cannot silently change the expectations).
+The fixture is only read; its bytes are pinned by hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import struct
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import tardigrade as tg
+
+CKPT = Path(__file__).resolve().parent / "v1" / "ckpt"
+
+# What make_fixture.py printed when it made the fixture.
+SAVE_ID = "01f318a082864caabbfacd306ff8d73e"
+NEXT_RANDOM = 0.4407325991753527
+NEXT_NP_RAND = 0.5188654396289326
+NEXT_TORCH_RAND3 = [0.7301741242408752, 0.859134316444397, 0.2593020796775818]
+TORCH_RNG_SHA256 = "a67b8cc9ea0ec3c78fda15a772ada60599ee90df980648a9e901e8dcf87084b1"
+FILE_SHA256 = {
+    "data-00000-of-00001.safetensors": (
+        "b97059a68e3c2c095079b2caa094b6ea004f67ec48ec104e043cb7b95aefe343"
+    ),
+    "manifest.json": "2d6ea9af4094a2eb5ebd18375185b0cd024af86a940e79cf10c87b8e19ef5646",
+}
+
+
+@pytest.fixture(autouse=True)
+def _fixture_is_never_rewritten():
+    """The fixture's bytes are pinned, before and after every test here."""
+
+    def digests() -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in CKPT.iterdir()}
+
+    assert digests() == FILE_SHA256
+    yield
+    assert digests() == FILE_SHA256
+
+
+@pytest.fixture(autouse=True)
+def _keep_global_rng():
+    state = tg.RNGState().state_dict()
+    yield
+    tg.RNGState().load_state_dict(state)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_tensor(got: Any, want: torch.Tensor) -> None:
+    assert isinstance(got, torch.Tensor)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert bits(got) == bits(want)
+
+
+def assert_float(got: Any, want: float) -> None:
+    assert type(got) is float
+    assert struct.pack("<d", got) == struct.pack("<d", want), (got, want)
+
+
+def expected_tensors() -> dict[str, torch.Tensor]:
+    inf, nan = math.inf, math.nan
+    return {
+        "f32": (torch.arange(24, dtype=torch.float32).reshape(4, 6) - 11.5) / 3,
+        "bf16": torch.tensor(
+            [
+                [-2.0, -1.6328125, -1.2578125, -0.890625],
+                [-0.51953125, -0.150390625, 0.2197265625, 0.58984375],
+                [0.9609375, 1.328125, 1.703125, 2.0625],
+                [2.4375, 2.8125, 3.1875, 3.546875],
+            ],
+            dtype=torch.bfloat16,
+        ).reshape(2, 8),
+        "f16": torch.tensor(
+            [0.0, -0.0, 1.0, -2.5, 65504.0, 5.960464477539063e-08, inf, -inf, nan],
+            dtype=torch.float16,
+        ),
+        "f64": torch.tensor(
+            [3.141592653589793, -2.718281828459045, 1e300, -1e-300, 0.0, -0.0],
+            dtype=torch.float64,
+        ),
+        "f8": torch.tensor([0x30, 0xB8, 0x7E, 0x00], dtype=torch.uint8).view(torch.float8_e4m3fn),
+        "i8": torch.tensor(list(range(-128, 128, 16)), dtype=torch.int8),
+        "u8": torch.tensor(list(range(0, 256, 17)), dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True, True, False]),
+        "i32": torch.tensor([[-(2**31), 2**31 - 1], [0, -1]], dtype=torch.int32),
+        "i64": torch.tensor([2**62, -(2**63), 0, 7], dtype=torch.int64),
+        "scalar": torch.tensor(3.25, dtype=torch.float32),
+        "empty": torch.empty(0, 4, dtype=torch.float32),
+        "strided": torch.tensor(
+            [[0, 2, 4], [5, 7, 9], [10, 12, 14], [15, 17, 19]], dtype=torch.int64
+        ),
+    }
+
+
+def test_manifest_fields() -> None:
+    m = tg.read_manifest(CKPT)
+    assert m["format"] == "tardigrade"
+    assert m["format_version"] == 1
+    assert m["save_id"] == SAVE_ID
+    assert m["step"] == 7 and m["epoch"] == 2
+    assert m["world_size"] == 1
+    assert m["metadata"] == {"purpose": "golden v1"}
+    assert m["metrics"] == {"loss": 0.125}
+    assert m["versions"]["tardigrade"] == "0.1.0"
+    assert m["checksum_algorithm"] == "xxh3-64"
+    assert m["files"] == [{"name": "data-00000-of-00001.safetensors", "size": 9711}]
+
+
+def test_verify() -> None:
+    report = tg.verify(CKPT)
+    assert report.step == 7
+    assert report.files == 1
+    assert report.nbytes == 9711
+
+
+def test_every_value() -> None:
+    state = tg.load(CKPT)
+    assert list(state) == [
+        "tensors",
+        "shared",
+        "numpy",
+        "tree",
+        "model",
+        "user",
+        "rng",
+        "step",
+        "views",
+    ]
+
+    # tensors, bit for bit
+    tensors = state["tensors"]
+    want = expected_tensors()
+    assert list(tensors) == list(want)
+    for k, w in want.items():
+        assert_tensor(tensors[k], w)
+    # the literal bf16 values are what the fixture formula gives
+    formula = (torch.arange(16, dtype=torch.float32) * 0.37 - 2.0).to(torch.bfloat16).reshape(2, 8)
+    assert bits(formula) == bits(want["bf16"])
+    assert math.copysign(1.0, tensors["f16"][1].item()) == -1.0
+    assert math.isnan(tensors["f16"][8].item())
+    assert tensors["f8"].float().tolist() == [0.5, -1.0, 448.0, 0.0]
+
+    # one tensor under two keys comes back as one tensor
+    shared = state["shared"]
+    assert list(shared) == ["a", "b"]
+    assert_tensor(shared["a"], torch.tensor([-7, -4, -1, 2, 5, 8, 11, 14], dtype=torch.int16))
+    assert shared["a"].data_ptr() == shared["b"].data_ptr()
+
+    # numpy arrays keep their dtypes
+    arrays = state["numpy"]
+    assert list(arrays) == ["i32", "f16", "u64", "bool"]
+    for a in arrays.values():
+        assert type(a) is np.ndarray
+    np.testing.assert_array_equal(arrays["i32"], np.array([[0, 1, 2], [3, 4, 5]], dtype=np.int32))
+    assert arrays["i32"].dtype == np.int32
+    assert arrays["f16"].dtype == np.float16
+    assert arrays["f16"].tobytes() == np.array([1.5, -0.0, 65504.0], dtype=np.float16).tobytes()
+    assert arrays["u64"].dtype == np.uint64
+    assert arrays["u64"].tolist() == [0, 2**64 - 1, 12345]
+    assert arrays["bool"].dtype == np.bool_ and arrays["bool"].tolist() == [[True], [False]]
+
+    # plain Python values with their exact types
+    tree = state["tree"]
+    assert list(tree) == [
+        "tuple",
+        "list",
+        "dict",
+        "odict",
+        "huge",
+        "neg_huge",
+        "negzero",
+        "nan",
+        "inf",
+        "ninf",
+        "pi",
+        "true",
+        "false",
+        "str",
+        "empty_str",
+        "none",
+        "bytes",
+        "dtype",
+    ]
+    assert type(tree["tuple"]) is tuple and tree["tuple"][:2] == (1, "two")
+    assert_float(tree["tuple"][2], 3.0)
+    assert tree["tuple"][3] is None
+    assert type(tree["list"]) is list
+    assert tree["list"][0] == b"\x00\x01\xfe\xff" and type(tree["list"][0]) is bytes
+    assert tree["list"][1] == [] and type(tree["list"][1]) is list
+    assert tree["list"][2] == () and type(tree["list"][2]) is tuple
+    assert tree["list"][3] == {} and type(tree["list"][3]) is dict
+    assert tree["dict"] == {1: "int key", (2, "b"): "tuple key", "s": {"deep": [None, (True,)]}}
+    assert [type(k) for k in tree["dict"]] == [int, tuple, str]
+    assert type(tree["dict"]["s"]["deep"][1]) is tuple
+    assert type(tree["odict"]) is OrderedDict and list(tree["odict"].items()) == [
+        ("z", 1),
+        ("a", 2),
+    ]
+    assert tree["huge"] == 2**300 + 12345 and type(tree["huge"]) is int
+    assert tree["neg_huge"] == -(3**200)
+    assert_float(tree["negzero"], -0.0)
+    assert_float(tree["nan"], float("nan"))
+    assert_float(tree["inf"], math.inf)
+    assert_float(tree["ninf"], -math.inf)
+    assert_float(tree["pi"], 3.141592653589793)
+    assert tree["true"] is True and tree["false"] is False
+    assert tree["str"] == "gr\u00fc\u00dfe \u2713 \U0001d11e"
+    assert tree["empty_str"] == ""
+    assert tree["none"] is None
+    assert tree["bytes"] == bytes(range(16))
+    assert tree["dtype"] is torch.bfloat16
+
+    # an nn.Module's state_dict, with the module version metadata load_state_dict relies on
+    model = state["model"]
+    assert type(model) is OrderedDict and list(model) == ["weight", "bias"]
+    assert_tensor(model["weight"], torch.tensor([[-0.25, -0.125, 0.0], [0.125, 0.25, 0.375]]))
+    assert_tensor(model["bias"], torch.tensor([0.5, -1.5]))
+    assert model._metadata == {"": {"version": 1}}
+
+    # a user object's state
+    assert state["user"] == {"calls": 41, "history": [0.5, -0.25]}
+    assert state["step"] == 7 and type(state["step"]) is int
+
+    # overlapping views come back as views of one storage
+    views = state["views"]
+    base = torch.arange(12, dtype=torch.float32) * 0.5
+    assert_tensor(views["base"], base)
+    assert_tensor(views["head"], base[:8])
+    assert_tensor(views["tail"], base[4:])
+    assert_tensor(views["every3"], base[::3])
+    assert views["every3"].stride() == (3,)
+    ptrs = {v.untyped_storage().data_ptr() for v in views.values()}
+    assert len(ptrs) == 1
+
+
+def test_rng_state_values() -> None:
+    rng = tg.load(CKPT, keys=["rng"])["rng"]
+    assert list(rng) == ["python", "numpy", "torch", "cuda"]
+    assert rng["cuda"] == []
+
+    random.seed(1234)
+    random.random()
+    assert rng["python"] == random.getstate()
+    assert type(rng["python"]) is tuple and type(rng["python"][1]) is tuple
+
+    np.random.seed(5678)
+    np.random.rand(3)
+    want_np = np.random.get_state(legacy=True)
+    assert type(rng["numpy"]) is tuple and len(rng["numpy"]) == 5
+    assert rng["numpy"][0] == want_np[0] == "MT19937"
+    assert rng["numpy"][1].dtype == np.uint32
+    np.testing.assert_array_equal(rng["numpy"][1], want_np[1])
+    assert rng["numpy"][2:] == tuple(want_np[2:])
+
+    # torch's stream was also advanced by nn.Linear's init in the script: pin the bytes instead
+    assert rng["torch"].dtype == torch.uint8 and rng["torch"].shape == (5056,)
+    assert hashlib.sha256(bits(rng["torch"])).hexdigest() == TORCH_RNG_SHA256
+
+
+def test_rng_restore_continues_the_recorded_streams() -> None:
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    live = {"rng": tg.RNGState()}
+    tg.load(CKPT, keys=["rng"], into=live)
+    assert random.random() == NEXT_RANDOM
+    assert float(np.random.rand()) == NEXT_NP_RAND
+    assert torch.equal(torch.rand(3), torch.tensor(NEXT_TORCH_RAND3, dtype=torch.float32))
+
+
+def test_restore_into_live_objects() -> None:
+    class Counter:
+        def __init__(self) -> None:
+            self.calls, self.history = 0, [0.0, 0.0]
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"calls": self.calls, "history": self.history}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.calls, self.history = sd["calls"], sd["history"]
+
+    model = torch.nn.Linear(3, 2)
+    user = Counter()
+    live = {"model": model, "user": user, "rng": tg.RNGState(), "step": 0}
+    ptr = model.weight.data_ptr()
+    tg.load(CKPT, keys=["model", "user", "rng", "step"], into=live)
+    assert model.weight.data_ptr() == ptr
+    assert_tensor(model.weight.detach(), torch.tensor([[-0.25, -0.125, 0.0], [0.125, 0.25, 0.375]]))
+    assert_tensor(model.bias.detach(), torch.tensor([0.5, -1.5]))
+    assert user.calls == 41 and user.history == [0.5, -0.25]
+    assert live["step"] == 7
+    assert random.random() == NEXT_RANDOM
+
+
+def test_partial_load_of_nested_key() -> None:
+    out = tg.load(CKPT, keys=[("tensors", "bf16"), ("tree", "huge")])
+    assert list(out) == ["tensors", "tree"]
+    assert list(out["tensors"]) == ["bf16"] and list(out["tree"]) == ["huge"]
+    assert_tensor(out["tensors"]["bf16"], expected_tensors()["bf16"])
+    assert out["tree"]["huge"] == 2**300 + 12345

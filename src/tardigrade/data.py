@@ -14,6 +14,11 @@ How the position stays exact:
   yielded more than training consumed. Iterate through ``sampler.track(loader)`` instead of
   ``loader``: it advances the position when a batch is *delivered to the training loop*, and
   the sampler's own yields stop counting.
+
+Bit-exact resume also needs the DataLoader not to draw from the global torch RNG when an
+iterator is created mid-epoch (it draws a base seed for its workers each time): pass
+``DataLoader(..., generator=torch.Generator().manual_seed(s))`` and keep that generator's state
+in the checkpoint, or create it from the epoch.
 """
 
 from __future__ import annotations

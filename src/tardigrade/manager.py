@@ -84,6 +84,23 @@ class ManagerStats(list[SaveStats]):
         return sum(s.total_seconds for s in self if s.ok)
 
 
+def _check_signals(signals: Iterable[int]) -> tuple[int, ...]:
+    try:
+        out = tuple(signals)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"save_on_signals must be a tuple of signals, got {signals!r}"
+        ) from None
+    valid = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+    for sig in out:
+        if sig not in valid:
+            raise InvalidArgumentError(
+                f"save_on_signals: {sig!r} is not a signal that can be caught (SIGKILL and "
+                "SIGSTOP cannot be)"
+            )
+    return out
+
+
 def _positive(name: str, v: Any, kind: type = int) -> Any:
     if v is None:
         return None
@@ -169,6 +186,10 @@ class CheckpointManager:
         self._last_epoch: int | None = None
         self._last_save_time = time.monotonic()
         self._restored_step: int | None = None
+        self._lock_error: OSError | None = None
+        # Steps above a restored older step, from the run that was abandoned; each is replaced
+        # (once) when this run saves that step again, and none of them counts for retention.
+        self._abandoned: set[int] = set()
         self._pending: list[tuple[int, SaveFuture]] = []
         self._loading: set[int] = set()
         self._metric_cache: dict[int, float | None] = {}
@@ -176,18 +197,25 @@ class CheckpointManager:
         self._old_handlers: dict[int, Any] = {}
         self._async = AsyncCheckpointer(max_staging_bytes=max_staging_bytes) if async_save else None
         self._lock = DirectoryLock(self.directory, lease_seconds=lock_lease_seconds)
+        signals = _check_signals(save_on_signals)
         self._take_lock()
-        self._install_signals(tuple(save_on_signals))
+        try:
+            self._install_signals(signals)
+        except BaseException:
+            self._lock.release()
+            raise
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def _take_lock(self) -> bool:
         try:
             self._lock.acquire()
+            self._lock_error = None
             return True
         except CheckpointLockedError:
             raise
         except OSError as e:
+            self._lock_error = e
             if self.on_save_error == "raise":
                 raise SaveError(f"{self.directory}: cannot create or lock it: {e}") from e
             log.error(
@@ -320,6 +348,15 @@ class CheckpointManager:
             candidates = [step]
         else:
             candidates = list(reversed(self.steps()))
+            for n in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else ():
+                if _NAME.match(n) and not os.path.isfile(
+                    os.path.join(self.directory, n, "manifest.json")
+                ):
+                    log.warning(
+                        "tardigrade: skipping checkpoint %s: it has no manifest.json (the save "
+                        "never committed); kept on disk for inspection",
+                        os.path.join(self.directory, n),
+                    )
         for s in candidates:
             self._loading.add(s)
             try:
@@ -336,6 +373,7 @@ class CheckpointManager:
             finally:
                 self._loading.discard(s)
             self._restored_step = s
+            self._abandoned = {x for x in self.steps() if x > s}
             self._last_step = s
             self._last_epoch = m.epoch
             self._last_save_time = time.monotonic()
@@ -381,15 +419,13 @@ class CheckpointManager:
         if self._signalled is not None:
             signum, self._signalled = self._signalled, None
             log.warning("tardigrade: signal %s received: saving step %d and stopping", signum, step)
-            self._save(step, epoch, metrics, sync=True)
+            saved = self._save(step, epoch, metrics, sync=True)
             self.should_stop = True
             self._advance(step, epoch)
-            return True
-        due = self._due(step, epoch)
-        if due:
-            self._save(step, epoch, metrics, sync=False)
+            return saved
+        saved = self._due(step, epoch) and self._save(step, epoch, metrics, sync=False)
         self._advance(step, epoch)
-        return due
+        return saved
 
     def _advance(self, step: int, epoch: int | None) -> None:
         self._last_step = step
@@ -439,11 +475,14 @@ class CheckpointManager:
             )
         try:
             if not self._lock.held and not self._take_lock():
-                raise SaveError(f"{self.directory}: the checkpoint directory is not usable")
+                raise SaveError(
+                    f"{self.directory}: the checkpoint directory cannot be created or locked: "
+                    f"{self._lock_error}"
+                )
             self._lock.check()
             replace = force
             if self.exists(step) and not force:
-                if self._restored_step is not None and step > self._restored_step:
+                if step in self._abandoned:
                     replace = True  # an abandoned future after resuming from an older step
                 else:
                     raise CheckpointExistsError(
@@ -470,6 +509,8 @@ class CheckpointManager:
         return True
 
     def _record_ok(self, step: int, res: SaveResult) -> None:
+        self._metric_cache.pop(step, None)  # a replaced checkpoint has a new metric
+        self._abandoned.discard(step)
         s = SaveStats(step, res.nbytes, res.blocking_seconds, res.total_seconds, True)
         self.stats.append(s)
         log.info(
@@ -500,17 +541,18 @@ class CheckpointManager:
 
     def _drain(self, *, wait: bool) -> None:
         """Record the outcome of finished async saves (all of them when ``wait``)."""
-        still = []
-        for step, fut in self._pending:
+        while self._pending:
+            step, fut = self._pending[0]
             if not wait and not fut.done():
-                still.append((step, fut))
-                continue
+                return
+            # Off the list before recording: recording may raise (on_save_error="raise"),
+            # and a failure must be reported exactly once.
+            self._pending.pop(0)
             exc = fut.exception()
             if exc is None:
                 self._record_ok(step, fut.result())
             else:
                 self._record_failure(step, exc, 0.0)
-        self._pending = still
 
     def wait(self) -> None:
         """Block until in-flight saves are committed (or failed and reported)."""
@@ -532,9 +574,15 @@ class CheckpointManager:
         return self._metric_cache[step]
 
     def keep(self, steps: Sequence[int]) -> set[int]:
-        """Which of ``steps`` (committed, ascending) the retention policy keeps."""
+        """Which of ``steps`` (committed, ascending) the retention policy keeps.
+
+        Checkpoints of an abandoned timeline (above a step restored explicitly) are neither
+        ranked nor deleted here; this run replaces them as it saves those steps again.
+        """
+        abandoned = [s for s in steps if s in self._abandoned]
+        steps = [s for s in steps if s not in self._abandoned]
         if not steps:
-            return set()
+            return set(abandoned)
         keep = {steps[-1]}
         if self.keep_last is not None:
             keep.update(steps[-self.keep_last :])
@@ -544,7 +592,7 @@ class CheckpointManager:
             ranked = [(m, s) for s in steps if (m := self._metric(s)) is not None]
             ranked.sort(reverse=self.best_mode == "max")
             keep.update(s for _, s in ranked[: self.keep_best])
-        return keep
+        return keep | set(abandoned)
 
     def _retain(self) -> None:
         steps = self.steps()

@@ -1,0 +1,501 @@
+"""CheckpointManager under faults: damaged checkpoints, unusable directories, a really full
+disk, and preemption of a real training process by SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tardigrade as tg
+from tardigrade.errors import CorruptCheckpointError, SaveError
+
+pytestmark = pytest.mark.timeout(90)
+
+ASYNC = pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+CHILD_TIMEOUT = 60
+
+
+def make_state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return {"model": nn.Linear(4, 3), "step": 0, "extra": {"hist": torch.zeros(5)}}
+
+
+def mark(state: dict[str, Any], value: float) -> None:
+    with torch.no_grad():
+        state["model"].weight.fill_(value)
+    state["extra"]["hist"].fill_(value)
+    state["step"] = int(value)
+
+
+def save_steps(mgr: tg.CheckpointManager, steps: list[int]) -> None:
+    for s in steps:
+        mark(mgr.state, s)
+        assert mgr.save(s) is True
+    mgr.wait()
+
+
+def tmp_entries(d: Path) -> list[str]:
+    return [n for n in os.listdir(d) if n.startswith(".tmp-")]
+
+
+def flip_a_data_byte(ckpt: Path) -> None:
+    data = sorted(ckpt.glob("data-*.safetensors"))
+    assert data, f"no data file in {ckpt}"
+    raw = bytearray(data[0].read_bytes())
+    raw[-1] ^= 0xFF  # the last byte is tensor payload, never the safetensors header
+    data[0].write_bytes(bytes(raw))
+
+
+def warnings_about(caplog: pytest.LogCaptureFixture, needle: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "tardigrade" and r.levelno == logging.WARNING and needle in r.getMessage()
+    ]
+
+
+# -- 3. auto-resume past damaged checkpoints ---------------------------------------------------
+
+
+@pytest.fixture
+def three_checkpoints(tmp_path: Path) -> Path:
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        save_steps(mgr, [10, 20, 30])
+    return tmp_path
+
+
+def test_restore_skips_a_corrupt_newer_checkpoint(
+    three_checkpoints: Path, caplog: pytest.LogCaptureFixture
+):
+    d = three_checkpoints
+    flip_a_data_byte(d / "step-000000030")
+    caplog.set_level(logging.INFO, logger="tardigrade")
+    state = make_state(seed=5)
+    with tg.CheckpointManager(d, state, every_steps=1) as mgr:
+        assert mgr.restore() == 20
+        # The state holds step 20 entirely: nothing of the damaged checkpoint leaked in.
+        assert torch.equal(state["model"].weight.detach(), torch.full((3, 4), 20.0))
+        assert torch.equal(state["extra"]["hist"], torch.full((5,), 20.0))
+        assert state["step"] == 20
+        (msg,) = warnings_about(caplog, "step-000000030")
+        assert "skipping" in msg and "checksum" in msg
+        # Kept as evidence, and an explicit request for it fails loudly.
+        assert (d / "step-000000030").is_dir()
+        assert mgr.steps() == [10, 20, 30]
+        with pytest.raises(CorruptCheckpointError, match="checksum"):
+            mgr.restore(step=30)
+        # Training goes on from 21; reaching 30 again replaces the damaged one.
+        for s in range(21, 31):
+            mark(state, s)
+            mgr.step(s)
+        mgr.wait()
+        assert mgr.stats.failed == 0
+        tg.verify(mgr.path(30))
+        assert float(mgr.load(30)["model"]["weight"][0, 0]) == 30.0
+
+
+def test_restore_skips_a_checkpoint_with_a_broken_manifest(
+    three_checkpoints: Path, caplog: pytest.LogCaptureFixture
+):
+    d = three_checkpoints
+    (d / "step-000000030" / "manifest.json").write_text('{"format": "tardigrade", "tens')
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    with tg.CheckpointManager(d, make_state()) as mgr:
+        assert mgr.restore() == 20
+    assert warnings_about(caplog, "step-000000030")
+    assert (d / "step-000000030" / "manifest.json").exists()
+
+
+def test_restore_skips_a_checkpoint_with_a_missing_data_file(
+    three_checkpoints: Path, caplog: pytest.LogCaptureFixture
+):
+    d = three_checkpoints
+    for f in (d / "step-000000030").glob("data-*"):
+        f.unlink()
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    with tg.CheckpointManager(d, make_state()) as mgr:
+        assert mgr.restore() == 20
+    (msg,) = warnings_about(caplog, "step-000000030")
+    assert "missing" in msg
+
+
+def test_restore_skips_an_incomplete_checkpoint_without_deleting_it(three_checkpoints: Path):
+    d = three_checkpoints
+    incomplete = d / "step-000000040"
+    incomplete.mkdir()
+    (incomplete / "data-00000-of-00001.safetensors").write_bytes(b"\x00" * 64)
+    with tg.CheckpointManager(d, make_state()) as mgr:
+        assert mgr.restore() == 30
+        assert incomplete.is_dir() and len(list(incomplete.iterdir())) == 1
+        assert mgr.latest() == 30
+
+
+def test_restore_warns_about_an_incomplete_checkpoint(
+    three_checkpoints: Path, caplog: pytest.LogCaptureFixture
+):
+    d = three_checkpoints
+    (d / "step-000000040").mkdir()
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    with tg.CheckpointManager(d, make_state()) as mgr:
+        assert mgr.restore() == 30
+    (msg,) = warnings_about(caplog, "step-000000040")
+    assert "manifest" in msg
+
+
+def test_restore_removes_leftover_staging_dirs(three_checkpoints: Path):
+    d = three_checkpoints
+    leftovers = [
+        d / f".tmp-step-000000040-{uuid.uuid4().hex}",
+        d / ".tmp-deleting-step-000000005",
+        d / f".tmp-step-000000030-replaced-{uuid.uuid4().hex}",
+    ]
+    for p in leftovers:
+        p.mkdir()
+        (p / "data-00000-of-00001.safetensors").write_bytes(b"x" * 100)
+    with tg.CheckpointManager(d, make_state()) as mgr:
+        assert (d / ".lock").exists()
+        assert mgr.restore() == 30
+        assert tmp_entries(d) == []
+        assert mgr.steps() == [10, 20, 30]
+        assert (d / ".lock").exists()  # not a leftover
+        save_steps(mgr, [31])
+
+
+def test_restore_falls_back_past_several_bad_checkpoints(
+    three_checkpoints: Path, caplog: pytest.LogCaptureFixture
+):
+    d = three_checkpoints
+    flip_a_data_byte(d / "step-000000030")
+    flip_a_data_byte(d / "step-000000020")
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    with tg.CheckpointManager(d, make_state()) as mgr:
+        assert mgr.restore() == 10
+    assert len(warnings_about(caplog, "skipping")) == 2
+    flip_a_data_byte(d / "step-000000010")
+    with tg.CheckpointManager(d, make_state()) as mgr:
+        assert mgr.restore() is None
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith("step-")) == [
+        "step-000000010",
+        "step-000000020",
+        "step-000000030",
+    ]
+
+
+# -- 5. save failures: a directory that cannot even be created --------------------------------
+
+
+def error_records(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "tardigrade" and r.levelno == logging.ERROR
+    ]
+
+
+@ASYNC
+def test_unusable_directory_warn_mode_keeps_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, async_save: bool
+):
+    (tmp_path / "afile").write_text("not a directory")
+    where = tmp_path / "afile" / "ckpt"
+    caplog.set_level(logging.INFO, logger="tardigrade")
+    mgr = tg.CheckpointManager(where, make_state(), every_steps=2, async_save=async_save)
+    assert any("Not a directory" in m for m in error_records(caplog))
+    assert mgr.restore() is None
+    assert mgr.steps() == [] and mgr.latest() is None
+    caplog.clear()
+    assert mgr.save(1) is False
+    for s in range(2, 7):
+        mgr.step(s)
+    mgr.wait()
+    assert [(s.step, s.ok) for s in mgr.stats] == [(1, False), (2, False), (4, False), (6, False)]
+    assert mgr.stats.failed == 4 and mgr.stats.succeeded == 0
+    errors = error_records(caplog)
+    for step in (1, 2, 4, 6):
+        assert any(f"SAVE FAILED for step {step} " in m for m in errors), errors
+    assert any("Not a directory" in m for m in errors)
+    mgr.close()
+    assert (tmp_path / "afile").read_text() == "not a directory"
+
+
+@ASYNC
+def test_step_returns_false_when_its_save_failed(tmp_path: Path, async_save: bool):
+    (tmp_path / "afile").write_text("")
+    with tg.CheckpointManager(
+        tmp_path / "afile" / "ckpt", make_state(), every_steps=1, async_save=async_save
+    ) as mgr:
+        assert mgr.step(1) is False
+        assert mgr.stats.failed == 1
+
+
+def test_unusable_directory_failure_names_the_cause(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    (tmp_path / "afile").write_text("")
+    caplog.set_level(logging.ERROR, logger="tardigrade")
+    with tg.CheckpointManager(tmp_path / "afile" / "ckpt", make_state()) as mgr:
+        assert mgr.save(7) is False
+    (failed,) = [m for m in error_records(caplog) if "SAVE FAILED for step 7" in m]
+    assert "Not a directory" in failed
+    assert "Not a directory" in (mgr.stats[0].error or "")
+
+
+def test_unusable_directory_raise_mode(tmp_path: Path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SaveError, match="Not a directory"):
+        tg.CheckpointManager(tmp_path / "afile" / "ckpt", make_state(), on_save_error="raise")
+    assert (tmp_path / "afile").is_file()
+
+
+# -- 5. a really full disk --------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        r = subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
+        if r.returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+@ASYNC
+def test_full_disk(small_tmpfs: Path, caplog: pytest.LogCaptureFixture, async_save: bool):
+    d = small_tmpfs / "ckpt"
+    # 6 MiB of state: two checkpoints fit into 16 MiB, a third does not.
+    state = {"model": {"w": torch.zeros(6 * 1024 * 1024 // 4)}, "step": 0}
+    caplog.set_level(logging.INFO, logger="tardigrade")
+
+    def mark_big(s: int) -> None:
+        state["model"]["w"].fill_(float(s))
+        state["step"] = s
+
+    mgr = tg.CheckpointManager(d, state, every_steps=1, keep_last=2, async_save=async_save)
+    for s in range(1, 5):  # the training loop goes on through the failures
+        mark_big(s)
+        mgr.step(s)
+    mgr.wait()
+    assert [(s.step, s.ok) for s in mgr.stats] == [(1, True), (2, True), (3, False), (4, False)]
+    assert mgr.stats.failed == 2
+    errors = error_records(caplog)
+    for step in (3, 4):
+        (msg,) = [m for m in errors if f"SAVE FAILED for step {step} " in m]
+        assert "No space left" in msg
+    assert "No space left" in (mgr.stats[2].error or "")
+    # Nothing half-written stays behind, and the earlier checkpoints are intact.
+    assert tmp_entries(d) == []
+    assert mgr.steps() == [1, 2]
+    for s in (1, 2):
+        tg.verify(mgr.path(s))
+        tree = mgr.load(s)
+        assert tree["step"] == s
+        assert torch.equal(tree["model"]["w"], torch.full_like(state["model"]["w"], float(s)))
+
+    # An operator frees space: the next save succeeds and retention works again.
+    shutil.rmtree(mgr.path(1))
+    mark_big(5)
+    mgr.step(5)
+    mgr.wait()
+    assert mgr.stats[-1].ok
+    assert mgr.steps() == [2, 5]
+    mgr.close()
+    with tg.CheckpointManager(d, {"model": {"w": torch.ones(1)}, "step": -1}) as again:
+        assert again.load()["step"] == 5
+
+
+def test_full_disk_raise_mode(small_tmpfs: Path):
+    d = small_tmpfs / "ckpt"
+    state = {"w": torch.zeros(10 * 1024 * 1024 // 4)}  # 10 MiB: fits once only
+    with tg.CheckpointManager(d, state, on_save_error="raise", async_save=False) as mgr:
+        assert mgr.save(1) is True
+        with pytest.raises(SaveError, match="No space left"):
+            mgr.save(2)
+        assert mgr.steps() == [1]
+        assert tmp_entries(d) == []
+        tg.verify(mgr.path(1))
+
+
+# -- 6. preemption of a real training process ---------------------------------------------------
+
+
+TRAIN = textwrap.dedent(
+    r"""
+    import sys
+    import time
+
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import tardigrade as tg
+
+    ckpt_dir, final_path, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    ds = TensorDataset(torch.randn(48, 8), torch.randn(48, 1))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 1))
+    # A hand-written momentum SGD: its buffers are user state in the checkpoint (torch.optim
+    # would import torch._dynamo on the first step, seconds of start-up on a slow machine).
+    momentum = [torch.zeros_like(p) for p in model.parameters()]
+    sampler = tg.ResumableSampler(len(ds), shuffle=True, seed=3)
+    # The loader gets its own generator: otherwise every new DataLoader iterator draws a seed
+    # from the global torch RNG, and a run resumed mid-epoch would draw once more than the
+    # uninterrupted run.
+    loader = DataLoader(ds, batch_size=8, sampler=sampler, generator=torch.Generator())
+    state = {"model": model, "momentum": momentum, "rng": tg.RNGState(), "data": sampler}
+
+    mgr = tg.CheckpointManager(ckpt_dir, state, every_steps=10**6, async_save=True)
+    start = mgr.restore()
+    print(f"START {start}", flush=True)
+    step = 1 if start is None else start + 1
+    while step <= total and not mgr.should_stop:
+        for x, y in loader:
+            model.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for p, buf in zip(model.parameters(), momentum):
+                    buf.mul_(0.9).add_(p.grad)
+                    p.sub_(0.05 * buf)
+            mgr.step(step, metrics={"loss": loss.item()})
+            print(f"STEP {step}", flush=True)
+            if mgr.should_stop:
+                print(f"STOPPED {step}", flush=True)
+                break
+            step += 1
+            if step > total:
+                break
+            time.sleep(0.02)
+    mgr.close()
+    if not mgr.should_stop:
+        tg.save(final_path, {"model": model, "momentum": momentum})
+        print("DONE", flush=True)
+    """
+)
+TOTAL = 60
+
+
+class Child:
+    """A subprocess whose stdout lines are read by a thread, so waits can time out."""
+
+    def __init__(self, args: list[str]) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_for(self, prefix: str, timeout: float = CHILD_TIMEOUT) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.kill()
+                pytest.fail(f"child printed no {prefix!r} in {timeout} s:\n" + "\n".join(self.seen))
+            if line is None:
+                pytest.fail(f"child ended before {prefix!r}:\n" + "\n".join(self.seen))
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+
+    def finish(self, timeout: float = CHILD_TIMEOUT) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail("child did not exit:\n" + "\n".join(self.seen))
+        while (line := self.lines.get(timeout=10)) is not None:
+            self.seen.append(line)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_stops_and_resumes_bit_exactly(tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+
+    def run(ckpt: Path, final: Path) -> Child:
+        return Child([sys.executable, str(script), str(ckpt), str(final), str(TOTAL)])
+
+    # The uninterrupted reference run, started first so it overlaps with the others.
+    ref = run(tmp_path / "ref", tmp_path / "ref-final")
+    try:
+        preempted = run(tmp_path / "ckpt", tmp_path / "final")
+        try:
+            preempted.wait_for("STEP 10")
+            preempted.proc.send_signal(signal.SIGTERM)
+            stopped = int(preempted.wait_for("STOPPED").split()[1])
+            assert preempted.finish() == 0, "\n".join(preempted.seen)
+        finally:
+            preempted.kill()
+        assert 10 <= stopped < TOTAL
+        assert "DONE" not in preempted.seen
+        assert not (tmp_path / "final").exists()
+        # Exactly one checkpoint, at the step where it stopped; no policy save happened.
+        assert sorted(os.listdir(tmp_path / "ckpt")) == [f"step-{stopped:09d}"]
+        tg.verify(tmp_path / "ckpt" / f"step-{stopped:09d}")
+
+        resumed = run(tmp_path / "ckpt", tmp_path / "final")
+        try:
+            assert resumed.wait_for("START") == f"START {stopped}"
+            assert resumed.wait_for("STEP") == f"STEP {stopped + 1}"
+            assert resumed.finish() == 0, "\n".join(resumed.seen)
+        finally:
+            resumed.kill()
+        assert "DONE" in resumed.seen
+        assert ref.finish() == 0, "\n".join(ref.seen)
+    finally:
+        ref.kill()
+
+    assert ref.seen[0] == "START None"
+    got = tg.load(tmp_path / "final")
+    want = tg.load(tmp_path / "ref-final")
+    for key, value in want["model"].items():
+        assert torch.equal(got["model"][key], value), key
+    assert len(got["momentum"]) == len(want["momentum"]) == 4
+    for a, b in zip(got["momentum"], want["momentum"], strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,790 @@
+"""CheckpointManager in one process: argument checks, save policies, retention, restore, stats.
+
+Faults (failing storage, full disks, corrupt checkpoints, preemption of real processes) live in
+``tests/faults/test_manager_faults.py``; the directory lock in ``tests/faults/test_lock.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tardigrade as tg
+import tardigrade.manager as manager_mod
+from tardigrade.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    SaveError,
+    StorageError,
+)
+from tardigrade.storage import local
+
+pytestmark = pytest.mark.timeout(60)
+
+ASYNC = pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+
+
+def make_state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3)
+    return {
+        "model": model,
+        "optim": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        "step": 0,
+        "extra": {"hist": torch.zeros(5), "tag": "run"},
+    }
+
+
+def mark(state: dict[str, Any], value: float) -> None:
+    """Put ``value`` into the state so every checkpoint's content says which step wrote it."""
+    with torch.no_grad():
+        state["model"].weight.fill_(value)
+    state["extra"]["hist"].fill_(value)
+    state["step"] = int(value)
+
+
+def saved_value(mgr: tg.CheckpointManager, step: int) -> float:
+    return float(mgr.load(step, keys=["model"])["model"]["weight"][0, 0])
+
+
+def save_steps(mgr: tg.CheckpointManager, steps: list[int], metrics: Any = None) -> None:
+    for s in steps:
+        mark(mgr.state, s)
+        assert mgr.save(s, metrics=None if metrics is None else metrics(s)) is True
+    mgr.wait()
+
+
+def dir_names(d: Path) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+# -- 1. construction, lifecycle ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"every_steps": 0}, "every_steps"),
+        ({"every_steps": -5}, "every_steps"),
+        ({"every_steps": 2.5}, "every_steps"),
+        ({"every_epochs": 0}, "every_epochs"),
+        ({"every_epochs": -1}, "every_epochs"),
+        ({"every_seconds": 0}, "every_seconds"),
+        ({"every_seconds": -1.5}, "every_seconds"),
+        ({"keep_last": 0}, "keep_last"),
+        ({"keep_last": -2}, "keep_last"),
+        ({"keep_every_steps": 0}, "keep_every_steps"),
+        ({"keep_best": 0, "best_metric": "loss"}, "keep_best"),
+        ({"best_mode": "median"}, "best_mode"),
+        ({"keep_best": 2}, "best_metric"),
+        ({"keep_best": 2, "best_metric": 3}, "best_metric"),
+        ({"on_save_error": "ignore"}, "on_save_error"),
+        ({"on_save_error": None}, "on_save_error"),
+    ],
+)
+def test_constructor_rejects_bad_arguments(tmp_path: Path, kwargs: dict[str, Any], names: str):
+    with pytest.raises(InvalidArgumentError, match=names):
+        tg.CheckpointManager(tmp_path / "ckpt", make_state(), **kwargs)
+    # A rejected configuration must not leave the directory locked (or even created).
+    assert not (tmp_path / "ckpt" / ".lock").exists()
+    tg.CheckpointManager(tmp_path / "ckpt", make_state()).close()
+
+
+def test_constructor_accepts_float_seconds_and_none_policies(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state(), every_seconds=0.5, keep_last=None) as mgr:
+        assert mgr.every_seconds == 0.5
+        assert mgr.keep_last is None
+    with tg.CheckpointManager(tmp_path, make_state(), every_seconds=2) as mgr:
+        assert mgr.every_seconds == 2
+
+
+def test_bad_save_on_signals_is_rejected_and_leaves_no_lock(tmp_path: Path):
+    with pytest.raises(InvalidArgumentError, match="save_on_signals"):
+        tg.CheckpointManager(tmp_path, make_state(), save_on_signals=(signal.SIGKILL,))
+    # The failed constructor must not keep the directory locked for this very process.
+    tg.CheckpointManager(tmp_path, make_state(), save_on_signals=()).close()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.step(1),
+        lambda m: m.save(1),
+        lambda m: m.restore(),
+        lambda m: m.restore(step=0),
+        lambda m: m.load(0),
+        lambda m: m.wait(),
+    ],
+    ids=["step", "save", "restore", "restore_step", "load", "wait"],
+)
+def test_calls_after_close_raise(tmp_path: Path, call: Any):
+    mgr = tg.CheckpointManager(tmp_path, make_state())
+    mgr.save(0)
+    mgr.close()
+    with pytest.raises(InvalidArgumentError, match=r"after close\(\)"):
+        call(mgr)
+
+
+@ASYNC
+def test_close_is_idempotent_waits_and_releases_the_lock(tmp_path: Path, async_save: bool):
+    mgr = tg.CheckpointManager(tmp_path, make_state(), async_save=async_save)
+    assert (tmp_path / ".lock").exists()
+    mgr.save(3)
+    mgr.close()
+    # close() waited for the in-flight save and recorded it.
+    assert mgr.exists(3)
+    assert [s.step for s in mgr.stats] == [3] and mgr.stats[0].ok
+    assert not (tmp_path / ".lock").exists()
+    mgr.close()
+    mgr.close()
+    # Listing still works on a closed manager; the directory is free for the next job.
+    assert mgr.steps() == [3]
+    tg.CheckpointManager(tmp_path, make_state()).close()
+
+
+def test_context_manager_closes_even_on_error(tmp_path: Path):
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        tg.CheckpointManager(tmp_path, make_state(), every_steps=1) as mgr,
+    ):
+        assert isinstance(mgr, tg.CheckpointManager)
+        mgr.step(0)
+        raise RuntimeError("boom")
+    assert mgr.exists(0)
+    with pytest.raises(InvalidArgumentError):
+        mgr.step(1)
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_steps_must_increase(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state(), every_steps=100) as mgr:
+        mgr.step(5)
+        with pytest.raises(InvalidArgumentError, match="step 5 is not after the previous step 5"):
+            mgr.step(5)
+        with pytest.raises(InvalidArgumentError, match="step 4 is not after"):
+            mgr.step(4)
+        mgr.step(6)
+        for bad in (-1, 7.0, "8", None, True):
+            with pytest.raises(InvalidArgumentError, match="step must be"):
+                mgr.step(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="step must be"):
+            mgr.save(-3)
+
+
+def test_step_after_restore_must_follow_the_restored_step(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        save_steps(mgr, [0, 10])
+    with tg.CheckpointManager(tmp_path, make_state(), every_steps=1) as mgr:
+        assert mgr.restore() == 10
+        with pytest.raises(InvalidArgumentError, match="restore"):
+            mgr.step(10)
+        assert mgr.step(11) is True
+
+
+# -- 2. save policies ---------------------------------------------------------------------------
+
+
+@ASYNC
+def test_every_steps(tmp_path: Path, async_save: bool):
+    with tg.CheckpointManager(tmp_path, make_state(), every_steps=3, async_save=async_save) as mgr:
+        fired = [s for s in range(10) if mgr.step(s)]
+        mgr.wait()
+        assert fired == [0, 3, 6, 9]
+        assert mgr.steps() == [0, 3, 6, 9]
+
+
+@ASYNC
+def test_every_epochs_saves_when_the_epoch_changes(tmp_path: Path, async_save: bool):
+    with tg.CheckpointManager(tmp_path, make_state(), every_epochs=2, async_save=async_save) as mgr:
+        schedule = [  # (step, epoch)
+            (0, 0),
+            (1, 0),
+            (2, 1),  # changed, but 1 % 2 != 0
+            (3, 1),
+            (4, 2),  # changed and 2 % 2 == 0: save
+            (5, 2),  # same epoch: no second save
+            (6, 3),
+            (7, 4),  # save
+            (8, 4),
+            (9, 6),  # jumped two epochs: still a change to a multiple of 2
+        ]
+        fired = [s for s, e in schedule if mgr.step(s, epoch=e)]
+        mgr.wait()
+        assert fired == [4, 7, 9]
+        assert mgr.steps() == [4, 7, 9]
+        assert tg.read_manifest(mgr.path(7))["epoch"] == 4
+
+
+def test_every_epochs_without_epoch_never_fires(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state(), every_epochs=1) as mgr:
+        assert not any(mgr.step(s) for s in range(5))
+        assert mgr.steps() == []
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@ASYNC
+def test_every_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool):
+    clock = FakeClock()
+    monkeypatch.setattr(manager_mod.time, "monotonic", clock)
+    with tg.CheckpointManager(
+        tmp_path, make_state(), every_seconds=10.0, async_save=async_save
+    ) as mgr:
+        fired = []
+        for s, now in enumerate([1001, 1005, 1009.9, 1010, 1012, 1019.9, 1020.5, 1021, 1040]):
+            clock.now = now
+            if mgr.step(s):
+                fired.append(s)
+        mgr.wait()
+    # The interval counts from construction, then from the last save.
+    assert fired == [3, 6, 8]
+    assert mgr.steps() == [3, 6, 8]
+
+
+def test_every_seconds_counts_from_restore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        save_steps(mgr, [4])
+    clock = FakeClock()
+    monkeypatch.setattr(manager_mod.time, "monotonic", clock)
+    with tg.CheckpointManager(tmp_path, make_state(), every_seconds=60.0) as mgr:
+        clock.now = 2000.0
+        assert mgr.restore() == 4  # restore takes a while; the interval starts after it
+        clock.now = 2030.0
+        assert mgr.step(5) is False
+        clock.now = 2060.0
+        assert mgr.step(6) is True
+
+
+def test_any_policy_fires(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    clock = FakeClock()
+    monkeypatch.setattr(manager_mod.time, "monotonic", clock)
+    with tg.CheckpointManager(
+        tmp_path, make_state(), every_steps=5, every_epochs=1, every_seconds=100.0
+    ) as mgr:
+        fired = []
+        for s in range(1, 12):
+            epoch = 0 if s < 7 else 1
+            clock.now = 1000.0 + (150.0 if s == 3 else 0.0) + (1.0 if s > 3 else 0.0)
+            if mgr.step(s, epoch=epoch):
+                fired.append(s)
+        mgr.wait()
+    # 3: seconds, 5 and 10: steps, 7: epoch 0 -> 1.
+    assert fired == [3, 5, 7, 10]
+
+
+def test_no_policy_saves_only_on_request(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        assert not any(mgr.step(s) for s in range(20))
+        assert mgr.steps() == []
+        assert mgr.save(20) is True
+        mgr.wait()
+        assert mgr.steps() == [20]
+
+
+# -- 2. retention -------------------------------------------------------------------------------
+
+
+@ASYNC
+def test_keep_last(tmp_path: Path, async_save: bool):
+    with tg.CheckpointManager(tmp_path, make_state(), keep_last=2, async_save=async_save) as mgr:
+        save_steps(mgr, [1, 2, 3, 4, 5])
+        assert mgr.steps() == [4, 5]
+        assert [saved_value(mgr, s) for s in (4, 5)] == [4.0, 5.0]
+    # Deleted checkpoints leave nothing behind: no renamed-aside or staging directories.
+    assert dir_names(tmp_path) == ["step-000000004", "step-000000005"]
+
+
+def test_keep_everything_by_default(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state(), every_steps=1) as mgr:
+        for s in range(12):
+            mgr.step(s)
+        mgr.wait()
+        assert mgr.steps() == list(range(12))
+
+
+@ASYNC
+def test_keep_every_steps_with_keep_last(tmp_path: Path, async_save: bool):
+    with tg.CheckpointManager(
+        tmp_path, make_state(), keep_last=1, keep_every_steps=3, async_save=async_save
+    ) as mgr:
+        save_steps(mgr, [1, 2, 3, 4, 5, 6, 7, 8])
+        assert mgr.steps() == [3, 6, 8]
+
+
+LOSSES = {1: 5.0, 2: 1.0, 3: 4.0, 4: 2.0, 5: 9.0, 6: 3.0}
+
+
+@ASYNC
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("min", [2, 4, 6]), ("max", [1, 5, 6])],  # best two, plus the newest (6)
+)
+def test_keep_best(tmp_path: Path, async_save: bool, mode: str, expected: list[int]):
+    with tg.CheckpointManager(
+        tmp_path,
+        make_state(),
+        keep_best=2,
+        best_metric="loss",
+        best_mode=mode,
+        async_save=async_save,
+    ) as mgr:
+        save_steps(mgr, list(LOSSES), metrics=lambda s: {"loss": LOSSES[s], "other": -s})
+        assert mgr.steps() == expected
+
+
+@ASYNC
+def test_retention_keeps_the_union(tmp_path: Path, async_save: bool):
+    acc = {1: 0.9, 2: 0.1, 3: 0.2, 4: 0.3, 5: 0.5, 6: 0.4, 7: 0.0, 8: 0.35, 9: 0.1}
+    with tg.CheckpointManager(
+        tmp_path,
+        make_state(),
+        keep_last=2,
+        keep_every_steps=4,
+        keep_best=1,
+        best_metric="acc",
+        best_mode="max",
+        async_save=async_save,
+    ) as mgr:
+        save_steps(mgr, list(acc), metrics=lambda s: {"acc": acc[s]})
+        # last two {8, 9}, every 4th {4, 8}, best one {1}
+        assert mgr.steps() == [1, 4, 8, 9]
+
+
+def test_retention_never_deletes_the_newest(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    with tg.CheckpointManager(tmp_path, make_state(), keep_best=1, best_metric="loss") as mgr:
+        save_steps(mgr, [1, 2], metrics=lambda s: {"loss": float(s)})
+        assert mgr.steps() == [1, 2]  # 2 is the worst but the newest
+        save_steps(mgr, [3], metrics=lambda s: {"loss": 10.0})
+        assert mgr.steps() == [1, 3]
+        caplog.set_level(logging.WARNING, logger="tardigrade")
+        save_steps(mgr, [4])  # no metric at all: cannot rank, still the newest
+        assert mgr.steps() == [1, 4]
+        assert "step 4 saved without metric 'loss'" in caplog.text
+
+
+def test_retention_after_restart_reads_metrics_from_disk(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:  # keeps everything
+        save_steps(mgr, list(LOSSES), metrics=lambda s: {"loss": LOSSES[s]})
+        assert mgr.steps() == [1, 2, 3, 4, 5, 6]
+    with tg.CheckpointManager(
+        tmp_path, make_state(), keep_last=1, keep_best=2, best_metric="loss", every_steps=1
+    ) as mgr:
+        assert mgr.restore() == 6
+        assert mgr.step(7, metrics={"loss": 8.0}) is True
+        mgr.wait()
+        # best two by the losses written in the manifests by the first manager: 2 and 4.
+        assert mgr.steps() == [2, 4, 7]
+    with tg.CheckpointManager(tmp_path, make_state(), keep_last=2) as mgr:
+        assert mgr.restore() == 7
+        save_steps(mgr, [8])
+        assert mgr.steps() == [7, 8]
+
+
+@ASYNC
+def test_retention_deletes_only_after_the_new_checkpoint_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+):
+    mgr = tg.CheckpointManager(tmp_path, make_state(), keep_last=1, async_save=async_save)
+    save_steps(mgr, [1])
+    # Every deletion must happen while the newest save is already committed.
+    newest: list[int] = []
+    real_rmtree = manager_mod.shutil.rmtree
+
+    def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        if "deleting" in os.fspath(path):
+            assert mgr.exists(newest[-1]), "deleted an old checkpoint before the new one committed"
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(manager_mod.shutil, "rmtree", rmtree)
+
+    real_commit = local.LocalStorage.commit
+
+    def failing_commit(self: Any, staging: str, name: str, *, replace: bool) -> None:
+        if name.endswith("000000002"):
+            raise StorageError(5, "injected commit failure")
+        real_commit(self, staging, name, replace=replace)
+
+    monkeypatch.setattr(local.LocalStorage, "commit", failing_commit)
+    newest.append(2)
+    mark(mgr.state, 2)
+    mgr.save(2)
+    mgr.wait()
+    assert mgr.stats.failed == 1
+    assert mgr.steps() == [1]  # the failed save deleted nothing
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+    newest.append(3)
+    save_steps(mgr, [3])
+    assert mgr.steps() == [3]
+    mgr.close()
+
+
+def test_retention_spares_a_checkpoint_being_loaded(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state(), keep_last=1) as mgr:
+        save_steps(mgr, [1])
+        mgr._loading.add(1)  # as while mgr.load(1) / restore() reads it
+        save_steps(mgr, [2, 3])
+        assert mgr.steps() == [1, 3]
+        mgr._loading.discard(1)
+        save_steps(mgr, [4])
+        assert mgr.steps() == [4]
+
+
+def test_retention_after_restore_to_an_older_step_keeps_the_new_timeline(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        save_steps(mgr, [1, 2, 3, 4, 5])
+    with tg.CheckpointManager(tmp_path, make_state(), keep_last=2, every_steps=1) as mgr:
+        assert mgr.restore(step=2) == 2
+        mark(mgr.state, 30)
+        assert mgr.step(3) is True
+        mgr.wait()
+        # The checkpoint just saved is the newest of this run: it must survive retention.
+        assert mgr.exists(3)
+        assert saved_value(mgr, 3) == 30.0
+        assert 2 in mgr.steps()
+
+
+@ASYNC
+def test_keep_best_ranks_a_replaced_checkpoint_by_its_new_metric(tmp_path: Path, async_save):
+    with tg.CheckpointManager(
+        tmp_path,
+        make_state(),
+        keep_last=1,
+        keep_best=1,
+        best_metric="loss",
+        async_save=async_save,
+    ) as mgr:
+        save_steps(mgr, [1], metrics=lambda s: {"loss": 1.0})
+        save_steps(mgr, [2], metrics=lambda s: {"loss": 9.0})
+        assert mgr.steps() == [1, 2]
+        mark(mgr.state, 20)
+        assert mgr.save(2, metrics={"loss": 0.5}, force=True) is True  # now the best
+        mgr.wait()
+        assert tg.read_manifest(mgr.path(2))["metrics"] == {"loss": 0.5}
+        save_steps(mgr, [3], metrics=lambda s: {"loss": 5.0})
+        assert mgr.steps() == [2, 3]
+        assert saved_value(mgr, 2) == 20.0
+
+
+# -- 3. restore ---------------------------------------------------------------------------------
+
+
+def test_restore_on_an_empty_or_missing_directory_returns_none(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path / "fresh", make_state()) as mgr:
+        assert mgr.restore() is None
+        assert mgr.steps() == [] and mgr.latest() is None
+
+
+@ASYNC
+def test_restore_latest_and_exact_step(tmp_path: Path, async_save: bool):
+    with tg.CheckpointManager(tmp_path, make_state(), async_save=async_save) as mgr:
+        save_steps(mgr, [0, 5, 10])
+    state = make_state(seed=1)
+    with tg.CheckpointManager(tmp_path, state, async_save=async_save) as mgr:
+        assert mgr.restore() == 10
+        assert float(state["model"].weight.detach()[0, 0]) == 10.0
+        assert state["step"] == 10
+        assert torch.equal(state["extra"]["hist"], torch.full((5,), 10.0))
+        assert mgr.restore(step=5) == 5
+        assert float(state["model"].weight.detach()[1, 2]) == 5.0
+        assert state["step"] == 5
+        with pytest.raises(CheckpointNotFoundError, match=r"step 7.*\[0, 5, 10\]"):
+            mgr.restore(step=7)
+
+
+def test_restore_restores_optimizer_state(tmp_path: Path):
+    state = make_state()
+    model, opt = state["model"], state["optim"]
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    buf = opt.state[model.weight]["momentum_buffer"].clone()
+    with tg.CheckpointManager(tmp_path, state) as mgr:
+        mgr.save(3)
+    fresh = make_state(seed=7)
+    with tg.CheckpointManager(tmp_path, fresh) as mgr:
+        assert mgr.restore() == 3
+    for k, v in fresh["model"].state_dict().items():
+        assert torch.equal(v, expected[k])
+    fresh_model = fresh["model"]
+    assert torch.equal(fresh["optim"].state[fresh_model.weight]["momentum_buffer"], buf)
+
+
+# -- 7. stats -----------------------------------------------------------------------------------
+
+
+@ASYNC
+def test_stats_one_entry_per_save(tmp_path: Path, caplog: pytest.LogCaptureFixture, async_save):
+    caplog.set_level(logging.INFO, logger="tardigrade")
+    state = make_state()
+    state["extra"]["big"] = torch.randn(256, 1024)  # 1 MiB
+    with tg.CheckpointManager(tmp_path, state, every_steps=2, async_save=async_save) as mgr:
+        for s in range(5):
+            mgr.step(s)
+        mgr.wait()
+        assert [s.step for s in mgr.stats] == [0, 2, 4]
+        for s in mgr.stats:
+            assert isinstance(s, tg.SaveStats)
+            assert s.ok and s.error is None
+            assert s.nbytes > 1024 * 1024
+            assert 0 <= s.blocking_seconds <= s.total_seconds
+            assert s.total_seconds > 0
+            assert s.throughput_gbps > 0
+            assert s.throughput_gbps == pytest.approx(s.nbytes / s.total_seconds / 1e9)
+        assert mgr.stats.succeeded == 3 and mgr.stats.failed == 0
+    saved = [
+        r
+        for r in caplog.records
+        if r.name == "tardigrade" and r.levelno == logging.INFO and "saved step" in r.getMessage()
+    ]
+    assert [r.getMessage().split("saved step ")[1].split(":")[0] for r in saved] == ["0", "2", "4"]
+    assert "MB" in saved[0].getMessage() and "GB/s" in saved[0].getMessage()
+
+
+def test_async_save_blocks_less_than_it_takes(tmp_path: Path):
+    state = {"big": torch.randn(4 * 1024 * 1024)}  # 16 MiB
+    with tg.CheckpointManager(tmp_path, state, async_save=True) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        s = mgr.stats[0]
+        assert s.ok and s.blocking_seconds < s.total_seconds
+
+
+# -- 8. abandoned futures, existing steps -------------------------------------------------------
+
+
+@ASYNC
+def test_restore_to_an_older_step_replaces_the_abandoned_future(tmp_path: Path, async_save):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        save_steps(mgr, [1, 2, 3, 4])
+    with tg.CheckpointManager(tmp_path, make_state(), every_steps=1, async_save=async_save) as mgr:
+        assert mgr.restore(step=2) == 2
+        mark(mgr.state, 300)
+        assert mgr.step(3) is True
+        mgr.wait()
+        assert mgr.stats[-1].ok
+        assert saved_value(mgr, 3) == 300.0  # replaced by the new timeline
+        assert saved_value(mgr, 4) == 4.0  # not yet reached again
+        assert mgr.steps() == [1, 2, 3, 4]
+        mark(mgr.state, 400)
+        assert mgr.save(4) is True
+        mgr.wait()
+        assert saved_value(mgr, 4) == 400.0
+
+
+def test_only_the_abandoned_timeline_is_replaced_silently(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        save_steps(mgr, [1, 2, 3, 4])
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        assert mgr.restore(step=1) == 1
+        save_steps(mgr, [2])  # replaces the abandoned step 2
+        mark(mgr.state, 99)
+        with pytest.raises(CheckpointExistsError):
+            mgr.save(2)  # this run's own checkpoint: not abandoned any more
+        assert saved_value(mgr, 2) == 2.0
+
+
+def test_saving_an_existing_step_raises_without_a_restore(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        save_steps(mgr, [1, 2, 3])
+        with pytest.raises(CheckpointExistsError, match=r"step 2 already exists.*force=True"):
+            mgr.save(2)
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        with pytest.raises(CheckpointExistsError):
+            mgr.save(3)
+        assert mgr.restore() == 3
+        with pytest.raises(CheckpointExistsError):
+            mgr.save(2)  # older than the restored step: not an abandoned future
+        assert mgr.stats == []  # a programming error is not a failed save
+        mark(mgr.state, 22)
+        assert mgr.save(2, force=True) is True
+        mgr.wait()
+        assert saved_value(mgr, 2) == 22.0
+        assert mgr.steps() == [1, 2, 3]
+
+
+def test_force_replaces_in_raise_mode_too(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state(), on_save_error="raise") as mgr:
+        save_steps(mgr, [1])
+        mark(mgr.state, 11)
+        assert mgr.save(1, force=True) is True
+        mgr.wait()
+        assert saved_value(mgr, 1) == 11.0
+        with pytest.raises(CheckpointExistsError):
+            mgr.save(1)
+
+
+# -- 9. load, listing -------------------------------------------------------------------------
+
+
+def test_load_keys_latest_steps_exists(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        assert mgr.latest() is None and mgr.steps() == [] and not mgr.exists(0)
+        with pytest.raises(CheckpointNotFoundError):
+            mgr.load()
+        save_steps(mgr, [7, 3, 12])  # saved out of order on purpose: steps() sorts
+        assert mgr.steps() == [3, 7, 12]
+        assert mgr.latest() == 12
+        assert mgr.exists(7) and not mgr.exists(8)
+        assert mgr.path(7) == os.path.join(os.fspath(tmp_path), "step-000000007")
+
+        tree = mgr.load(7, keys=["model"])
+        assert set(tree) == {"model"}
+        assert set(tree["model"]) == {"weight", "bias"}
+        assert torch.equal(tree["model"]["weight"], torch.full((3, 4), 7.0))
+
+        full = mgr.load()  # latest
+        assert {"model", "optim", "step", "extra"} <= set(full)
+        assert full["step"] == 12
+        with pytest.raises(CheckpointNotFoundError, match="step 8"):
+            mgr.load(8)
+        assert mgr._loading == set()
+
+
+def test_steps_ignores_foreign_and_staging_entries(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        save_steps(mgr, [1])
+        (tmp_path / "step-000000002").mkdir()  # incomplete: no manifest
+        (tmp_path / ".tmp-step-000000003-abc").mkdir()
+        (tmp_path / "notes.txt").write_text("hi")
+        (tmp_path / "step-12").mkdir()
+        assert mgr.steps() == [1]
+        assert mgr.latest() == 1
+        assert not mgr.exists(2)
+
+
+# -- 6. signals, in process ---------------------------------------------------------------------
+
+
+def test_signal_handler_installed_and_restored(tmp_path: Path):
+    def original(signum: int, frame: Any) -> None:  # pragma: no cover - never delivered
+        pass
+
+    before = signal.signal(signal.SIGTERM, original)
+    try:
+        mgr = tg.CheckpointManager(tmp_path, make_state(), save_on_signals=(signal.SIGTERM,))
+        assert signal.getsignal(signal.SIGTERM) != original
+        mgr.close()
+        assert signal.getsignal(signal.SIGTERM) is original
+        with tg.CheckpointManager(tmp_path, make_state(), save_on_signals=()):
+            assert signal.getsignal(signal.SIGTERM) is original
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@ASYNC
+def test_signal_saves_at_the_next_step_and_stops(tmp_path: Path, async_save: bool):
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with tg.CheckpointManager(
+            tmp_path,
+            make_state(),
+            every_steps=1000,
+            async_save=async_save,
+            save_on_signals=(signal.SIGTERM,),
+        ) as mgr:
+            for s in range(1, 4):
+                assert mgr.step(s) is False
+            mark(mgr.state, 4)
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while mgr._signalled is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not mgr.should_stop
+            assert mgr.step(4) is True
+            assert mgr.should_stop
+            # Saved synchronously: committed before step() returned.
+            assert mgr.exists(4)
+            assert saved_value(mgr, 4) == 4.0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+# -- 5. save errors, in process ---------------------------------------------------------------
+
+
+@ASYNC
+def test_injected_storage_failure_warn_and_raise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, async_save
+):
+    caplog.set_level(logging.INFO, logger="tardigrade")
+    real_commit = local.LocalStorage.commit
+    failing = {"on": False}
+
+    def commit(self: Any, staging: str, name: str, *, replace: bool) -> None:
+        if failing["on"]:
+            raise StorageError(5, "injected I/O error")
+        real_commit(self, staging, name, replace=replace)
+
+    monkeypatch.setattr(local.LocalStorage, "commit", commit)
+    with tg.CheckpointManager(tmp_path / "w", make_state(), async_save=async_save) as mgr:
+        save_steps(mgr, [1])
+        failing["on"] = True
+        mark(mgr.state, 2)
+        ok = mgr.save(2)
+        mgr.wait()
+        assert ok is async_save  # async: the failure surfaces on wait()
+        assert mgr.stats.failed == 1 and mgr.stats.succeeded == 1
+        assert mgr.stats[-1].step == 2 and not mgr.stats[-1].ok
+        assert "injected I/O error" in (mgr.stats[-1].error or "")
+        failing["on"] = False
+        save_steps(mgr, [3])
+        assert mgr.steps() == [1, 3]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert "SAVE FAILED for step 2" in errors[0].getMessage()
+    assert "injected I/O error" in errors[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    "async_save",
+    [
+        False,
+        True,
+    ],
+    ids=["sync", "async"],
+)
+def test_raise_mode_raises_each_failure_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+):
+    real_commit = local.LocalStorage.commit
+    failing = {"on": True}
+
+    def commit(self: Any, staging: str, name: str, *, replace: bool) -> None:
+        if failing["on"]:
+            raise StorageError(5, "injected I/O error")
+        real_commit(self, staging, name, replace=replace)
+
+    monkeypatch.setattr(local.LocalStorage, "commit", commit)
+    mgr = tg.CheckpointManager(tmp_path, make_state(), on_save_error="raise", async_save=async_save)
+    try:
+        with pytest.raises(SaveError, match="injected I/O error"):
+            mgr.save(1)
+            mgr.wait()
+        assert mgr.stats.failed == 1
+        failing["on"] = False
+        mgr.wait()  # the failure was reported already
+        assert mgr.save(2) is True
+        mgr.wait()
+        assert [(s.step, s.ok) for s in mgr.stats] == [(1, False), (2, True)]
+    finally:
+        failing["on"] = False
+        mgr.close()
+    assert mgr.steps() == [2]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]

@@ -527,12 +527,23 @@ def load(
                 + "\n  ".join(matcher.diffs)
                 + "\nPass strict=False to load what matches, or fix the live state."
             )
+    _check_sizes(storage, name, m, {c.file for e in needed for c in m.tensors[e].chunks})
     dest = matcher.dest
     for e in needed:
         if e not in dest:
             info = m.tensors[e]
             dest[e] = torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
-    _read_entries(storage, name, m, needed, dest, verify, workers, _entry_paths(tree))
+    try:
+        _read_entries(storage, name, m, needed, dest, verify, workers, _entry_paths(tree))
+    except TardigradeError as e:
+        if into is None or not matcher.dest:
+            raise
+        # Bytes go straight into the live tensors (no second copy of the state), so damage
+        # found mid-way leaves some of them overwritten: say so, and what to do.
+        raise type(e)(
+            f"{e}\nThe live state may be partly overwritten; restore it from another "
+            "checkpoint (CheckpointManager.restore() verifies before it loads)."
+        ) from e
 
     def leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
         t = dest[node["e"]]
@@ -546,6 +557,18 @@ def load(
         return value
     _Applier(matcher, strict, where).apply(tree, into, value, ())
     return value
+
+
+def _check_sizes(storage: Storage, name: str, m: Manifest, files: set[str]) -> None:
+    """Data files must be as large as the manifest says before anything is allocated for them."""
+    for file in sorted(files):
+        with storage.open_reader(f"{name}/{file}") as src:
+            if src.size != m.files[file]:
+                raise CorruptCheckpointError(
+                    f"{src.name}: file is {src.size} bytes but the manifest recorded "
+                    f"{m.files[file]} (truncated or modified after commit). Delete this "
+                    "checkpoint or restore it from a backup."
+                )
 
 
 def _read_entries(

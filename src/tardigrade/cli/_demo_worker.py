@@ -132,15 +132,13 @@ def restore_latest(ckpt_dir: str, state: dict[str, Any]) -> str | None:
     """Restore the newest checkpoint that is complete and verifies; return its name."""
     for c in reversed(committed(ckpt_dir)):
         try:
-            # Verify first: a damaged checkpoint is then skipped before any byte of it has
-            # been copied into the live model.
+            # Verify first: load(into=) reads straight into the live tensors, so a damaged
+            # checkpoint must be rejected before any of its bytes reach the model.
             tg.verify(c.path)
-            # load(into=) restores in place: tensors are read straight into the live model and
-            # optimizer, load_state_dict() is called, the RNGs are reset, the counters are
-            # replaced. "losses" is read on its own: a strict load(into=) rejects a list whose
-            # length differs from the live one, and the live list is empty.
-            tg.load(c.path, into=state, keys=[k for k in state if k != "losses"])
-            state["losses"] = tg.load(c.path, keys=["losses"])["losses"]
+            # Restore in place: tensors are read into the live model and optimizer,
+            # load_state_dict() is called on each object, the RNGs are reset, and plain values
+            # (step, epoch, the loss list) are replaced.
+            tg.load(c.path, into=state)
         except TardigradeError as e:
             emit("skipped", name=c.name, reason=str(e))
             continue

@@ -113,3 +113,15 @@ def list_checkpoints(directory: str) -> list[Listed]:
 def committed(directory: str) -> list[Listed]:
     """The committed checkpoints in ``directory``, oldest step first."""
     return [c for c in list_checkpoints(directory) if c.status == COMMITTED]
+
+
+def require_single(path: str) -> None:
+    """Explain, instead of "no manifest", when ``path`` holds checkpoints rather than being one."""
+    if not os.path.isdir(path) or os.path.lexists(os.path.join(path, MANIFEST)):
+        return
+    found = committed(path)
+    if found:
+        raise CheckpointNotFoundError(
+            f"{path}: is a directory of {len(found)} checkpoint(s), not a checkpoint; name one, "
+            f"e.g. {os.path.join(path, found[-1].name)} (`tardigrade ls {path}` lists them)"
+        )

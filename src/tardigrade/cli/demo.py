@@ -21,6 +21,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,9 +187,8 @@ def run_child(
     return out
 
 
-def _kill_after(proc: subprocess.Popen[str], seconds: float) -> Any:
-    import threading
-
+def _kill_after(proc: subprocess.Popen[str], seconds: float) -> threading.Timer:
+    """A watchdog: a child that hangs (it should not) is killed instead of hanging the demo."""
     timer = threading.Timer(seconds, lambda: proc.poll() is None and proc.kill())
     timer.daemon = True
     timer.start()
@@ -225,6 +225,12 @@ def first_difference(a: list[float], b: list[float]) -> int | None:
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+def _prog() -> str:
+    """How the user ran us (``.venv/bin/tardigrade`` under make), for commands we suggest."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return argv0 if os.path.basename(argv0) == "tardigrade" else "tardigrade"
 
 
 def _fail(what: str, child: ChildRun) -> int:
@@ -313,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
     newest = [c.name for c in on_disk if c.status == "committed"][-1:]
     print(
         f"       on disk after the kill: {sum(c.status == 'committed' for c in on_disk)} "
-        f"committed checkpoints (newest {newest[0] if newest else 'none'}), "
+        f"committed checkpoints{f' (newest {newest[0]})' if newest else ''}, "
         f"{len(tmp_left)} incomplete .tmp dir (never visible to load)"
     )
     for name, reason in second.skipped:
@@ -334,7 +340,10 @@ def run(args: argparse.Namespace) -> int:
     print()
     resumed_step = int(second.resumed_from.rsplit("-", 1)[1]) if second.resumed_from else 0
     print(f"killed at step       {first.killed_in_save} (in the middle of its save)")
-    print(f"resumed from step    {resumed_step} ({checkpoint_name(resumed_step)})")
+    print(
+        f"resumed from step    {resumed_step} "
+        + (f"({second.resumed_from})" if second.resumed_from else "(no complete checkpoint yet)")
+    )
     avg = save_seconds / len(saves) if saves else 0.0
     print(
         f"time spent saving    {save_seconds:.3f} s in {len(saves)} saves "
@@ -358,6 +367,6 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(
         f"bit-identical: {'yes' if ok else 'NO'}  "
-        f"(demo took {time.perf_counter() - started:.1f} s; try: tardigrade ls {args.dir})"
+        f"(demo took {time.perf_counter() - started:.1f} s; try: {_prog()} ls {args.dir})"
     )
     return 0 if ok else 1

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from .. import load, read_manifest
 from .._tree import decode
 from ..errors import CheckpointExistsError, InvalidArgumentError
+from ._listing import require_single
 from ._output import human_bytes
 
 HELP = "write a checkpoint's tensors (e.g. the model weights) to one .safetensors file"
@@ -151,8 +152,12 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"{out_path}: is a directory; give a file name to write")
     if os.path.lexists(out_path) and not args.force:
         raise CheckpointExistsError(f"{out_path}: already exists; pass --force to overwrite it")
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(out_dir):
+        raise InvalidArgumentError(f"{out_path}: directory {out_dir} does not exist")
     if args.no_prefix and len(keys) != 1:
         raise InvalidArgumentError("--no-prefix needs exactly one --keys KEY")
+    require_single(args.ckpt)
     manifest = read_manifest(args.ckpt)
     where = os.path.abspath(args.ckpt)
     resolved = [resolve_key(manifest["tree"], k, where) for k in keys]
@@ -181,11 +186,11 @@ def run(args: argparse.Namespace) -> int:
     if manifest.get("step") is not None:
         metadata["tardigrade_step"] = str(manifest["step"])
     # Write beside OUT and rename, so OUT is never left half-written.
-    out_dir = os.path.dirname(os.path.abspath(out_path))
     fd, tmp = tempfile.mkstemp(prefix=".tardigrade-export-", suffix=".tmp", dir=out_dir)
     os.close(fd)
     try:
         save_file(_unshared(tensors), tmp, metadata=metadata)
+        os.chmod(tmp, 0o644)  # mkstemp made it private; OUT is an ordinary file
         os.replace(tmp, out_path)
     except BaseException:
         if os.path.exists(tmp):

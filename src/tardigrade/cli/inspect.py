@@ -14,8 +14,11 @@ import os
 from typing import Any
 
 from .. import read_manifest
+from .._tree import decode
+from ..errors import CorruptCheckpointError, InvalidArgumentError
 from ..format.dtypes import ITEMSIZE
 from ..format.manifest import MANIFEST
+from ._listing import require_single
 from ._output import human_bytes, table
 
 HELP = "show what a checkpoint holds (reads the manifest only)"
@@ -45,14 +48,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.depth is not None and args.depth < 1:
+        raise InvalidArgumentError(f"--depth {args.depth}: must be at least 1")
+    require_single(args.ckpt)
     m = read_manifest(args.ckpt)
     if args.json:
         print(json.dumps(m, indent=2))
         return 0
-    print("\n".join(summary(args.ckpt, m)))
+    where = os.path.abspath(args.ckpt)
+    # The manifest's tree is untrusted input: validate it whole before walking it.
+    decode(m["tree"], lambda node, path: None, where)
+    try:
+        head = summary(args.ckpt, m)
+        tree = render_tree(m, depth=args.depth)
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(
+            f"{where}: the manifest is malformed ({type(e).__name__}: {e}); it was damaged or not "
+            "written by Tardigrade"
+        ) from None
+    print("\n".join(head))
     print()
     print("state")
-    print("\n".join(render_tree(m, depth=args.depth)))
+    print("\n".join(tree))
     return 0
 
 

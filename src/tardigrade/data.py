@@ -15,10 +15,13 @@ How the position stays exact:
   ``loader``: it advances the position when a batch is *delivered to the training loop*, and
   the sampler's own yields stop counting.
 
-Bit-exact resume also needs the DataLoader not to draw from the global torch RNG when an
-iterator is created mid-epoch (it draws a base seed for its workers each time): pass
-``DataLoader(..., generator=torch.Generator().manual_seed(s))`` and keep that generator's state
-in the checkpoint, or create it from the epoch.
+Bit-exact resume also needs the DataLoader not to draw from the global torch RNG: each new
+loader iterator draws a base seed for its workers, from the loader's ``generator`` or else from
+the global RNG, and a resumed run creates its iterator at another point of the global random
+stream (so dropout would diverge). Pass the sampler's own generator, which is reseeded from
+(seed, epoch, position) whenever the position jumps::
+
+    DataLoader(ds, batch_size=B, sampler=sampler, generator=sampler.generator)
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     """An index sampler whose position (epoch, samples consumed) is saved and restored exactly.
 
     >>> sampler = tg.ResumableSampler(len(ds), shuffle=True, seed=0)       # doctest: +SKIP
-    >>> loader = DataLoader(ds, batch_size=32, sampler=sampler)            # doctest: +SKIP
+    >>> loader = DataLoader(ds, batch_size=32, sampler=sampler,
+    ...                     generator=sampler.generator)                    # doctest: +SKIP
     >>> state = {"model": model, "optim": opt, "data": sampler}            # doctest: +SKIP
     >>> for batch in loader: ...   # runs to the end of the epoch, then advances the epoch
 
@@ -74,6 +78,13 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.epoch = 0
         self.consumed = 0  # samples consumed globally in self.epoch
         self._tracked = False
+        self.generator = torch.Generator()
+        self._reseed()
+
+    def _reseed(self) -> None:
+        """Make the loader's worker seeds a function of the position, not of global RNG draws."""
+        mix = self.seed * 0x9E3779B97F4A7C15 + self.epoch * 0xBF58476D1CE4E5B9 + self.consumed
+        self.generator.manual_seed(mix % (2**63))
 
     def order(self, epoch: int) -> torch.Tensor:
         """The global order of indices for ``epoch`` (identical on every rank and world size)."""
@@ -105,6 +116,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def _next_epoch(self) -> None:
         self.epoch += 1
         self.consumed = 0
+        self._reseed()
 
     def track(self, loader: Iterable[Any], batch_size: int | None = None) -> Iterator[Any]:
         """Iterate ``loader`` (which uses this sampler), advancing the position per delivered batch.
@@ -144,5 +156,15 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                     f"has {getattr(self, key)!r}; the data order would differ. Build the sampler "
                     "with the same dataset length, seed and shuffle."
                 )
-        self.epoch = int(state_dict["epoch"])
-        self.consumed = int(state_dict["consumed"])
+        epoch, consumed = state_dict.get("epoch"), state_dict.get("consumed")
+        if type(epoch) is not int or epoch < 0:
+            raise StateMismatchError(
+                f"ResumableSampler: checkpoint has epoch={epoch!r}; expected an int >= 0"
+            )
+        if type(consumed) is not int or not 0 <= consumed <= self.dataset_len:
+            raise StateMismatchError(
+                f"ResumableSampler: checkpoint has consumed={consumed!r}; expected an int in "
+                f"[0, {self.dataset_len}]"
+            )
+        self.epoch, self.consumed = epoch, consumed
+        self._reseed()

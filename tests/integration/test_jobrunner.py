@@ -1,0 +1,325 @@
+"""Job and JobRunner: the Caffe2 epoch-level job, checkpointed after init and every epoch.
+
+The job folds each epoch into a running total with an order-sensitive rule
+(``total = 3 * total + epoch``), so running an epoch twice, skipping one, running init again
+on resume, or restoring the wrong epoch all change the final number. Its state lives in a user
+object with ``state_dict``/``load_state_dict`` (CNTK's "external state") next to a model.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tardigrade as tg
+from tardigrade.errors import (
+    CheckpointNotFoundError,
+    InvalidArgumentError,
+    SaveError,
+    StorageError,
+)
+from tardigrade.storage import local
+
+pytestmark = pytest.mark.timeout(120)
+
+EPOCHS = 6
+ASYNC = pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+
+
+def expected_total(epoch: int) -> int:
+    total = 1  # what init sets
+    for e in range(1, epoch + 1):
+        total = 3 * total + e
+    return total
+
+
+def expected_weight(epoch: int) -> torch.Tensor:
+    w = torch.zeros(2, 3)
+    for e in range(1, epoch + 1):
+        w = w * 0.5 + e
+    return w
+
+
+class Accumulator:
+    """User state: a running total, the last finished epoch and a history tensor."""
+
+    def __init__(self) -> None:
+        # Garbage until init runs or a checkpoint is restored.
+        self.total = -999
+        self.epoch = -999
+        self.hist = torch.full((EPOCHS + 1,), -1.0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "epoch": self.epoch, "hist": self.hist}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.total = sd["total"]
+        self.epoch = sd["epoch"]
+        self.hist = sd["hist"].clone()
+
+
+class Run:
+    """One process's view of the job: its live state, its job and the calls it saw."""
+
+    def __init__(self, epochs: int = EPOCHS, crash_at: int | None = None) -> None:
+        self.acc = Accumulator()
+        self.model = torch.nn.Linear(3, 2, bias=False)
+        with torch.no_grad():
+            self.model.weight.fill_(-7.0)
+        self.state = {"acc": self.acc, "model": self.model}
+        self.calls: list[Any] = []
+        self.epochs = epochs
+        self.crash_at = crash_at
+        self.mgr: tg.CheckpointManager | None = None
+        self.job = tg.Job(
+            init=self.init, epoch=self.epoch, stop=self.stop, download=self.download, exit=self.exit
+        )
+
+    def init(self) -> None:
+        self.calls.append("init")
+        self.acc.total, self.acc.epoch = 1, 0
+        self.acc.hist.zero_()
+        self.acc.hist[0] = 1
+        with torch.no_grad():
+            self.model.weight.zero_()
+
+    def epoch(self, e: int) -> None:
+        self.calls.append(("epoch", e))
+        if e == self.crash_at:
+            raise RuntimeError(f"simulated crash in epoch {e}")
+        assert e == self.acc.epoch + 1, f"epoch {e} runs after epoch {self.acc.epoch}"
+        self.acc.total = 3 * self.acc.total + e
+        self.acc.epoch = e
+        self.acc.hist[e] = float(self.acc.total % 1000)
+        with torch.no_grad():
+            self.model.weight.mul_(0.5).add_(e)
+
+    def stop(self) -> bool:
+        return self.acc.epoch >= self.epochs
+
+    def download(self) -> None:
+        # The last epoch's checkpoint is committed before the download phase starts.
+        assert self.mgr is not None
+        self.calls.append(("download", self.acc.total, self.mgr.exists(self.acc.epoch)))
+
+    def exit(self) -> None:
+        self.calls.append(("exit", self.acc.total))
+
+    def run(self, directory: Path, resume_from_epoch: int | None = None, **mgr_kw: Any) -> int:
+        with tg.CheckpointManager(directory, self.state, **mgr_kw) as mgr:
+            self.mgr = mgr
+            return tg.JobRunner(self.job, mgr, resume_from_epoch=resume_from_epoch).run()
+
+
+def check_checkpoint(directory: Path, epoch: int) -> None:
+    """Epoch ``epoch``'s checkpoint holds exactly the state after that epoch."""
+    with tg.CheckpointManager(directory, {}, save_on_signals=()) as mgr:
+        assert mgr.exists(epoch)
+        tree = mgr.load(epoch)
+        assert tree["acc"]["total"] == expected_total(epoch), f"epoch {epoch}"
+        assert tree["acc"]["epoch"] == epoch
+        assert torch.equal(tree["model"]["weight"], expected_weight(epoch)), f"epoch {epoch}"
+        weights_only = mgr.load(epoch, keys=["model"])
+        assert set(weights_only) == {"model"}
+        assert torch.equal(weights_only["model"]["weight"], expected_weight(epoch))
+    assert tg.read_manifest(directory / f"step-{epoch:09d}")["epoch"] == epoch
+
+
+def done_calls(total: int) -> list[Any]:
+    return [("download", total, True), ("exit", total)]
+
+
+@ASYNC
+def test_fresh_run_phases_in_order_and_a_checkpoint_per_epoch(
+    tmp_path: Path, async_save: bool
+) -> None:
+    run = Run()
+    last = run.run(tmp_path / "ckpt", async_save=async_save)
+    assert last == EPOCHS
+    final = expected_total(EPOCHS)
+    assert run.calls == [
+        "init",
+        *[("epoch", e) for e in range(1, EPOCHS + 1)],
+        *done_calls(final),
+    ]
+    assert run.acc.total == final
+    assert run.mgr is not None and run.mgr.stats.failed == 0
+    assert run.mgr.stats.succeeded == EPOCHS + 1
+    with tg.CheckpointManager(tmp_path / "ckpt", {}, save_on_signals=()) as mgr:
+        assert mgr.steps() == list(range(EPOCHS + 1))
+    for e in range(EPOCHS + 1):
+        check_checkpoint(tmp_path / "ckpt", e)
+
+
+@ASYNC
+def test_resume_from_every_epoch_reaches_the_same_final_total(
+    tmp_path: Path, async_save: bool
+) -> None:
+    ref_dir = tmp_path / "ref"
+    assert Run().run(ref_dir, async_save=async_save) == EPOCHS
+    ref_ids = {e: tg.read_manifest(ref_dir / f"step-{e:09d}")["save_id"] for e in range(EPOCHS + 1)}
+    final = expected_total(EPOCHS)
+
+    for k in range(EPOCHS + 1):
+        d = tmp_path / f"resume-{k}"
+        shutil.copytree(ref_dir, d)
+        check_checkpoint(d, k)
+        run = Run()
+        last = run.run(d, resume_from_epoch=k, async_save=async_save)
+        assert last == EPOCHS, f"resumed from {k}"
+        assert run.calls == [
+            *[("epoch", e) for e in range(k + 1, EPOCHS + 1)],
+            *done_calls(final),
+        ], f"resumed from {k}: init must not run, epochs {k + 1}.. must"
+        assert run.acc.total == final, f"resumed from {k}"
+        assert torch.equal(run.model.weight.detach(), expected_weight(EPOCHS))
+        for e in range(EPOCHS + 1):
+            check_checkpoint(d, e)
+        for e in range(k + 1, EPOCHS + 1):
+            new_id = tg.read_manifest(d / f"step-{e:09d}")["save_id"]
+            assert new_id != ref_ids[e], f"resumed from {k}: epoch {e} was not saved again"
+
+
+@ASYNC
+def test_resume_from_latest_after_a_crash(tmp_path: Path, async_save: bool) -> None:
+    d = tmp_path / "ckpt"
+    crashed = Run(crash_at=4)
+    with pytest.raises(RuntimeError, match="simulated crash in epoch 4"):
+        crashed.run(d, async_save=async_save)
+    with tg.CheckpointManager(d, {}, save_on_signals=()) as mgr:
+        assert mgr.latest() == 3
+
+    run = Run()
+    assert run.run(d, async_save=async_save) == EPOCHS  # resume_from_epoch=None: the latest
+    assert run.calls == [
+        *[("epoch", e) for e in range(4, EPOCHS + 1)],
+        *done_calls(expected_total(EPOCHS)),
+    ]
+    assert run.acc.total == expected_total(EPOCHS)
+    for e in range(EPOCHS + 1):
+        check_checkpoint(d, e)
+
+    # Finished: running again resumes after the last epoch and runs no epoch at all.
+    again = Run()
+    assert again.run(d, async_save=async_save) == EPOCHS
+    assert again.calls == done_calls(expected_total(EPOCHS))
+
+
+@ASYNC
+def test_stop_before_the_first_epoch(tmp_path: Path, async_save: bool) -> None:
+    run = Run(epochs=0)
+    assert run.run(tmp_path / "ckpt", async_save=async_save) == 0
+    assert run.calls == ["init", *done_calls(1)]
+    check_checkpoint(tmp_path / "ckpt", 0)
+
+
+def test_without_download_and_exit(tmp_path: Path) -> None:
+    run = Run()
+    job = tg.Job(init=run.init, epoch=run.epoch, stop=run.stop)
+    with tg.CheckpointManager(tmp_path / "ckpt", run.state) as mgr:
+        assert tg.JobRunner(job, mgr).run() == EPOCHS
+    assert run.calls == ["init", *[("epoch", e) for e in range(1, EPOCHS + 1)]]
+
+
+@ASYNC
+def test_unwritable_directory_does_not_stop_the_job(
+    tmp_path: Path, async_save: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"not a directory")
+    d = blocker / "ckpt"  # every mkdir/open under a regular file fails (even for root)
+    caplog.set_level(logging.ERROR, logger="tardigrade")
+    run = Run()
+    last = run.run(d, async_save=async_save, on_save_error="warn")
+    assert last == EPOCHS
+    final = expected_total(EPOCHS)
+    assert run.calls == [
+        "init",
+        *[("epoch", e) for e in range(1, EPOCHS + 1)],
+        ("download", final, False),
+        ("exit", final),
+    ]
+    assert run.acc.total == final
+    assert run.mgr is not None
+    assert run.mgr.stats.failed == EPOCHS + 1
+    assert run.mgr.stats.succeeded == 0
+    assert [s.step for s in run.mgr.stats] == list(range(EPOCHS + 1))
+    failures = [r.getMessage() for r in caplog.records if "SAVE FAILED" in r.getMessage()]
+    assert len(failures) == EPOCHS + 1, failures
+    for e, msg in enumerate(failures):
+        assert f"step {e} " in msg and str(d) in msg, msg
+    assert blocker.read_bytes() == b"not a directory"
+
+
+@ASYNC
+def test_unwritable_directory_raises_in_raise_mode(tmp_path: Path, async_save: bool) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    run = Run()
+    with pytest.raises(SaveError, match="a-file"):
+        run.run(blocker / "ckpt", async_save=async_save, on_save_error="raise")
+
+
+@ASYNC
+def test_failing_writes_do_not_stop_the_job(
+    tmp_path: Path,
+    async_save: bool,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The directory is fine but the disk "fills up" while epochs 2 and 3 are written: with
+    # async saves the error happens in the background writer and must still only be reported.
+    real_write = local.LocalWriter.write
+
+    def write(self: local.LocalWriter, data: Any) -> None:
+        if "step-000000002" in self.path or "step-000000003" in self.path:
+            raise StorageError(errno.ENOSPC, f"writing {self.path}: No space left (injected)")
+        real_write(self, data)
+
+    monkeypatch.setattr(local.LocalWriter, "write", write)
+    caplog.set_level(logging.ERROR, logger="tardigrade")
+    d = tmp_path / "ckpt"
+    run = Run()
+    assert run.run(d, async_save=async_save) == EPOCHS
+    assert run.acc.total == expected_total(EPOCHS)
+    assert run.mgr is not None
+    assert sorted(s.step for s in run.mgr.stats if not s.ok) == [2, 3]
+    failures = [r.getMessage() for r in caplog.records if "SAVE FAILED" in r.getMessage()]
+    assert len(failures) == 2 and "No space left" in failures[0], failures
+
+    monkeypatch.setattr(local.LocalWriter, "write", real_write)
+    with tg.CheckpointManager(d, {}, save_on_signals=()) as mgr:
+        assert mgr.steps() == [0, 1, 4, 5, 6]
+    for e in (0, 1, 4, 5, 6):
+        check_checkpoint(d, e)
+    # Resuming from a checkpoint that survived the failures still reaches the same result.
+    again = Run()
+    assert again.run(d, resume_from_epoch=1, async_save=async_save) == EPOCHS
+    assert again.acc.total == expected_total(EPOCHS)
+    for e in range(EPOCHS + 1):
+        check_checkpoint(d, e)
+
+
+def test_invalid_arguments(tmp_path: Path) -> None:
+    run = Run()
+    with pytest.raises(InvalidArgumentError, match="init"):
+        tg.Job(init=None, epoch=run.epoch, stop=run.stop)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="download"):
+        tg.Job(init=run.init, epoch=run.epoch, stop=run.stop, download=3)  # type: ignore[arg-type]
+    with tg.CheckpointManager(tmp_path / "ckpt", run.state) as mgr:
+        with pytest.raises(InvalidArgumentError, match="Job"):
+            tg.JobRunner(lambda: None, mgr)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="CheckpointManager"):
+            tg.JobRunner(run.job, str(tmp_path))  # type: ignore[arg-type]
+        for bad in (-1, 1.0, "2", True):
+            with pytest.raises(InvalidArgumentError, match="resume_from_epoch"):
+                tg.JobRunner(run.job, mgr, resume_from_epoch=bad)  # type: ignore[arg-type]
+        with pytest.raises(CheckpointNotFoundError, match="step 3"):
+            tg.JobRunner(run.job, mgr, resume_from_epoch=3).run()
+    assert run.calls == [], "a rejected resume must not start the job"

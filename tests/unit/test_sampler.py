@@ -1,0 +1,526 @@
+"""ResumableSampler: a data position that resumes exactly, on any world size, with any loader.
+
+The reference everywhere is the *uninterrupted* run: the sequence of batches a loader delivers
+without stopping. Every interruption (save after ``k`` batches, build a fresh sampler and
+loader, restore, go on) must deliver exactly the rest of that sequence: no sample skipped,
+none repeated, none reordered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import tardigrade as tg
+from tardigrade.errors import InvalidArgumentError, StateMismatchError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make_loader(
+    n: int, sampler: tg.ResumableSampler, batch_size: int, num_workers: int = 0
+) -> DataLoader:
+    ds = TensorDataset(torch.arange(n))
+    if num_workers == 0:
+        return DataLoader(ds, batch_size=batch_size, sampler=sampler)
+    return DataLoader(
+        ds,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        prefetch_factor=2,
+        persistent_workers=False,
+    )
+
+
+def batches(
+    sampler: tg.ResumableSampler,
+    loader: DataLoader,
+    count: int,
+    *,
+    tracked: bool = False,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[list[int]]:
+    """Deliver ``count`` batches, pass after pass (epochs roll over by themselves)."""
+    out: list[list[int]] = []
+    empty_passes = 0
+    while len(out) < count:
+        before = len(out)
+        source: Iterable[Any] = sampler.track(loader) if tracked else loader
+        for (batch,) in source:
+            out.append(batch.tolist())
+            if on_batch is not None:
+                on_batch(len(out))
+            if len(out) == count:
+                break
+        # One empty pass is legal (resumed exactly at the end of an epoch); two in a row means
+        # the sampler stopped advancing.
+        empty_passes = empty_passes + 1 if len(out) == before else 0
+        assert empty_passes < 2, f"the loader delivers nothing after {len(out)} batches"
+    return out
+
+
+def interrupted(
+    n: int,
+    batch_size: int,
+    k: int,
+    total: int,
+    *,
+    num_workers: int = 0,
+    tracked: bool = False,
+    seed: int = 0,
+) -> tuple[list[list[int]], list[list[int]], dict[str, Any]]:
+    """Run ``k`` batches, capture the state, then resume in a fresh sampler+loader to ``total``."""
+    s1 = tg.ResumableSampler(n, seed=seed)
+    saved = s1.state_dict()
+
+    def save_at_k(delivered: int) -> None:
+        # Saved inside the training loop, while a prefetching loader is still running.
+        nonlocal saved
+        if delivered == k:
+            saved = s1.state_dict()
+
+    loader = make_loader(n, s1, batch_size, num_workers)
+    first = batches(s1, loader, k, tracked=tracked, on_batch=save_at_k) if k else []
+    s2 = tg.ResumableSampler(n, seed=seed)
+    s2.load_state_dict(saved)
+    rest = batches(s2, make_loader(n, s2, batch_size, num_workers), total - k, tracked=tracked)
+    return first, rest, saved
+
+
+def flat(bs: Iterable[list[int]]) -> list[int]:
+    return [i for b in bs for i in b]
+
+
+# --------------------------------------------------------------------------------------------
+# order
+
+
+def test_order_is_a_permutation_fixed_by_seed_and_epoch() -> None:
+    a, b = tg.ResumableSampler(101, seed=7), tg.ResumableSampler(101, seed=7)
+    for epoch in range(3):
+        assert torch.equal(a.order(epoch), b.order(epoch))
+        assert sorted(a.order(epoch).tolist()) == list(range(101))
+    assert a.order(0).tolist() != list(range(101)), "shuffle=True must shuffle"
+    assert a.order(0).tolist() != a.order(1).tolist(), "epochs must differ"
+    assert a.order(1).tolist() != a.order(2).tolist()
+    assert a.order(0).tolist() != tg.ResumableSampler(101, seed=8).order(0).tolist()
+    # Not state of the process: the global RNG has no say.
+    torch.manual_seed(123)
+    x = tg.ResumableSampler(101, seed=7).order(1)
+    torch.manual_seed(456)
+    assert torch.equal(x, tg.ResumableSampler(101, seed=7).order(1))
+
+
+def test_shuffle_false_is_dataset_order_every_epoch() -> None:
+    s = tg.ResumableSampler(9, shuffle=False)
+    assert list(s) == list(range(9))
+    assert list(s) == list(range(9))
+    assert s.epoch == 2
+
+
+def test_iteration_runs_to_the_end_of_the_epoch_then_advances_it() -> None:
+    s = tg.ResumableSampler(20, seed=3)
+    assert (s.epoch, s.consumed) == (0, 0)
+    assert list(s) == s.order(0).tolist()
+    assert (s.epoch, s.consumed) == (1, 0)
+    assert list(s) == s.order(1).tolist()
+    assert (s.epoch, s.consumed) == (2, 0)
+    # From a position in the middle: only the rest of that epoch, then the next one whole.
+    s.load_state_dict({**s.state_dict(), "epoch": 5, "consumed": 7})
+    assert list(s) == s.order(5).tolist()[7:]
+    assert (s.epoch, s.consumed) == (6, 0)
+    assert list(s) == s.order(6).tolist()
+
+
+def test_works_as_a_dataloader_sampler_across_epochs_without_set_epoch() -> None:
+    n, bs = 23, 4
+    s = tg.ResumableSampler(n, seed=1)
+    loader = make_loader(n, s, bs)
+    for epoch in range(3):
+        got = [b.tolist() for (b,) in loader]
+        expected = s.order(epoch).tolist()
+        assert got == [expected[i : i + bs] for i in range(0, n, bs)]
+        assert (s.epoch, s.consumed) == (epoch + 1, 0)
+
+
+def test_partial_pass_then_new_pass_continues_where_it_stopped() -> None:
+    n, bs = 23, 4
+    s = tg.ResumableSampler(n, seed=1)
+    loader = make_loader(n, s, bs)
+    head = []
+    for (b,) in loader:
+        head.append(b.tolist())
+        if len(head) == 2:
+            break
+    assert s.state_dict()["consumed"] == 2 * bs
+    tail = [b.tolist() for (b,) in loader]
+    assert flat(head + tail) == s.order(0).tolist()
+    assert s.epoch == 1
+
+
+# --------------------------------------------------------------------------------------------
+# state
+
+
+def test_state_dict_round_trip() -> None:
+    s = tg.ResumableSampler(50, seed=4)
+    it = iter(s)
+    taken = [next(it) for _ in range(13)]
+    sd = s.state_dict()
+    assert sd["epoch"] == 0 and sd["consumed"] == 13
+    t = tg.ResumableSampler(50, seed=4)
+    t.load_state_dict(sd)
+    assert t.state_dict() == sd
+    assert taken + list(t) == s.order(0).tolist()
+
+
+def test_round_trip_through_save_and_load_into(tmp_path: Path) -> None:
+    n, bs = 37, 5
+    s = tg.ResumableSampler(n, seed=9)
+    got = batches(s, make_loader(n, s, bs), 11)  # 8 batches per epoch: into epoch 1
+    assert (s.epoch, s.consumed) == (1, 3 * bs)
+    tg.save(tmp_path / "ck", {"data": s, "step": 11})
+    fresh = tg.ResumableSampler(n, seed=9)
+    state = {"data": fresh, "step": 0}
+    tg.load(tmp_path / "ck", into=state)
+    assert state["data"] is fresh and state["step"] == 11
+    assert (fresh.epoch, fresh.consumed) == (1, 3 * bs)
+    # The plain tree holds the position as plain values.
+    tree = tg.load(tmp_path / "ck")
+    assert tree["data"]["epoch"] == 1 and tree["data"]["consumed"] == 3 * bs
+    rest = batches(fresh, make_loader(n, fresh, bs), 5)
+    ref = tg.ResumableSampler(n, seed=9)
+    assert got + rest == batches(ref, make_loader(n, ref, bs), 16)
+
+
+@pytest.mark.parametrize(("key", "value"), [("dataset_len", 99), ("seed", 1), ("shuffle", False)])
+def test_load_state_dict_from_another_order_raises(key: str, value: Any) -> None:
+    sd = tg.ResumableSampler(100, seed=0).state_dict()
+    sd["consumed"] = 10
+    kw: dict[str, Any] = {"seed": 0, "shuffle": True}
+    n = 100
+    if key == "dataset_len":
+        n = value
+    else:
+        kw[key] = value
+    other = tg.ResumableSampler(n, **kw)
+    with pytest.raises(StateMismatchError, match=key):
+        other.load_state_dict(sd)
+    assert (other.epoch, other.consumed) == (0, 0), "a rejected state must not be applied"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("consumed", -5),
+        ("consumed", 21),
+        ("consumed", 2.5),
+        ("consumed", "3"),
+        ("consumed", True),
+        ("consumed", None),
+        ("epoch", -1),
+        ("epoch", 1.0),
+        ("epoch", None),
+        ("epoch", "missing"),
+    ],
+)
+def test_load_state_dict_rejects_a_malformed_position(key: str, value: Any) -> None:
+    # A checkpoint is untrusted input: a position outside the epoch must not silently skip
+    # or repeat samples.
+    s = tg.ResumableSampler(20, seed=0)
+    sd = s.state_dict()
+    if value == "missing":
+        del sd[key]
+    else:
+        sd[key] = value
+    with pytest.raises(tg.TardigradeError, match=key):
+        s.load_state_dict(sd)
+    assert (s.epoch, s.consumed) == (0, 0)
+
+
+def test_load_into_a_sampler_of_another_dataset_raises(tmp_path: Path) -> None:
+    tg.save(tmp_path / "ck", {"data": tg.ResumableSampler(100, seed=0)})
+    with pytest.raises(StateMismatchError, match="dataset_len"):
+        tg.load(tmp_path / "ck", into={"data": tg.ResumableSampler(101, seed=0)})
+    with pytest.raises(StateMismatchError, match="seed"):
+        tg.load(tmp_path / "ck", into={"data": tg.ResumableSampler(100, seed=1)})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"dataset_len": -1},
+        {"dataset_len": 2.5},
+        {"dataset_len": "10"},
+        {"dataset_len": None},
+        {"dataset_len": 10, "seed": "0"},
+        {"dataset_len": 10, "seed": 1.5},
+        {"dataset_len": 10, "world_size": 0, "rank": 0},
+        {"dataset_len": 10, "world_size": -2, "rank": 0},
+        {"dataset_len": 10, "world_size": 2.0, "rank": 0},
+        {"dataset_len": 10, "world_size": 2, "rank": 2},
+        {"dataset_len": 10, "world_size": 2, "rank": -1},
+        {"dataset_len": 10, "world_size": 2, "rank": "0"},
+        {"dataset_len": 10, "rank": 1},  # no process group: world size 1
+    ],
+)
+def test_invalid_arguments_raise(kwargs: dict[str, Any]) -> None:
+    n = kwargs.pop("dataset_len")
+    with pytest.raises(InvalidArgumentError):
+        tg.ResumableSampler(n, **kwargs)
+
+
+def test_track_needs_a_batch_size() -> None:
+    s = tg.ResumableSampler(10)
+    no_bs = DataLoader(TensorDataset(torch.arange(10)), batch_size=None, sampler=s)
+    with pytest.raises(InvalidArgumentError, match="batch_size"):
+        next(iter(s.track(no_bs)))
+    with pytest.raises(InvalidArgumentError, match="batch_size"):
+        next(iter(s.track(make_loader(10, s, 2), batch_size=0)))
+
+
+def test_default_is_rank_0_of_1_without_a_process_group() -> None:
+    s = tg.ResumableSampler(10)
+    assert (s.rank, s.world_size) == (0, 1)
+    assert list(s) == s.order(0).tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# ranks and world sizes
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 10, 13, 23, 24])
+def test_ranks_partition_the_global_order(world: int, n: int) -> None:
+    samplers = [tg.ResumableSampler(n, seed=5, rank=r, world_size=world) for r in range(world)]
+    order = samplers[0].order(0).tolist()
+    assert order == tg.ResumableSampler(n, seed=5).order(0).tolist(), "same for any world size"
+    for epoch in range(2):
+        order = samplers[0].order(epoch).tolist()
+        lens = [len(s) for s in samplers]
+        per_rank = [list(s) for s in samplers]
+        assert [len(p) for p in per_rank] == lens, "__len__ must match what is yielded"
+        # Position p of the global order goes to rank p % world, in order.
+        for r, mine in enumerate(per_rank):
+            assert mine == order[r::world]
+        union = flat(per_rank)
+        assert sorted(union) == list(range(n)), f"epoch {epoch}: skipped or repeated samples"
+        assert all(s.epoch == epoch + 1 for s in samplers)
+
+
+def lockstep(iters: list[Iterator[Any]], k: int | None) -> list[list[int]]:
+    """Every rank takes one batch per step; ``k=None`` runs until every rank is exhausted."""
+    taken: list[list[int]] = [[] for _ in iters]
+    for _ in range(k) if k is not None else itertools.count():
+        progressed = False
+        for r, it in enumerate(iters):
+            b = next(it, None)
+            if b is not None:
+                taken[r].extend(b[0].tolist())
+                progressed = True
+        if not progressed:
+            break
+    return taken
+
+
+@pytest.mark.parametrize("n", [23, 24])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_saved_at_world_n_resumes_at_world_m(world: int, m: int, n: int) -> None:
+    bs = 2
+    for k in range(n // (bs * world) + 1):  # every lockstep position with full batches
+        old = [tg.ResumableSampler(n, seed=11, rank=r, world_size=world) for r in range(world)]
+        old_loaders = [make_loader(n, s, bs) for s in old]
+        before = flat(lockstep([iter(lo) for lo in old_loaders], k))
+        states = [s.state_dict() for s in old]
+        assert all(sd == states[0] for sd in states), "ranks disagree about the position"
+        assert states[0]["consumed"] == k * bs * world
+
+        new = [tg.ResumableSampler(n, seed=11, rank=r, world_size=m) for r in range(m)]
+        for s in new:
+            s.load_state_dict(states[0])
+        loaders = [make_loader(n, s, bs) for s in new]
+        after = flat(lockstep([iter(lo) for lo in loaders], None))
+        where = f"N={world} M={m} n={n} saved after {k} lockstep batches"
+        assert len(before) + len(after) == n, f"{where}: {len(before) + len(after)} samples"
+        assert sorted(before + after) == list(range(n)), f"{where}: skipped or repeated"
+        assert not set(before) & set(after), f"{where}: consumed samples seen again"
+
+        # The epoch rolled over on every new rank: the next epoch is whole and fresh.
+        assert all((s.epoch, s.consumed) == (1, 0) for s in new), where
+        nxt = flat(lockstep([iter(lo) for lo in loaders], None))
+        assert sorted(nxt) == list(range(n)), where
+        assert sorted(nxt) == sorted(new[0].order(1).tolist())
+
+
+# --------------------------------------------------------------------------------------------
+# resume cost
+
+
+def test_resume_near_the_end_of_a_huge_epoch_yields_only_the_rest() -> None:
+    n = 10**6
+    s = tg.ResumableSampler(n, seed=2)
+    s.load_state_dict({**s.state_dict(), "consumed": n - 5})
+    calls: list[int] = []
+    real_order = s.order
+    s.order = lambda epoch: calls.append(epoch) or real_order(epoch)  # type: ignore[method-assign]
+    it = iter(s)
+    got = [next(it) for _ in range(5)]
+    assert next(it, None) is None
+    assert got == real_order(0).tolist()[-5:]
+    assert calls == [0], "the order must be computed once, not walked"
+
+
+def test_resume_near_the_end_of_a_huge_epoch_does_not_walk_the_consumed_part() -> None:
+    # shuffle=False makes order() nearly free, so the time is what the sampler spends on the
+    # skipped samples. The yardstick is the cheapest possible walk over them on this machine:
+    # materializing the order as a Python list.
+    n = 3 * 10**6
+    s = tg.ResumableSampler(n, shuffle=False)
+
+    def best_of_3(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    walk = best_of_3(lambda: s.order(0).tolist())
+
+    def resume() -> None:
+        s.load_state_dict({**s.state_dict(), "epoch": 0, "consumed": n - 3})
+        assert list(s) == [n - 3, n - 2, n - 1]
+
+    took = best_of_3(resume)
+    print(f"resume {took:.4f} s, walk {walk:.4f} s")
+    assert took < 0.25 * walk, (
+        f"resuming 3 samples before the end took {took:.3f} s, walking the epoch {walk:.3f} s: "
+        "the sampler iterates through the consumed samples"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# exact position with a DataLoader
+
+
+def test_exact_position_with_num_workers_0() -> None:
+    n, bs = 11, 3  # 4 batches per epoch, the last one short
+    total = 12
+    ref = tg.ResumableSampler(n, seed=6)
+    full = batches(ref, make_loader(n, ref, bs), total)
+    assert [len(b) for b in full[:4]] == [3, 3, 3, 2]
+    assert flat(full[:4]) == ref.order(0).tolist()
+    assert flat(full[4:8]) == ref.order(1).tolist()
+    for k in range(total + 1):
+        first, rest, saved = interrupted(n, bs, k, total, seed=6)
+        assert saved["epoch"] == k // 4 or (k % 4 == 0 and saved["epoch"] == k // 4 - 1)
+        assert first + rest == full, f"saved after {k} batches ({saved})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 3, 6, 12, 13, 19])
+def test_exact_position_with_workers_through_track(k: int) -> None:
+    n, bs, total = 50, 4, 26  # 13 batches per epoch (the last one short), two epochs
+    ref = tg.ResumableSampler(n, seed=8)
+    full = batches(ref, make_loader(n, ref, bs, num_workers=2), total, tracked=True)
+    assert flat(full[:13]) == ref.order(0).tolist()
+    assert flat(full[13:]) == ref.order(1).tolist()
+    assert (ref.epoch, ref.consumed) == (1, n), "the second pass was stopped at its last batch"
+    first, rest, saved = interrupted(n, bs, k, total, num_workers=2, tracked=True, seed=8)
+    assert saved["consumed"] == min(n, (k if k <= 13 else k - 13) * bs), saved
+    assert first + rest == full, f"saved after {k} delivered batches ({saved})"
+
+
+@pytest.mark.slow
+def test_without_track_prefetching_workers_run_the_position_ahead() -> None:
+    # Why track() exists: the loader pulls indices for prefetched batches before training sees
+    # them, so the sampler's own count is ahead of what was delivered.
+    n, bs, k = 200, 4, 2
+    s = tg.ResumableSampler(n, seed=8)
+    loader = make_loader(n, s, bs, num_workers=2)
+    for delivered, _ in enumerate(loader, 1):
+        if delivered == k:
+            consumed = s.state_dict()["consumed"]
+            break
+    assert consumed > k * bs, "expected prefetching to run the naive position ahead"
+    # With track() the same loop reports exactly what was delivered.
+    s2 = tg.ResumableSampler(n, seed=8)
+    for delivered, _ in enumerate(s2.track(make_loader(n, s2, bs, num_workers=2)), 1):
+        if delivered == k:
+            assert s2.state_dict()["consumed"] == k * bs
+            break
+
+
+# --------------------------------------------------------------------------------------------
+# the DataLoader and the global RNG
+
+
+def _draws_with_resume(n: int, bs: int, k: int, total: int, **loader_kw: Any) -> list[float]:
+    """Per batch, one draw from the global torch RNG (as dropout would); resume after ``k``."""
+
+    def run(state: dict[str, Any], count: int) -> list[float]:
+        s = state["data"]
+        kw = {"generator": s.generator} if loader_kw.get("generator") == "sampler" else loader_kw
+        loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=bs, sampler=s, **kw)
+        out: list[float] = []
+        while len(out) < count:
+            for _ in loader:
+                out.append(torch.rand(()).item())
+                if len(out) == count:
+                    break
+        return out
+
+    torch.manual_seed(0)
+    state = {"rng": tg.RNGState(), "data": tg.ResumableSampler(n, seed=1)}
+    first = run(state, k)
+    snap = {"rng": state["rng"].state_dict(), "data": state["data"].state_dict()}
+
+    torch.manual_seed(12345)  # a new process: its RNG is anything until restored
+    resumed = {"rng": tg.RNGState(), "data": tg.ResumableSampler(n, seed=1)}
+    resumed["rng"].load_state_dict(snap["rng"])
+    resumed["data"].load_state_dict(snap["data"])
+    return first + run(resumed, total - k)
+
+
+def _uninterrupted_draws(n: int, bs: int, total: int, **loader_kw: Any) -> list[float]:
+    torch.manual_seed(0)
+    s = tg.ResumableSampler(n, seed=1)
+    kw = {"generator": s.generator} if loader_kw.get("generator") == "sampler" else loader_kw
+    loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=bs, sampler=s, **kw)
+    out: list[float] = []
+    while len(out) < total:
+        for _ in loader:
+            out.append(torch.rand(()).item())
+            if len(out) == total:
+                break
+    return out
+
+
+def test_global_rng_resumes_exactly_with_a_loader_generator() -> None:
+    # The workaround that test_exact_resume's training script uses.
+    kw = {"generator": torch.Generator()}
+    full = _uninterrupted_draws(20, 3, 16, **kw)
+    for k in (2, 5, 7, 10):
+        assert _draws_with_resume(20, 3, k, 16, generator=torch.Generator()) == full, k
+
+
+def test_global_rng_resumes_exactly_with_the_documented_loader() -> None:
+    """DataLoader(..., generator=sampler.generator), as data.py documents."""
+    full = _uninterrupted_draws(20, 3, 16, generator="sampler")
+    for k in (2, 5, 7, 10):
+        assert _draws_with_resume(20, 3, k, 16, generator="sampler") == full, k
+
+
+def test_without_a_loader_generator_resume_draws_differ() -> None:
+    """Why the generator is documented: the loader otherwise draws from the global RNG."""
+    full = _uninterrupted_draws(20, 3, 16)
+    assert any(_draws_with_resume(20, 3, k, 16) != full for k in (2, 5, 7, 10))

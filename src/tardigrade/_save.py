@@ -240,6 +240,14 @@ def _write_file(
     return size, {it.key: h.hexdigest() for it, h in zip(fp.items, hashers, strict=True)}
 
 
+def _discard(stream: Iterable[Any]) -> None:
+    for seg in stream:
+        if seg is END or seg is ABORT:
+            return
+        if seg.done is not None:
+            seg.done()
+
+
 def item_shape(job: SaveJob, item: WriteItem) -> tuple[int, ...]:
     shape = tuple(job.flat.entries[item.entry].tensor.shape)
     return (item.stop - item.start, *shape[1:]) if shape else ()
@@ -281,7 +289,14 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
     storage = job.storage
     staging = None
     try:
-        staging = storage.begin(job.name, job.header["save_id"])
+        try:
+            staging = storage.begin(job.name, job.header["save_id"])
+        except BaseException:
+            # No writer will read the streams: release their staging buffers here, or a
+            # caller staging under a byte budget would wait for them forever.
+            for stream in streams:
+                _discard(stream)
+            raise
         files = job.plan.files
         if len(files) == 1:
             results = [_write_file(job, files[0], staging, streams[0])]

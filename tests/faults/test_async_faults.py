@@ -1,0 +1,600 @@
+"""Asynchronous saves under faults: failed writes, a full disk, interpreter exit, SIGKILL.
+
+The contract (DESIGN.md §1.3, §5 and the Rust ``AsyncCheckpointer``): a background failure is
+never lost and never partial. ``fut.result()`` raises ``SaveError`` naming the checkpoint and the
+cause; if nobody asked, the error surfaces once on the next ``save``, ``wait()`` or ``close()``;
+nothing is committed, no staging directory is left, earlier checkpoints stay intact. Leaving the
+interpreter waits for the save in flight; a SIGKILL mid-save leaves only the previous checkpoints.
+
+Writes are made to fail by patching ``LocalWriter.write`` (the tests run as root, so permission
+bits would not stop them) and, for real, by filling a 16 MiB tmpfs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tardigrade as tg
+from tardigrade import _async
+from tardigrade.errors import CheckpointNotFoundError, SaveError, TardigradeError
+from tardigrade.storage.local import LocalStorage, LocalWriter
+
+MiB = 1024 * 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(actual: Any, expected: Any, where: str = "state") -> None:
+    """Bit-exact equality of two trees of tensors and plain values."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__}"
+        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), where
+        assert torch.equal(bits(actual), bits(expected)), f"{where}: tensor bytes differ"
+    elif isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping) and list(actual) == list(expected), where
+        for k in expected:
+            assert_same(actual[k], expected[k], f"{where}[{k!r}]")
+    else:
+        assert type(actual) is type(expected) and actual == expected, f"{where}: {actual!r}"
+
+
+def make_state(seed: int, mib: int) -> dict[str, Any]:
+    """``mib`` MiB of float32 in a few tensors, plus a counter."""
+    g = torch.Generator().manual_seed(seed)
+    n = mib * MiB // 4
+    return {
+        "a": torch.randn(n // 2, generator=g),
+        "b": torch.randn(n - n // 2, generator=g),
+        "step": seed,
+    }
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    seen: BaseException | None = exc
+    while seen is not None:
+        yield seen
+        seen = seen.__cause__ or seen.__context__
+
+
+def assert_save_error(exc: BaseException, path: Path, errno_: int, words: str) -> None:
+    """A SaveError (also a RuntimeError) naming the checkpoint and the cause."""
+    assert isinstance(exc, SaveError) and isinstance(exc, RuntimeError), repr(exc)
+    msg = str(exc)
+    assert str(path) in msg, f"message does not name the checkpoint {path}: {msg}"
+    assert words in msg, f"message does not give the cause ({words!r}): {msg}"
+    assert any(getattr(e, "errno", None) == errno_ for e in causes(exc)), (
+        f"no errno {errno.errorcode[errno_]} in the cause chain of {exc!r}"
+    )
+
+
+def only_entries(parent: Path, *names: str) -> None:
+    """The directory holds exactly ``names``: nothing committed and no staging dir left over."""
+    assert sorted(os.listdir(parent)) == sorted(names), os.listdir(parent)
+
+
+def wait_done(fut: tg.SaveFuture, timeout: float = 60) -> None:
+    """Wait for a save to finish without observing its outcome."""
+    deadline = time.monotonic() + timeout
+    while not fut.done():
+        assert time.monotonic() < deadline, "save still in flight"
+        time.sleep(0.01)
+
+
+@pytest.fixture(autouse=True)
+def clean_default_checkpointer() -> Iterator[None]:
+    yield
+    ckpt = _async._default
+    if ckpt is not None:
+        try:
+            ckpt.close()
+        except TardigradeError:
+            pass
+
+
+@pytest.fixture
+def checkpointers() -> Iterator[Callable[..., tg.AsyncCheckpointer]]:
+    made: list[tg.AsyncCheckpointer] = []
+
+    def make(**kw: Any) -> tg.AsyncCheckpointer:
+        made.append(tg.AsyncCheckpointer(**kw))
+        return made[-1]
+
+    yield make
+    for ckpt in made:
+        try:
+            ckpt.close()
+        except TardigradeError:
+            pass
+
+
+@pytest.fixture
+def committed(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """A checkpoint committed before the faulty save, in the same parent directory."""
+    state = make_state(seed=99, mib=1)
+    tg.save(tmp_path / "prev", state)
+    return tmp_path / "prev", state
+
+
+def assert_intact(committed: tuple[Path, dict[str, Any]]) -> None:
+    path, state = committed
+    tg.verify(path)
+    assert_same(tg.load(path), state)
+
+
+FAULTS = {
+    # where the background save fails -> (errno, words in the message)
+    "data-write": (errno.ENOSPC, "No space left on device"),
+    "manifest-write": (errno.ENOSPC, "No space left on device"),
+    "fsync": (errno.EIO, "Input/output error"),
+    "commit": (errno.EIO, "Input/output error"),
+}
+
+
+def inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Make the background save fail at ``where`` (one of FAULTS) with a raw OSError."""
+    code, words = FAULTS[where]
+    write, close = LocalWriter.write, LocalWriter.close
+
+    def failing_write(self: LocalWriter, data: Any) -> None:
+        name = os.path.basename(self.path)
+        if (where == "data-write" and name.startswith("data-")) or (
+            where == "manifest-write" and name == "manifest.json"
+        ):
+            raise OSError(code, words)
+        write(self, data)
+
+    def failing_close(self: LocalWriter) -> None:
+        close(self)
+        raise OSError(code, words)
+
+    def failing_commit(self: LocalStorage, staging: str, name: str, *, replace: bool) -> None:
+        raise OSError(code, words)
+
+    monkeypatch.setattr(LocalWriter, "write", failing_write)
+    if where == "fsync":
+        monkeypatch.setattr(LocalWriter, "close", failing_close)
+    if where == "commit":
+        monkeypatch.setattr(LocalStorage, "commit", failing_commit)
+
+
+# ----------------------------------------------------------------------------------------------
+# subprocesses
+
+CHILD_PRELUDE = """
+import sys, time
+import torch
+import tardigrade as tg
+from tardigrade.storage.local import LocalWriter
+
+MiB = 1024 * 1024
+DELAY = float(sys.argv[1]) if len(sys.argv) > 1 else 0.0
+_write = LocalWriter.write
+
+def slow_write(self, data):
+    # Every data-file write announces itself, then takes DELAY seconds.
+    if "/data-" in self.path:
+        print("WRITING", flush=True)
+        time.sleep(DELAY)
+    _write(self, data)
+
+LocalWriter.write = slow_write
+
+def make_state(seed, mib):
+    g = torch.Generator().manual_seed(seed)
+    n = mib * MiB // 4
+    return {"a": torch.randn(n // 2, generator=g), "b": torch.randn(n - n // 2, generator=g),
+            "step": seed}
+"""
+
+
+def child_argv(body: str, delay: float = 0.0) -> list[str]:
+    source = CHILD_PRELUDE + textwrap.dedent(body)
+    return [sys.executable, "-c", source, str(delay)]
+
+
+def run_child(body: str, *, delay: float = 0.0, timeout: float = 60) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(
+            child_argv(body, delay), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"child did not finish within {timeout} s (hung); stdout: {e.stdout!r}")
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
+    assert proc.stdout is not None
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while marker not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+            pytest.fail(f"child never printed {marker!r}; output so far: {seen!r}")
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"child exited before printing {marker!r}; output: {seen!r}")
+        seen += line
+    return seen
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. background errors surface, once, and leave nothing behind
+
+
+@pytest.mark.parametrize("where", list(FAULTS))
+def test_failed_background_save_raises_on_result_and_leaves_nothing(
+    tmp_path: Path,
+    where: str,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: tuple[Path, dict[str, Any]],
+    checkpointers: Callable[..., tg.AsyncCheckpointer],
+) -> None:
+    ckpt = checkpointers()
+    state = make_state(seed=1, mib=80)  # two data files
+    path = tmp_path / "next"
+    inject(monkeypatch, where)
+    fut = ckpt.save(path, state)
+    assert fut is not None
+    with pytest.raises(SaveError) as info:
+        fut.result(timeout=60)
+    code, words = FAULTS[where]
+    assert_save_error(info.value, path, code, words)
+    only_entries(tmp_path, "prev")
+    with pytest.raises(CheckpointNotFoundError):
+        tg.load(path)
+    assert_intact(committed)
+
+    # Observed through result(): not raised a second time, and the checkpointer still works.
+    assert ckpt.wait() is None
+    monkeypatch.undo()
+    fut = ckpt.save(path, state)
+    assert fut is not None
+    fut.result(timeout=60)
+    ckpt.close()
+    assert_same(tg.load(path), state)
+
+
+def test_unobserved_error_surfaces_on_the_next_save(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: tuple[Path, dict[str, Any]],
+    checkpointers: Callable[..., tg.AsyncCheckpointer],
+) -> None:
+    ckpt = checkpointers()
+    state = make_state(seed=2, mib=4)
+    failed = tmp_path / "failed"
+    inject(monkeypatch, "data-write")
+    fut = ckpt.save(failed, state)
+    assert fut is not None
+    wait_done(fut)
+    monkeypatch.undo()
+
+    other = tmp_path / "other"
+    with pytest.raises(SaveError) as info:
+        ckpt.save(other, state)
+    assert_save_error(info.value, failed, errno.ENOSPC, "No space left on device")
+    only_entries(tmp_path, "prev")
+    assert_intact(committed)
+
+    # Raised once: the retried save, wait() and close() all go through.
+    fut = ckpt.save(other, state)
+    assert fut is not None
+    fut.result(timeout=60)
+    assert ckpt.wait() is not None
+    ckpt.close()
+    assert_same(tg.load(other), state)
+    only_entries(tmp_path, "other", "prev")
+
+
+def test_unobserved_error_surfaces_on_wait(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: tuple[Path, dict[str, Any]],
+    checkpointers: Callable[..., tg.AsyncCheckpointer],
+) -> None:
+    ckpt = checkpointers()
+    state = make_state(seed=3, mib=4)
+    failed = tmp_path / "failed"
+    inject(monkeypatch, "data-write")
+    fut = ckpt.save(failed, state)
+    assert fut is not None
+    with pytest.raises(SaveError) as info:
+        ckpt.wait()
+    assert_save_error(info.value, failed, errno.ENOSPC, "No space left on device")
+    only_entries(tmp_path, "prev")
+    assert_intact(committed)
+
+    assert ckpt.wait() is None  # raised once
+    monkeypatch.undo()
+    fut = ckpt.save(tmp_path / "next", state)
+    assert fut is not None
+    fut.result(timeout=60)
+    ckpt.close()
+    assert_same(tg.load(tmp_path / "next"), state)
+
+
+def test_unobserved_error_surfaces_on_close(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: tuple[Path, dict[str, Any]],
+) -> None:
+    ckpt = tg.AsyncCheckpointer()
+    state = make_state(seed=4, mib=4)
+    failed = tmp_path / "failed"
+    inject(monkeypatch, "data-write")
+    fut = ckpt.save(failed, state)
+    assert fut is not None
+    with pytest.raises(SaveError) as info:
+        ckpt.close()
+    assert_save_error(info.value, failed, errno.ENOSPC, "No space left on device")
+    only_entries(tmp_path, "prev")
+    assert_intact(committed)
+    ckpt.close()  # raised once; idempotent
+
+
+def test_failed_save_under_a_budget_does_not_deadlock(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: tuple[Path, dict[str, Any]],
+    checkpointers: Callable[..., tg.AsyncCheckpointer],
+) -> None:
+    """Failed writers still release their slabs, or staging would wait forever on the budget."""
+    ckpt = checkpointers(max_staging_bytes=4 * MiB)
+    path = tmp_path / "next"
+    inject(monkeypatch, "data-write")
+    fut = ckpt.save(path, make_state(seed=5, mib=80))
+    assert fut is not None
+    with pytest.raises(SaveError) as info:
+        fut.result(timeout=60)
+    assert_save_error(info.value, path, errno.ENOSPC, "No space left on device")
+    assert ckpt.staging.allocated_bytes <= 4 * MiB
+    only_entries(tmp_path, "prev")
+    assert_intact(committed)
+
+
+def parent_is_a_file(tmp_path: Path) -> Path:
+    """A checkpoint path whose parent is a regular file: the staging dir cannot be created."""
+    (tmp_path / "a-file").write_bytes(b"x")
+    return tmp_path / "a-file" / "ckpt"
+
+
+def test_failed_writes_return_staging_buffers_to_the_pool(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    checkpointers: Callable[..., tg.AsyncCheckpointer],
+) -> None:
+    ckpt = checkpointers()
+    state = make_state(seed=6, mib=16)
+    for name in ("warm-1", "warm-2"):
+        fut = ckpt.save(tmp_path / name, state)
+        assert fut is not None
+        fut.result(timeout=60)
+    steady = ckpt.staging
+    inject(monkeypatch, "data-write")
+    fut = ckpt.save(tmp_path / "failed", state)
+    assert fut is not None
+    with pytest.raises(SaveError):
+        fut.result(timeout=60)
+    monkeypatch.undo()
+    fut = ckpt.save(tmp_path / "after", state)
+    assert fut is not None
+    fut.result(timeout=60)
+    assert ckpt.staging == steady, "a failed save leaked its staging buffers"
+
+
+def test_failure_to_create_the_staging_dir_returns_staging_buffers(
+    tmp_path: Path, checkpointers: Callable[..., tg.AsyncCheckpointer]
+) -> None:
+    ckpt = checkpointers()
+    state = make_state(seed=7, mib=16)
+    for name in ("warm-1", "warm-2"):
+        fut = ckpt.save(tmp_path / name, state)
+        assert fut is not None
+        fut.result(timeout=60)
+    steady = ckpt.staging
+    bad = parent_is_a_file(tmp_path)
+    fut = ckpt.save(bad, state)
+    assert fut is not None
+    with pytest.raises(SaveError) as info:
+        fut.result(timeout=60)
+    assert str(bad) in str(info.value)
+    fut = ckpt.save(tmp_path / "after", state)
+    assert fut is not None
+    fut.result(timeout=60)
+    assert ckpt.staging == steady, "a failed save leaked its staging buffers"
+
+
+@pytest.mark.slow
+def test_failure_to_create_the_staging_dir_under_a_budget_raises_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    # In a child process: a save() that hangs holds the checkpointer's lock, which would also
+    # hang this interpreter's exit.
+    bad = parent_is_a_file(tmp_path)
+    proc = subprocess.Popen(
+        child_argv(
+            f"""
+            ckpt = tg.AsyncCheckpointer(max_staging_bytes=4 * MiB)
+            state = make_state(1, 16)
+            print("READY", flush=True)
+            try:
+                ckpt.save({str(bad)!r}, state).result(timeout=30)
+            except tg.SaveError as e:
+                print("SaveError:", e, flush=True)
+            """
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        read_until(proc, "READY", timeout=60)
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("save() hung when the staging directory could not be created")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert f"SaveError: {bad}" in out, out
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. leaving the interpreter waits for the save in flight
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "how, mib",
+    [("tg.save", 50), ("checkpointer", 50), ("dropped-checkpointer", 50), ("tg.save", 130)],
+    ids=["default", "checkpointer", "dropped-checkpointer", "default-several-files"],
+)
+def test_interpreter_exit_waits_for_the_save_in_flight(tmp_path: Path, how: str, mib: int) -> None:
+    path = tmp_path / "ckpt"
+    start = {
+        "tg.save": f"fut = tg.save({str(path)!r}, state, async_=True)",
+        # Kept referenced until exit, never closed:
+        "checkpointer": f"ckpt = tg.AsyncCheckpointer(); fut = ckpt.save({str(path)!r}, state)",
+        # Unreferenced (garbage) as soon as save() returns:
+        "dropped-checkpointer": f"fut = tg.AsyncCheckpointer().save({str(path)!r}, state)",
+    }[how]
+    outcome = run_child(
+        f"""
+        state = make_state(3, {mib})
+        {start}
+        print("EXITING done=" + str(fut.done()), flush=True)
+        """,
+        delay=0.3,
+        timeout=90,
+    )
+    assert outcome.returncode == 0, outcome.stderr
+    assert "EXITING done=False" in outcome.stdout, "the save was not in flight at exit"
+    assert "Traceback" not in outcome.stderr, outcome.stderr
+    tg.verify(path)
+    assert_same(tg.load(path), make_state(3, mib))
+    only_entries(tmp_path, "ckpt")
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. SIGKILL in the middle of a background write
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("target", ["new", "overwrite"])
+def test_sigkill_during_background_write_commits_nothing(
+    tmp_path: Path, target: str, committed: tuple[Path, dict[str, Any]]
+) -> None:
+    path = tmp_path / ("next" if target == "new" else "prev")
+    proc = subprocess.Popen(
+        child_argv(
+            f"""
+            fut = tg.save({str(path)!r}, make_state(5, 50), async_=True, overwrite=True)
+            print("SAVE RETURNED", flush=True)
+            fut.result()
+            print("COMMITTED", flush=True)
+            """,
+            delay=5.0,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output = read_until(proc, "WRITING", timeout=60)
+        # The background write is now in flight (and held for DELAY seconds): kill it.
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    assert proc.returncode == -signal.SIGKILL
+    assert "COMMITTED" not in output
+
+    # At most the killed save's staging directory is left; the earlier checkpoint is untouched
+    # (for "overwrite", it is the very checkpoint the killed save was replacing).
+    leftovers = [n for n in os.listdir(tmp_path) if n != "prev"]
+    assert all(n.startswith(".tmp-") for n in leftovers), leftovers
+    if target == "new":
+        with pytest.raises(CheckpointNotFoundError):
+            tg.load(path)
+    assert_intact(committed)
+
+
+# ----------------------------------------------------------------------------------------------
+# 9. a real full disk
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A freshly mounted 16 MiB tmpfs (root needed; skipped only where mounting is forbidden)."""
+    target = tmp_path / "tiny"
+    target.mkdir()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    where = os.fsencode(target)
+    if libc.mount(b"tmpfs", where, b"tmpfs", 0, b"size=16m") != 0:
+        code = ctypes.get_errno()
+        if code == errno.EPERM:
+            pytest.skip("mounting a tmpfs is not permitted here (EPERM)")
+        raise OSError(code, f"mount -t tmpfs {target}: {os.strerror(code)}")
+    try:
+        yield target
+    finally:
+        if libc.umount2(where, 2) != 0:  # MNT_DETACH
+            code = ctypes.get_errno()
+            raise OSError(code, f"umount {target}: {os.strerror(code)}")
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_disk_full_fails_the_save_cleanly(tiny_fs: Path, mode: str) -> None:
+    small = make_state(seed=8, mib=1)
+    tg.save(tiny_fs / "small", small)
+    vfs = os.statvfs(tiny_fs)
+    free_before = vfs.f_bavail * vfs.f_frsize
+
+    big = make_state(seed=9, mib=32)
+    path = tiny_fs / "big"
+    with pytest.raises(SaveError) as info:
+        if mode == "async":
+            tg.save(path, big, async_=True).result(timeout=60)
+        else:
+            tg.save(path, big)
+    assert_save_error(info.value, path, errno.ENOSPC, "No space left on device")
+    only_entries(tiny_fs, "small")
+    vfs = os.statvfs(tiny_fs)
+    assert vfs.f_bavail * vfs.f_frsize == free_before, "the failed save's bytes were not freed"
+    tg.verify(tiny_fs / "small")
+    assert_same(tg.load(tiny_fs / "small"), small)
+
+    # Training goes on: the next save that fits succeeds.
+    fits = make_state(seed=10, mib=4)
+    if mode == "async":
+        tg.save(tiny_fs / "fits", fits, async_=True).result(timeout=60)
+    else:
+        tg.save(tiny_fs / "fits", fits)
+    assert_same(tg.load(tiny_fs / "fits"), fits)
+    only_entries(tiny_fs, "fits", "small")

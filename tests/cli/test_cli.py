@@ -438,17 +438,38 @@ def test_demo_kill_resume_is_bit_identical(
     for what in ("final parameters", "optimizer state", "loss curve (300 steps)"):
         line = next(ln for ln in out.splitlines() if ln.startswith(what))
         assert line.split()[-1] == "yes", line
-    assert "killed at step       175" in out
-    assert "resumed from step    150" in out
-    assert "time spent saving" in out
-    # The killed save left its staging dir behind; it never became a checkpoint.
-    assert main(["ls", str(d), "--json"]) == 0
-    listing = {e["name"]: e for e in json.loads(capsys.readouterr().out)}
-    tmp = [e for e in listing.values() if e["status"] == "incomplete-tmp"]
-    assert len(tmp) == 1 and tmp[0]["step"] == 175
-    assert sorted(e["step"] for e in listing.values() if e["status"] == "committed") == list(
-        range(25, 301, 25)
+    assert "keep_last=4, async_save=True)" in out
+    assert "killed at step       175 (in the middle of its async save" in out
+    # restore(): the killed run's lock taken over, its incomplete save skipped, 150 restored.
+    assert "start = mgr.restore() -> 150" in out
+    assert "took over the lock of" in out
+    assert "skipped the incomplete save .tmp-step-000000175-" in out
+    assert "verified step-000000150 and restored it" in out
+    assert "data position (epoch 4, 832 of 1000 samples consumed)" in out
+    assert (
+        "resumed from step    150 (step-000000150; restore() skipped the incomplete save of "
+        "step 175)" in out
     )
+    # Retention: 6 + 6 saves, the last 4 kept; after the kill, 75..150 were on disk.
+    assert "4 committed checkpoints (step-000000075 to step-000000150" in out
+    assert "keep_last=4: 12 checkpoints saved (6 by run 1, 6 by run 2), 4 on disk" in out
+    # The manager's stats: one row per committed save, all ok.
+    assert "12 async saves, 0 failed. Training was blocked" in out
+    header = next(
+        i for i, ln in enumerate(out.splitlines()) if ln.split()[:3] == ["STEP", "RUN", "SIZE"]
+    )
+    rows = [ln.split() for ln in out.splitlines()[header + 1 : header + 13]]
+    assert [int(r[0]) for r in rows] == list(range(25, 301, 25))
+    assert [r[1] for r in rows] == ["1"] * 6 + ["2"] * 6
+    assert all(r[-1] == "yes" for r in rows)
+    # restore() removed the killed save's staging dir; retention left the newest 4; close()
+    # released the lock.
+    assert main(["ls", str(d), "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [(e["step"], e["status"]) for e in listing] == [
+        (step, "committed") for step in (225, 250, 275, 300)
+    ]
+    assert not (d / ".lock").exists()
     assert main(["verify", str(d)]) == 0
 
 
@@ -471,24 +492,91 @@ def test_demo_rejects_a_kill_step_that_does_not_save(
     assert not (tmp_path / "d").exists()
 
 
+def test_demo_keep_last_must_be_positive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, _, err = cli(capsys, "demo", "--dir", tmp_path / "d", "--keep-last", "0")
+    assert rc == 2
+    assert "--keep-last" in err
+    assert not (tmp_path / "d").exists()
+
+
+def events(out: str) -> list[tuple[str, dict]]:
+    """The worker's ``@tg <event> <json>`` lines."""
+    found = []
+    for line in out.splitlines():
+        if line.startswith("@tg "):
+            event, _, payload = line[4:].partition(" ")
+            found.append((event, json.loads(payload)))
+    return found
+
+
 def test_demo_resume_skips_a_damaged_newest_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tardigrade.cli._demo_worker import Config, make_state, restore_latest
+    from tardigrade.cli._demo_worker import Config, make_state, restore
 
     state = make_state(Config(), total_steps=10)
-    for step in (2, 4):
-        state["step"] = step
-        state["losses"] = [1.0] * step
-        tg.save(tmp_path / f"step-{step:09d}", state, step=step)
+    with tg.CheckpointManager(tmp_path, state, every_steps=2) as mgr:
+        for step in (2, 4):
+            state["step"] = step
+            state["losses"] = [1.0] * step
+            mgr.step(step)
     flip_byte(data_files(tmp_path / "step-000000004")[0])
+    leftover = tmp_path / ".tmp-step-000000006-0123456789abcdef"
+    leftover.mkdir()
     fresh = make_state(Config(), total_steps=10)
-    assert restore_latest(str(tmp_path), fresh) == "step-000000002"
+    with tg.CheckpointManager(tmp_path, fresh) as mgr:
+        assert restore(mgr) == 2
     assert fresh["step"] == 2
     assert fresh["losses"] == [1.0, 1.0]
-    out = capsys.readouterr().out
-    assert out.startswith("@tg skipped ")
-    assert json.loads(out.split(" ", 2)[2])["name"] == "step-000000004"
+    assert not leftover.exists()
+    [(event, data)] = events(capsys.readouterr().out)
+    assert event == "restored"
+    assert (data["step"], data["name"]) == (2, "step-000000002")
+    assert data["skipped"] == ["step-000000004"]
+    assert data["removed"] == [leftover.name]
+    assert data["data"]["epoch"] == 0 and data["loss"] == 1.0
+    assert any("skipping checkpoint" in w and "step-000000004" in w for w in data["warnings"])
+
+
+def test_demo_worker_reports_manager_stats_as_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tardigrade.cli._demo_worker import main as worker
+
+    threads = torch.get_num_threads()
+    try:
+        args = ["--steps", "10", "--every", "2", "--keep-last", "2"]
+        assert worker([*args, "--ckpt-dir", str(tmp_path / "c")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    found = events(capsys.readouterr().out)
+    assert found[0] == (
+        "restored",
+        {
+            "step": None,
+            "name": None,
+            "skipped": [],
+            "removed": [],
+            "data": None,
+            "loss": None,
+            "warnings": [],
+        },
+    )
+    saved = [d for e, d in found if e == "saved"]
+    assert [s["step"] for s in saved] == [2, 4, 6, 8, 10]
+    for s in saved:
+        assert s["ok"] and s["error"] is None and s["nbytes"] > 0
+        assert 0 < s["blocking_seconds"] <= s["total_seconds"]
+        assert s["throughput_gbps"] == pytest.approx(s["nbytes"] / s["total_seconds"] / 1e9)
+    [stats] = [d for e, d in found if e == "stats"]
+    assert (stats["succeeded"], stats["failed"]) == (5, 0)
+    assert found[-1] == ("done", {"step": 10})
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        "step-000000008",
+        "step-000000010",
+    ]
 
 
 def test_identical_is_bitwise() -> None:

@@ -1,13 +1,17 @@
 """``tardigrade demo``: kill -9 a training run in the middle of a save, resume it, and show that
 the result is bit-identical to a run that was never interrupted.
 
-Three child processes run the same training script (:mod:`tardigrade.cli._demo_worker`):
+Three child processes run the same training script (:mod:`tardigrade.cli._demo_worker`), the
+loop a user writes: a ``tg.CheckpointManager`` saving asynchronously every N steps and keeping
+the last K, ``start = mgr.restore()``, and a ``DataLoader`` over a ``tg.ResumableSampler``:
 
-1. trains from scratch, checkpointing every N steps, and is SIGKILLed while one save is writing;
-2. restarts, restores the newest complete checkpoint, and trains to the end;
+1. trains from scratch and is SIGKILLed while the background writer of one save is writing;
+2. restarts; ``mgr.restore()`` skips the killed save, restores the newest complete checkpoint,
+   and the run trains to the end;
 3. trains from scratch to the end without interruption (and without checkpoints).
 
-The parent then compares the final parameters, optimizer state and loss curve of runs 2 and 3.
+The parent then compares the final parameters, optimizer state and loss curve of runs 2 and 3,
+and reports what ``restore()`` did, what retention kept and the manager's per-save stats.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +36,7 @@ import torch
 
 from .. import load
 from ..errors import InvalidArgumentError
-from ._listing import INCOMPLETE_TMP, list_checkpoints
+from ._listing import COMMITTED, INCOMPLETE_TMP, list_checkpoints, step_from_name
 from ._output import ProgressBar, human_bytes, table
 
 HELP = "kill -9 a training run mid-save, resume it, check it is bit-identical"
@@ -52,11 +57,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "demo",
         help=HELP,
         description=(
-            "Train a small MLP in a child process, checkpointing every --every steps, and "
-            "SIGKILL it while the save at --kill-at is writing. Resume in a new process from "
-            "the newest complete checkpoint, train to the end, and compare with an "
-            "uninterrupted run: parameters, optimizer state and loss curve must be "
-            "bit-identical. Exits 1 if they are not."
+            "Train a small MLP in a child process with a tg.CheckpointManager that saves "
+            "asynchronously every --every steps and keeps the last --keep-last, and SIGKILL it "
+            "while the background writer of the save at --kill-at is writing. Resume in a new "
+            "process with mgr.restore(), train to the end, and compare with an uninterrupted "
+            "run: parameters, optimizer state and loss curve must be bit-identical. Exits 1 if "
+            "they are not."
         ),
     )
     p.add_argument(
@@ -66,6 +72,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, default=300, help="training steps (default: 300)")
     p.add_argument("--every", type=int, default=25, help="checkpoint interval (default: 25)")
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=4,
+        metavar="K",
+        help="retention: keep the K newest checkpoints (default: 4)",
+    )
     p.add_argument(
         "--kill-at",
         type=int,
@@ -85,9 +98,9 @@ class ChildRun:
     returncode: int = 0
     killed_in_save: int | None = None
     staging_file: str | None = None
-    resumed_from: str | None = None
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    saves: list[dict[str, Any]] = field(default_factory=list)
+    restored: dict[str, Any] | None = None  # what mgr.restore() found, skipped and restored
+    saves: list[dict[str, Any]] = field(default_factory=list)  # mgr.stats entries, as JSON
+    stats: dict[str, Any] | None = None  # mgr.stats totals, sent after mgr.close()
     last_step: int = 0
     stderr: str = ""
     seconds: float = 0.0
@@ -99,8 +112,8 @@ def default_kill_step(steps: int, every: int) -> int:
 
 
 def check_args(args: argparse.Namespace) -> int:
-    if args.steps < 2 or args.every < 1:
-        raise InvalidArgumentError("--steps must be at least 2 and --every at least 1")
+    if args.steps < 2 or args.every < 1 or args.keep_last < 1:
+        raise InvalidArgumentError("--steps must be at least 2, --every and --keep-last at least 1")
     kill = default_kill_step(args.steps, args.every) if args.kill_at is None else args.kill_at
     if kill % args.every or not 0 < kill < args.steps:
         raise InvalidArgumentError(
@@ -142,8 +155,14 @@ def _child_env() -> dict[str, str]:
 def run_child(
     argv: list[str], bar: ProgressBar, *, kill_in_save: bool = False, workdir: str
 ) -> ChildRun:
-    """Run the worker with ``argv``, follow its events; SIGKILL it when a save announces itself."""
+    """Run the worker with ``argv`` and follow its events.
+
+    With ``kill_in_save``, SIGKILL it once a save's background writer has announced that it is
+    writing (and is held there) and training has finished a later step: the manager has then
+    recorded every earlier save, and the save being written is in flight.
+    """
     out = ChildRun()
+    writing: dict[str, Any] | None = None
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+", dir=workdir) as err:
         proc = subprocess.Popen(
@@ -164,19 +183,25 @@ def run_child(
                 if event == "step":
                     out.last_step = data["step"]
                     bar.update(data["step"])
+                    if (
+                        writing is not None
+                        and out.killed_in_save is None
+                        and data["step"] > writing["step"]
+                    ):
+                        os.kill(proc.pid, signal.SIGKILL)
+                        out.killed_in_save = writing["step"]
+                        out.staging_file = writing["file"]
+                        bar.update(data["step"], f"kill -9 while writing step {writing['step']}")
                 elif event == "saved":
                     out.saves.append(data)
-                elif event == "resumed":
-                    out.resumed_from = data["name"]
-                    bar.update(data["step"], f"resumed from {data['name'] or 'scratch'}")
-                elif event == "skipped":
-                    out.skipped.append((data["name"], data["reason"]))
+                elif event == "stats":
+                    out.stats = data
+                elif event == "restored":
+                    out.restored = data
+                    if data["step"] is not None:
+                        bar.update(data["step"], f"restored {data['name']}")
                 elif event == "saving" and kill_in_save:
-                    # The save of this step has started writing its first data file: now.
-                    os.kill(proc.pid, signal.SIGKILL)
-                    out.killed_in_save = data["step"]
-                    out.staging_file = data["file"]
-                    bar.update(out.last_step, f"kill -9 while saving step {data['step']}")
+                    writing = data  # its first data file is partly written; the writer waits
         finally:
             out.returncode = proc.wait()
             timer.cancel()
@@ -241,20 +266,79 @@ def _fail(what: str, child: ChildRun) -> int:
     return 1
 
 
+def _short(message: str, ckpt_dir: str, shown_as: str) -> str:
+    """A library message with the absolute checkpoint directory written as the user gave it."""
+    return message.removeprefix("tardigrade: ").replace(ckpt_dir, shown_as)
+
+
+def _span(names: list[str]) -> str:
+    if not names:
+        return "none"
+    return names[0] if len(names) == 1 else f"{names[0]} to {names[-1]}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms"
+
+
+def _saves_table(runs: list[tuple[str, ChildRun]]) -> str:
+    rows = [
+        [
+            str(s["step"]),
+            run,
+            human_bytes(s["nbytes"]),
+            _ms(s["blocking_seconds"]),
+            _ms(s["total_seconds"]),
+            f"{s['throughput_gbps']:.3f}",
+            "yes" if s["ok"] else f"NO: {s['error']}",
+        ]
+        for run, child in runs
+        for s in child.saves
+    ]
+    return table(rows, ["STEP", "RUN", "SIZE", "BLOCKED", "TOTAL", "GB/S", "OK"], indent="  ")
+
+
+def report_restore(restored: dict[str, Any], ckpt_dir: str, shown_as: str) -> list[str]:
+    """What ``mgr.restore()`` did in run 2, one line each."""
+    lines = [f"log: {_short(w, ckpt_dir, shown_as)}" for w in restored["warnings"]]
+    for name in restored["removed"]:
+        lines.append(
+            f"skipped the incomplete save {name}\n  (no manifest: it never committed) and removed it"
+        )
+    for name in restored["skipped"]:
+        lines.append(f"skipped {name} (see the log line; kept on disk for inspection)")
+    if restored["name"] is None:
+        lines.append("found no complete checkpoint: training starts from scratch")
+        return lines
+    data = restored["data"]
+    lines.append(
+        f"verified {restored['name']} and restored it into the live state: model, optimizer,\n"
+        f"  LR schedule, RNGs, data position (epoch {data['epoch']}, {data['consumed']} of "
+        f"{data['dataset_len']} samples consumed), step,\n"
+        f"  loss history (last loss {restored['loss']:.4f})"
+    )
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     kill_at = check_args(args)
     started = time.perf_counter()
     ckpt_dir = prepare_dir(args.dir)
     show = False if args.no_progress else None
     common = ["--steps", str(args.steps), "--seed", str(args.seed)]
-    hang = ["--hang-in-save", str(kill_at)]
+    managed = [
+        *("--ckpt-dir", ckpt_dir, "--every", str(args.every)),
+        *("--keep-last", str(args.keep_last)),
+    ]
     print(
         f"tardigrade demo: {args.steps} steps of an MLP with dropout, Adam, cosine LR and "
-        f"shuffled batches; checkpoint every {args.every} steps into {args.dir}"
+        "shuffled batches\n(a DataLoader over tg.ResumableSampler), checkpointed by\n"
+        f'  mgr = tg.CheckpointManager("{args.dir}", state, every_steps={args.every}, '
+        f"keep_last={args.keep_last}, async_save=True)"
     )
     with tempfile.TemporaryDirectory(prefix="tardigrade-demo-") as tmp:
         first = run_child(
-            [*common, "--every", str(args.every), "--ckpt-dir", ckpt_dir, *hang],
+            [*common, *managed, "--hang-in-save", str(kill_at)],
             ProgressBar(args.steps, "run 1: train, kill -9 mid-save ", enabled=show),
             kill_in_save=True,
             workdir=tmp,
@@ -262,23 +346,15 @@ def run(args: argparse.Namespace) -> int:
         if first.killed_in_save is None or first.returncode != -signal.SIGKILL:
             return _fail("run 1 was not killed in the middle of a save as planned", first)
         on_disk = list_checkpoints(ckpt_dir)
+        lock_left = os.path.exists(os.path.join(ckpt_dir, ".lock"))
 
         resumed_final = os.path.join(tmp, "resumed")
         second = run_child(
-            [
-                *common,
-                "--every",
-                str(args.every),
-                "--ckpt-dir",
-                ckpt_dir,
-                "--resume",
-                "--final",
-                resumed_final,
-            ],
+            [*common, *managed, "--final", resumed_final],
             ProgressBar(args.steps, "run 2: resume, train to the end", enabled=show),
             workdir=tmp,
         )
-        if second.returncode != 0:
+        if second.returncode != 0 or second.restored is None:
             return _fail("run 2 (resume) failed", second)
 
         reference_final = os.path.join(tmp, "reference")
@@ -302,31 +378,37 @@ def run(args: argparse.Namespace) -> int:
         ),
         (
             "LR schedule, RNGs, data position, counters",
-            all(identical(resumed[k], reference[k]) for k in ("sched", "rng", "data", "step")),
+            all(
+                identical(resumed[k], reference[k])
+                for k in ("sched", "rng", "data", "step", "epoch")
+            ),
         ),
     ]
-    saves = first.saves + second.saves
-    save_seconds = sum(s["seconds"] for s in saves)
-    train_seconds = first.seconds + second.seconds
+    restored = second.restored
+    resumed_step = restored["step"]
 
     print()
-    print(
-        f"run 1  trained to step {first.last_step}, checkpointing every {args.every} steps; "
-        f"SIGKILLed while saving step {first.killed_in_save} "
-        f"(it had written part of {first.staging_file})"
-    )
+    committed_1 = [c.name for c in on_disk if c.status == COMMITTED]
     tmp_left = [c.name for c in on_disk if c.status == INCOMPLETE_TMP]
-    newest = [c.name for c in on_disk if c.status == "committed"][-1:]
     print(
-        f"       on disk after the kill: {sum(c.status == 'committed' for c in on_disk)} "
-        f"committed checkpoints{f' (newest {newest[0]})' if newest else ''}, "
-        f"{len(tmp_left)} incomplete .tmp dir (never visible to load)"
+        f"run 1  start = mgr.restore() -> {(first.restored or {}).get('step')} (empty directory); "
+        f"trained from step 1, SIGKILLed at step {first.last_step}\n"
+        f"       while the background writer of the async save of step {first.killed_in_save} "
+        f"was writing\n       {first.staging_file}"
     )
-    for name, reason in second.skipped:
-        print(f"       skipped {name}: {reason}")
     print(
-        f"run 2  resumed from {second.resumed_from or 'scratch (no complete checkpoint)'} "
-        f"in a new process, trained to step {second.last_step}"
+        f"       on disk after the kill: {len(committed_1)} committed checkpoints "
+        f"({_span(committed_1)};\n       {sum(s['ok'] for s in first.saves)} saved, "
+        f"keep_last={args.keep_last}), {len(tmp_left)} incomplete .tmp dir (the killed save)"
+        + (", the dead run's .lock" if lock_left else "")
+    )
+    print(f"run 2  a new process: start = mgr.restore() -> {resumed_step}")
+    for line in report_restore(restored, ckpt_dir, args.dir):
+        print("       " + line.replace("\n", "\n       "))
+    totals = second.stats or {}
+    print(
+        f"       trained steps {(resumed_step or 0) + 1} to {second.last_step}; after mgr.close(), "
+        f"mgr.stats: {totals.get('succeeded')} saves succeeded, {totals.get('failed')} failed"
     )
     print(f"run 3  uninterrupted run from scratch to step {third.last_step}, no checkpoints")
     print()
@@ -338,35 +420,72 @@ def run(args: argparse.Namespace) -> int:
             f"  first differing loss at step {first_difference(resumed['losses'], reference['losses'])}"
         )
     print()
-    resumed_step = int(second.resumed_from.rsplit("-", 1)[1]) if second.resumed_from else 0
-    print(f"killed at step       {first.killed_in_save} (in the middle of its save)")
-    print(
-        f"resumed from step    {resumed_step} "
-        + (f"({second.resumed_from})" if second.resumed_from else "(no complete checkpoint yet)")
-    )
-    avg = save_seconds / len(saves) if saves else 0.0
-    print(
-        f"time spent saving    {save_seconds:.3f} s in {len(saves)} saves "
-        f"({avg * 1000:.1f} ms each, {100 * save_seconds / max(train_seconds, 1e-9):.1f}% of "
-        "the wall time of runs 1 and 2)"
-    )
+    skipped = [
+        *(f"the incomplete save of step {step_from_name(n)}" for n in restored["removed"]),
+        *restored["skipped"],
+    ]
     listing = list_checkpoints(ckpt_dir)
+    kept = [c.name for c in listing if c.status == COMMITTED]
+    saves = [s for child in (first, second) for s in child.saves]
+    ok = [s for s in saves if s["ok"]]
+    blocked = sum(s["blocking_seconds"] for s in ok)
+    total = sum(s["total_seconds"] for s in ok)
+    n = max(len(ok), 1)
+    summary = [
+        (
+            "killed at step",
+            f"{first.killed_in_save} (in the middle of its async save; training had reached "
+            f"step {first.last_step})",
+        ),
+        (
+            "resumed from step",
+            f"{resumed_step if resumed_step is not None else 0} "
+            + (
+                f"({restored['name']}; restore() skipped {', '.join(skipped) or 'nothing'})"
+                if restored["name"]
+                else "(no complete checkpoint yet)"
+            ),
+        ),
+        (
+            "retention",
+            f"keep_last={args.keep_last}: {len(ok)} checkpoints saved "
+            f"({sum(s['ok'] for s in first.saves)} by run 1, "
+            f"{sum(s['ok'] for s in second.saves)} by run 2), {len(kept)} on disk "
+            f"({_span(kept)}); each older one was deleted once a newer one had committed",
+        ),
+        (
+            "saves (mgr.stats)",
+            f"{len(ok)} async saves, {len(saves) - len(ok)} failed. Training was blocked "
+            f"{_ms(blocked / n)} per save (the snapshot to host memory, plus any wait for the "
+            f"previous save: one is in flight at a time), {100 * blocked / (first.seconds + second.seconds):.2f}% "
+            f"of the wall time of runs 1 and 2; a save took {_ms(total / n)} in all, "
+            f"{100 * (1 - blocked / total) if total else 0:.0f}% of it in the background",
+        ),
+    ]
+    for label, text in summary:
+        print(
+            textwrap.fill(
+                text,
+                width=100,
+                initial_indent=f"{label:<21}",
+                subsequent_indent=" " * 21,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+        )
+    print(_saves_table([("1", first), ("2", second)]))
     print(f"checkpoints in {args.dir}:")
     print(
         table(
-            [
-                [c.name, human_bytes(c.nbytes), c.status]
-                + (["(the killed save)"] if c.status == INCOMPLETE_TMP else [""])
-                for c in listing
-            ],
-            ["NAME", "SIZE", "STATUS", ""],
+            [[c.name, human_bytes(c.nbytes), c.status] for c in listing],
+            ["NAME", "SIZE", "STATUS"],
             indent="  ",
         )
     )
-    ok = all(good for _, good in checks)
+    same = all(good for _, good in checks)
     print()
     print(
-        f"bit-identical: {'yes' if ok else 'NO'}  "
+        f"bit-identical: {'yes' if same else 'NO'}  "
         f"(demo took {time.perf_counter() - started:.1f} s; try: {_prog()} ls {args.dir})"
     )
-    return 0 if ok else 1
+    return 0 if same else 1

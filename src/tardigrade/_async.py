@@ -58,6 +58,7 @@ class SaveFuture:
         self._future = future
         self._staged = threading.Event()
         self.observed = False  # whether the caller has seen the outcome
+        self.blocking_seconds = 0.0  # how long save() blocked the caller
 
     def staged(self) -> bool:
         """True once the state has been copied and training may mutate it."""
@@ -213,7 +214,6 @@ class AsyncCheckpointer:
         metrics: Mapping[str, float] | None = None,
     ) -> SaveFuture | None:
         """Stage ``state`` into host memory and write it in the background; see the class doc."""
-        started = time.perf_counter()
         with self._lock:
             if self._closed:
                 raise InvalidArgumentError("this AsyncCheckpointer is closed; create a new one")
@@ -237,7 +237,9 @@ class AsyncCheckpointer:
                 epoch=epoch,
                 metrics=metrics,
             )
-            job.started = started
+            # The save's own clock starts after any wait for the previous save, so its
+            # blocking and total times describe this save alone.
+            job.started = time.perf_counter()
             streams: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in job.plan.files]
             # The writers read until END/ABORT, so the iterators' own sentinel never matches.
             readers = [iter(q.get, _NEVER) for q in streams]
@@ -252,7 +254,8 @@ class AsyncCheckpointer:
                 fut.observed = True
                 raise
             finally:
-                job.blocking_seconds = time.perf_counter() - started
+                job.blocking_seconds = time.perf_counter() - job.started
+                fut.blocking_seconds = job.blocking_seconds
             fut._staged.set()
             self._last = fut
             return fut

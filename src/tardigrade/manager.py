@@ -81,7 +81,7 @@ class ManagerStats(list[SaveStats]):
 
     @property
     def total_seconds(self) -> float:
-        return sum(s.total_seconds for s in self if s.ok)
+        return sum(s.total_seconds for s in self)
 
 
 def _check_signals(signals: Iterable[int]) -> tuple[int, ...]:
@@ -440,7 +440,11 @@ class CheckpointManager:
         metrics: Mapping[str, float] | None = None,
         force: bool = False,
     ) -> bool:
-        """Save ``step`` now, whatever the policy. Returns False if the save failed (warn mode).
+        """Save ``step`` now, whatever the policy. Returns False if it failed to start (warn mode).
+
+        With ``async_save`` a failure in the background is reported (logged, counted in
+        ``stats``, or raised in "raise" mode) at the next ``step``/``save``/``wait``/``close``;
+        retention for a save also runs then.
 
         ``force=True`` replaces an existing checkpoint for this step.
         """
@@ -552,7 +556,7 @@ class CheckpointManager:
             if exc is None:
                 self._record_ok(step, fut.result())
             else:
-                self._record_failure(step, exc, 0.0)
+                self._record_failure(step, exc, fut.blocking_seconds)
 
     def wait(self) -> None:
         """Block until in-flight saves are committed (or failed and reported)."""

@@ -1,0 +1,17 @@
+"""Tardigrade's benchmark harness: ``python -m bench`` (or ``make bench``).
+
+One run saves and loads the same training state with every registered tool, interleaved
+(A B C ... A B C ...), next to the physical limits of this machine (fsync'd sequential write, hot
+read, memcpy), and reports medians, throughput, ratios, peak RSS and the targets of the
+performance issue as PASS/MISS. ``python -m bench --help`` lists the options.
+
+Modules:
+
+- ``state``   the training state: an MLP plus Adam moments after one optimizer step.
+- ``measure`` timing plus peak RSS above the live state for one operation.
+- ``raw``     the physical references: raw write + fsync, hot read, memcpy.
+- ``tools``   the registry of saves and loads (tool name -> callable). Add a tool there.
+- ``fresh``   the first save of a fresh process, one subprocess per tool.
+- ``run``     the orchestration: first saves, then rounds in one process.
+- ``report``  statistics, targets, the printed table.
+"""

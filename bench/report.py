@@ -1,0 +1,264 @@
+"""Summaries, the targets of the performance issue, and the printed table.
+
+Throughput is always the state's tensor bytes over wall seconds (GB = 1e9 bytes), whatever a tool
+writes around them; verify uses the bytes it hashed. Peak RSS is the highest memory resident
+above what was live just before the operation; the save and load targets use the worst run
+(first save included).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+REF_SAVE = "raw_write"
+REF_LOAD = "hot_read"
+TG = "tardigrade"
+
+
+def stats(samples: list[dict[str, Any]], nbytes: int, state_bytes: int) -> dict[str, Any]:
+    """Median/min/max seconds, GB/s at the median, and the worst peak RSS of some runs."""
+    secs = [s["seconds"] for s in samples]
+    med = statistics.median(secs)
+    peak = max(s["peak_rss_above"] for s in samples)
+    anon = max(s["peak_anon_above"] for s in samples)
+    extra_keys = sorted({k for s in samples for k in s.get("extra", {})})
+    return {
+        "n": len(samples),
+        "median_s": med,
+        "min_s": min(secs),
+        "max_s": max(secs),
+        "gbps": nbytes / med / 1e9 if med > 0 else float("inf"),
+        "peak_rss_above_bytes": peak,
+        "peak_rss_above_pct": 100.0 * peak / state_bytes,
+        "peak_anon_above_bytes": anon,
+        "peak_anon_above_pct": 100.0 * anon / state_bytes,
+        "extra": {
+            k: statistics.median(s["extra"][k] for s in samples if k in s.get("extra", {}))
+            for k in extra_keys
+        },
+    }
+
+
+def _with_ratio(
+    group: dict[str, dict[str, Any]], ref: dict[str, Any] | None, ref_name: str
+) -> None:
+    for s in group.values():
+        s["ratio"] = s["gbps"] / ref["gbps"] if ref else None
+        s["ratio_to"] = ref_name
+
+
+def summarise(results: dict[str, Any]) -> dict[str, Any]:
+    """Per tool and phase statistics, with ratios to the physical references."""
+    state_bytes = results["meta"]["state_bytes"]
+    measured = [r for r in results["rounds"] if not r["warmup"]]
+    warmup = [r for r in results["rounds"] if r["warmup"]]
+
+    def over(rounds: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+        names = list(rounds[0][kind]) if rounds else []
+        out = {}
+        for name in names:
+            samples = [r[kind][name] for r in rounds]
+            nbytes = state_bytes
+            if kind == "verify":
+                nbytes = int(statistics.median(s["extra"]["verified_bytes"] for s in samples))
+            out[name] = stats(samples, nbytes, state_bytes)
+        return out
+
+    first = {
+        name: stats([f["sample"]], f["state_bytes"], state_bytes)
+        for name, f in results["first_save"].items()
+    }
+    ref = over(measured, "reference")
+    save, load = over(measured, "save"), over(measured, "load")
+    _with_ratio(first, first.get(REF_SAVE), REF_SAVE)
+    _with_ratio(save, ref.get(REF_SAVE), REF_SAVE)
+    _with_ratio(load, ref.get(REF_LOAD), REF_LOAD)
+    return {
+        "first_save": first,
+        "reference": ref,
+        "save": save,
+        "load": load,
+        "verify": over(measured, "verify"),
+        "warmup": {k: over(warmup, k) for k in ("reference", "save", "load", "verify")},
+    }
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    value: float | None  # None when a tool it needs did not run
+    op: str  # ">=" or "<="
+    bound: float
+    unit: str = ""
+
+    @property
+    def passed(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value >= self.bound if self.op == ">=" else self.value <= self.bound
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "pass": self.passed}
+
+
+def targets(summary: dict[str, Any], cpu_count: int) -> list[Target]:
+    """The acceptance targets of the performance issue, computed from the summary."""
+
+    def ratio(a: dict[str, Any], an: str, b: dict[str, Any], bn: str) -> float | None:
+        return a[an]["gbps"] / b[bn]["gbps"] if an in a and bn in b else None
+
+    first, save, load, ref = (
+        summary["first_save"],
+        summary["save"],
+        summary["load"],
+        summary["reference"],
+    )
+    rss_save = [g[TG]["peak_rss_above_pct"] for g in (first, save) if TG in g]
+    rss_load = [load[TG]["peak_rss_above_pct"]] if TG in load else []
+    verify = summary["verify"].get(TG)
+    return [
+        Target(
+            "tg.save / raw fsync'd write (steady)", ratio(save, TG, ref, REF_SAVE), ">=", 0.85, "x"
+        ),
+        Target(
+            "tg.save / raw fsync'd write (first save, 1 sample)",
+            ratio(first, TG, first, REF_SAVE),
+            ">=",
+            0.85,
+            "x",
+        ),
+        Target("tg.save / DCP save (steady)", ratio(save, TG, save, "dcp"), ">=", 1.5, "x"),
+        Target(
+            "tg.save / DCP save (first save, 1 sample)",
+            ratio(first, TG, first, "dcp"),
+            ">=",
+            1.5,
+            "x",
+        ),
+        Target("tg.load(into) / hot read", ratio(load, TG, ref, REF_LOAD), ">=", 0.8, "x"),
+        Target("tg.load(into) / DCP load", ratio(load, TG, load, "dcp"), ">=", 2.0, "x"),
+        Target(
+            "tg.save peak RSS above live (worst)",
+            max(rss_save) if rss_save else None,
+            "<=",
+            10.0,
+            "%",
+        ),
+        Target(
+            "tg.load peak RSS above live (worst)",
+            max(rss_load) if rss_load else None,
+            "<=",
+            10.0,
+            "%",
+        ),
+        Target(
+            f"tg.verify GB/s per core ({cpu_count} cores)",
+            verify["gbps"] / cpu_count if verify else None,
+            ">=",
+            1.0,
+            "GB/s",
+        ),
+    ]
+
+
+# --- text ------------------------------------------------------------------------------------
+
+
+def _grid(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def fmt(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))])
+
+    return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
+
+
+def _rss(s: dict[str, Any]) -> list[str]:
+    return [
+        f"{s['peak_rss_above_bytes'] / 1e9:.3f}",
+        f"{s['peak_rss_above_pct']:.1f}%",
+        f"{s['peak_anon_above_pct']:.1f}%",
+    ]
+
+
+RSS_HEADERS = ["RSS+ GB", "RSS+ %", "anon+ %"]
+
+
+def _timed_rows(group: dict[str, Any], ratio: bool) -> list[list[str]]:
+    rows = []
+    for name, s in group.items():
+        row = [
+            name,
+            f"{s['median_s']:.3f}",
+            f"{s['min_s']:.3f}",
+            f"{s['max_s']:.3f}",
+            f"{s['gbps']:.2f}",
+        ]
+        if ratio:
+            row.append(f"{s['ratio']:.2f}" if s.get("ratio") is not None else "-")
+        rows.append(row + _rss(s))
+    return rows
+
+
+def table(results: dict[str, Any], summary: dict[str, Any], goals: list[Target]) -> str:
+    """The human-readable report of one run."""
+    m = results["meta"]
+    n = m["repeats"]
+    timed = ["median s", "min s", "max s", "GB/s"]
+    parts = [
+        f"Tardigrade benchmark  state {m['state_bytes'] / 1e9:.3f} GB ({m['params'] / 1e6:.1f}M fp32 "
+        f"params + Adam moments, {m['tensors']} tensors)  repeats {n} (+1 warm-up)  "
+        f"settle {m['settle_s']:g} s  {m['cpu_count']} cores  {m['elapsed_s']:.0f} s total",
+        "",
+        "First save of a fresh process (one process per tool; durable)",
+        _grid(
+            ["tool", "s", "GB/s", f"x {REF_SAVE}", *RSS_HEADERS],
+            [
+                [
+                    name,
+                    f"{s['median_s']:.3f}",
+                    f"{s['gbps']:.2f}",
+                    f"{s['ratio']:.2f}" if s.get("ratio") else "-",
+                    *_rss(s),
+                ]
+                for name, s in summary["first_save"].items()
+            ],
+        ),
+        "",
+        f"Physical references (median of {n})",
+        _grid(["op", *timed, *RSS_HEADERS], _timed_rows(summary["reference"], ratio=False)),
+        "",
+        f"Steady-state saves (median of {n} later saves in one process; durable)",
+        _grid(
+            ["tool", *timed, f"x {REF_SAVE}", *RSS_HEADERS],
+            _timed_rows(summary["save"], ratio=True),
+        ),
+        "",
+        f"Loads into the live model + optimizer (files hot; median of {n})",
+        _grid(
+            ["tool", *timed, f"x {REF_LOAD}", *RSS_HEADERS],
+            _timed_rows(summary["load"], ratio=True),
+        ),
+        "",
+        f"Verify (files hot; median of {n})",
+        _grid(["tool", *timed, *RSS_HEADERS], _timed_rows(summary["verify"], ratio=False)),
+    ]
+    extras = [
+        f"  {kind} {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in s["extra"].items())
+        for kind in ("save", "load")
+        for name, s in summary[kind].items()
+        if s["extra"]
+    ]
+    if extras:
+        parts += ["", "Extra numbers reported by tools (medians)", *extras]
+    rows = []
+    for g in goals:
+        sep = " " if g.unit == "GB/s" else ""
+        value = "n/a" if g.value is None else f"{g.value:.2f}{sep}{g.unit}"
+        verdict = {True: "PASS", False: "MISS", None: "n/a"}[g.passed]
+        rows.append([g.name, value, f"{g.op} {g.bound:g}{sep}{g.unit}", verdict])
+    parts += ["", "Targets", _grid(["target", "value", "goal", ""], rows)]
+    return "\n".join(parts)

@@ -1,0 +1,61 @@
+"""Smoke test of the benchmark harness: ``python -m bench --quick`` on a tiny state."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TOOLS = {"tardigrade", "torch", "safetensors", "dcp"}
+REFERENCES = {"raw_write", "hot_read", "memcpy"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quick_run_measures_every_tool(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    files = tmp_path / "files"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--size=20MB",
+            "--repeats=1",
+            f"--dir={files}",
+            f"--out={out}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Targets" in proc.stdout
+
+    results = json.loads(out.read_text())
+    tools = results["meta"]["tools"]
+    assert set(tools["save"]) >= TOOLS
+    assert set(tools["load"]) >= TOOLS
+    assert 15e6 < results["meta"]["state_bytes"] < 25e6
+
+    summary = results["summary"]
+    assert set(results["first_save"]) == {"raw_write", *tools["save"]}
+    assert set(summary["save"]) == set(tools["save"])
+    assert set(summary["load"]) == set(tools["load"])
+    assert set(summary["reference"]) == REFERENCES
+    assert set(summary["verify"]) == {"tardigrade"}
+    for group in ("first_save", "save", "load", "reference", "verify"):
+        for name, s in summary[group].items():
+            assert s["median_s"] > 0 and s["gbps"] > 0, (group, name)
+            assert s["peak_rss_above_bytes"] >= 0, (group, name)
+
+    assert len(results["targets"]) == 9
+    assert all(t["pass"] is not None for t in results["targets"])
+    # The checkpoints are deleted at the end of the run.
+    assert not [p for p in files.rglob("*") if p.is_file()]

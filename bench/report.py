@@ -118,7 +118,39 @@ def targets(summary: dict[str, Any], cpu_count: int) -> list[Target]:
     rss_save = [g[TG]["peak_rss_above_pct"] for g in (first, save) if TG in g]
     rss_load = [load[TG]["peak_rss_above_pct"]] if TG in load else []
     verify = summary["verify"].get(TG)
+
+    def blocking(tool: str) -> float | None:
+        return save.get(tool, {}).get("extra", {}).get("blocking_s")
+
+    memcpy = ref.get("memcpy", {}).get("median_s")
+    tg_block, dcp_block = blocking("tardigrade_async"), blocking("dcp_async")
+    async_targets = [
+        Target(
+            "tg async blocking / memcpy of the same bytes (steady)",
+            tg_block / memcpy if tg_block is not None and memcpy else None,
+            "<=",
+            1.3,
+            "x",
+        ),
+        Target(
+            "tg async blocking / DCP async_save blocking (steady)",
+            tg_block / dcp_block if tg_block is not None and dcp_block else None,
+            "<=",
+            0.5,
+            "x",
+        ),
+        Target(
+            "tg async total / tg sync save (steady)",
+            save["tardigrade_async"]["median_s"] / save[TG]["median_s"]
+            if "tardigrade_async" in save and TG in save
+            else None,
+            "<=",
+            1.1,
+            "x",
+        ),
+    ]
     return [
+        *async_targets,
         Target(
             "tg.save / raw fsync'd write (steady)", ratio(save, TG, ref, REF_SAVE), ">=", 0.85, "x"
         ),

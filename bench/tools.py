@@ -26,6 +26,7 @@ Tools run in registration order within a round; ``tardigrade`` first, then the b
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -145,6 +146,35 @@ def load_dcp(state: TrainState, path: Path) -> None:
     dcp.load(sd, storage_reader=dcp.FileSystemReader(path))
     state.model.load_state_dict(sd["model"])
     state.optim.load_state_dict(sd["optim"])
+
+
+# --- asynchronous saves: time the caller is blocked, then wait for durability -----------------
+
+_async: tg.AsyncCheckpointer | None = None
+
+
+@save_tool("tardigrade_async")
+def save_tardigrade_async(state: TrainState, path: Path) -> dict[str, float]:
+    # One checkpointer per process, as in training: its staging buffers are reused.
+    global _async
+    if _async is None:
+        _async = tg.AsyncCheckpointer()
+    t0 = time.perf_counter()
+    future = _async.save(path, state.live)
+    blocking = time.perf_counter() - t0
+    assert future is not None
+    future.result()
+    return {"blocking_s": blocking}
+
+
+@save_tool("dcp_async")
+def save_dcp_async(state: TrainState, path: Path) -> dict[str, float]:
+    writer = dcp.FileSystemWriter(path, thread_count=2, sync_files=True)
+    t0 = time.perf_counter()
+    future = dcp.async_save(state.state_dicts(), storage_writer=writer)
+    blocking = time.perf_counter() - t0
+    future.result()
+    return {"blocking_s": blocking}
 
 
 def verify_tardigrade(path: Path) -> dict[str, float]:

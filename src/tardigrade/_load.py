@@ -385,6 +385,25 @@ class _ReadTask:
     path: str  # display path of the leaf, for messages
 
 
+def _check_size(src: Any, recorded: int) -> None:
+    """A data file must be exactly as large as the manifest recorded."""
+    if src.size != recorded:
+        raise CorruptCheckpointError(
+            f"{src.name}: file is {src.size} bytes but the manifest recorded {recorded} "
+            "(truncated or modified after commit). Delete this checkpoint or restore it from "
+            "a backup."
+        )
+
+
+def _check_sum(src: Any, key: str, what: str, expected: str, hasher: Hasher) -> None:
+    if hasher.hexdigest() != expected:
+        raise ChecksumMismatchError(
+            f"{src.name}: tensor {key!r}{what} fails its checksum (expected {expected}, got "
+            f"{hasher.hexdigest()}); its bytes were damaged after the save. Delete this "
+            "checkpoint or restore it from a backup."
+        )
+
+
 def _read_file(
     storage: Storage,
     ckpt: str,
@@ -396,11 +415,7 @@ def _read_file(
     verify: bool,
 ) -> int:
     with storage.open_reader(f"{ckpt}/{file}") as src:
-        if src.size != size:
-            raise CorruptCheckpointError(
-                f"{src.name}: file is {src.size} bytes but the manifest recorded {size} "
-                "(truncated or modified after commit). Delete this checkpoint or restore it."
-            )
+        _check_size(src, size)
         header = st.read_header(src)
         nbytes = 0
         for task in tasks:
@@ -418,12 +433,8 @@ def _read_file(
             hasher = Hasher() if verify else None
             if target.numel():
                 st.read_range(src, h.begin, _bytes_of(target), hasher)
-            if hasher is not None and hasher.hexdigest() != c.checksum:
-                raise ChecksumMismatchError(
-                    f"{src.name}: tensor {c.key!r} (for {task.path}) fails its checksum "
-                    f"(expected {c.checksum}, got {hasher.hexdigest()}); its bytes were damaged "
-                    "after the save. Delete this checkpoint or restore it from a backup."
-                )
+            if hasher is not None:
+                _check_sum(src, c.key, f" (for {task.path})", c.checksum, hasher)
             if not direct:
                 region.copy_(target)
             nbytes += h.end - h.begin
@@ -563,12 +574,7 @@ def _check_sizes(storage: Storage, name: str, m: Manifest, files: set[str]) -> N
     """Data files must be as large as the manifest says before anything is allocated for them."""
     for file in sorted(files):
         with storage.open_reader(f"{name}/{file}") as src:
-            if src.size != m.files[file]:
-                raise CorruptCheckpointError(
-                    f"{src.name}: file is {src.size} bytes but the manifest recorded "
-                    f"{m.files[file]} (truncated or modified after commit). Delete this "
-                    "checkpoint or restore it from a backup."
-                )
+            _check_size(src, m.files[file])
 
 
 def _read_entries(
@@ -635,11 +641,7 @@ def verify(path: Any, *, workers: int = DEFAULT_WORKERS) -> VerifyReport:
 
     def one(file: str) -> int:
         with storage.open_reader(f"{name}/{file}") as src:
-            if src.size != m.files[file]:
-                raise CorruptCheckpointError(
-                    f"{src.name}: file is {src.size} bytes but the manifest recorded "
-                    f"{m.files[file]} (truncated or modified after commit)."
-                )
+            _check_size(src, m.files[file])
             header = st.read_header(src)
             listed = {c.key for _, c in by_file[file]}
             if set(header) != listed:
@@ -662,12 +664,7 @@ def verify(path: Any, *, workers: int = DEFAULT_WORKERS) -> VerifyReport:
                     src.readinto(pos, buf[:n])
                     hasher.update(buf[:n])
                     pos += n
-                if hasher.hexdigest() != c.checksum:
-                    raise ChecksumMismatchError(
-                        f"{src.name}: tensor {c.key!r} fails its checksum (expected "
-                        f"{c.checksum}, got {hasher.hexdigest()}); its bytes were damaged after "
-                        "the save. Delete this checkpoint or restore it from a backup."
-                    )
+                _check_sum(src, c.key, "", c.checksum, hasher)
             return src.size
 
     files = sorted(m.files)

@@ -2,8 +2,10 @@
 
 One run saves and loads the same training state with every registered tool, interleaved
 (A B C ... A B C ...), next to the physical limits of this machine (fsync'd sequential write, hot
-read, memcpy), and reports medians, throughput, ratios, peak RSS and the targets of the
-performance issue as PASS/MISS. ``python -m bench --help`` lists the options.
+read, memcpy), times a training loop that saves every k steps asynchronously (Tardigrade, DCP)
+next to the same loop without saves, and reports medians, throughput, ratios, peak RSS, the
+loop's overhead and the targets of the performance issue as PASS/MISS.
+``python -m bench --help`` lists the options.
 
 Modules:
 
@@ -12,6 +14,7 @@ Modules:
 - ``raw``     the physical references: raw write + fsync, hot read, memcpy.
 - ``tools``   the registry of saves and loads (tool name -> callable). Add a tool there.
 - ``fresh``   the first save of a fresh process, one subprocess per tool.
+- ``loop``    the training loop: steps/s with no checkpoints, Tardigrade async, DCP async.
 - ``run``     the orchestration: first saves, then rounds in one process.
 - ``report``  statistics, targets, the printed table.
 """

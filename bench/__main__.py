@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 
+from . import loop
 from .report import summarise, table, targets
 from .run import Options, run
 from .state import DEFAULT_STATE_BYTES, parse_size
@@ -22,11 +24,17 @@ EPILOG = f"""\
 a 15-layer 4096-wide fp32 MLP, 251.7M parameters, plus Adam's two moments) or a byte count with a
 unit (B, kB, MB, GB, KiB, MiB, GiB). Examples: --size 0.05 (5%, ~151 MB), --size 20MB.
 
---settle idles before every save and load: this VM hands freed memory back to the host after
-~2 s idle, after which fresh allocations fault in at ~0.5 GB/s. Idling gives every tool the same
-start, as between two real checkpoints; --settle 0 measures saves back to back.
+The training loop (--loop-every, --loop-saves) repeats a fixed compute step, whatever --size:
+{loop.FULL.products} products of {loop.FULL.matrix}x{loop.FULL.matrix} fp32 matrices a step, ~65 ms here ({loop.QUICK.products} of \
+{loop.QUICK.matrix}x{loop.QUICK.matrix} with --quick).
+It runs without checkpoints, with Tardigrade's AsyncCheckpointer and with DCP's async_save, and
+reports each one's wall time over the loop without checkpoints as overhead %.
 
-A default run (3 GB, 3 repeats + 1 warm-up) takes about 5-7 minutes on a 2-core VM.
+--settle idles before every save, load and training loop: this VM hands freed memory back to the
+host after ~2 s idle, after which fresh allocations fault in at ~0.5 GB/s. Idling gives every
+tool the same start, as between two real checkpoints; --settle 0 measures saves back to back.
+
+A default run (3 GB, 3 repeats + 1 warm-up) takes about 7-9 minutes on a 2-core VM.
 """
 
 
@@ -56,6 +64,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{QUICK['settle']:g} with --quick)",
     )
     p.add_argument(
+        "--loop-every",
+        type=int,
+        help=f"training-loop steps between two saves (default {loop.FULL.every}; "
+        f"{loop.QUICK.every} with --quick)",
+    )
+    p.add_argument(
+        "--loop-saves",
+        type=int,
+        help=f"saves per training loop (default {loop.FULL.saves}; {loop.QUICK.saves} with "
+        "--quick)",
+    )
+    p.add_argument(
         "--dir",
         type=Path,
         help="where checkpoints are written (default: a new directory under bench/results/); "
@@ -83,6 +103,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--repeats must be at least 1")
     if args.settle < 0:
         p.error("--settle must be 0 or more seconds")
+    spec = loop.QUICK if args.quick else loop.FULL
+    args.loop = dataclasses.replace(
+        spec,
+        every=spec.every if args.loop_every is None else args.loop_every,
+        saves=spec.saves if args.loop_saves is None else args.loop_saves,
+    )
+    if args.loop.every < 1 or args.loop.saves < 1:
+        p.error("--loop-every and --loop-saves must be at least 1")
     return args
 
 
@@ -95,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         settle_s=args.settle,
         dir=args.dir or RESULTS / f"{stamp}-files",
+        loop=args.loop,
         keep_files=args.keep_files,
     )
     t0 = time.perf_counter()

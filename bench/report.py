@@ -3,7 +3,8 @@
 Throughput is always the state's tensor bytes over wall seconds (GB = 1e9 bytes), whatever a tool
 writes around them; verify uses the bytes it hashed. Peak RSS is the highest memory resident
 above what was live just before the operation; the save and load targets use the worst run
-(first save included).
+(first save included). The training loop's overhead is its wall time over that of the same loop
+without checkpoints in the same round, minus one; its summary takes the median over rounds.
 """
 
 from __future__ import annotations
@@ -81,8 +82,41 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
         "save": save,
         "load": load,
         "verify": over(measured, "verify"),
+        "loop": loop_stats([r["loop"] for r in measured if r.get("loop")]),
         "warmup": {k: over(warmup, k) for k in ("reference", "save", "load", "verify")},
     }
+
+
+def loop_stats(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per training-loop mode: median/min/max seconds, steps/s and overhead % over rounds."""
+    out = {}
+    for mode in rounds[0] if rounds else []:
+        runs = [r[mode] for r in rounds]
+        secs = [x["seconds"] for x in runs]
+        med = statistics.median(secs)
+        steps = runs[0]["steps"]
+        out[mode] = {
+            "n": len(runs),
+            "steps": steps,
+            "saves": runs[0]["saves"],
+            "median_s": med,
+            "min_s": min(secs),
+            "max_s": max(secs),
+            "steps_per_s": steps / med,
+            "step_ms": 1e3 * med / steps,
+            **{
+                k: statistics.median(x[k] for x in runs)
+                for k in (
+                    "overhead_pct",
+                    "cpu_s",
+                    "cpu_overhead_pct",
+                    "blocking_s",
+                    "final_wait_s",
+                    "cleanup_s",
+                )
+            },
+        }
+    return out
 
 
 @dataclass(frozen=True)
@@ -278,6 +312,50 @@ def table(results: dict[str, Any], summary: dict[str, Any], goals: list[Target])
         f"Verify (files hot; median of {n})",
         _grid(["tool", *timed, *RSS_HEADERS], _timed_rows(summary["verify"], ratio=False)),
     ]
+    loop = summary.get("loop")
+    if loop:
+        spec = m["loop"]
+        base = loop.get("none")
+        interval = f", ~{spec['every'] * base['step_ms'] / 1e3:.1f} s of compute" if base else ""
+        parts += [
+            "",
+            f"Training loop: {spec['steps']} steps of {spec['products']} {spec['matrix']}x"
+            f"{spec['matrix']} matmuls, a save every {spec['every']} steps{interval}, waiting for "
+            f"the last (median of {n})",
+            _grid(
+                [
+                    "mode",
+                    "median s",
+                    "min s",
+                    "max s",
+                    "steps/s",
+                    "overhead",
+                    "CPU s",
+                    "CPU +",
+                    "blocked s",
+                    "last wait s",
+                ],
+                [
+                    [
+                        mode,
+                        f"{x['median_s']:.3f}",
+                        f"{x['min_s']:.3f}",
+                        f"{x['max_s']:.3f}",
+                        f"{x['steps_per_s']:.2f}",
+                        f"{x['overhead_pct']:+.1f}%",
+                        f"{x['cpu_s']:.2f}",
+                        f"{x['cpu_overhead_pct']:+.1f}%",
+                        f"{x['blocking_s']:.3f}",
+                        f"{x['final_wait_s']:.3f}",
+                    ]
+                    for mode, x in loop.items()
+                ],
+            ),
+            "  overhead: wall time over the loop without saves in the same round; CPU: this "
+            "process's CPU time (all threads), less disturbed by other processes",
+            "  blocked: inside the save calls (the copy, and any wait for the previous save); "
+            "last wait: for the last save to be durable",
+        ]
     extras = [
         f"  {kind} {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in s["extra"].items())
         for kind in ("save", "load")

@@ -4,9 +4,10 @@ Phase 1: for each tool (and the raw write), a fresh process (see ``fresh``) buil
 saves once. Phase 2: this process builds the state once and runs ``repeats + 1`` rounds; round 0
 is a warm-up of the saves (recorded, not summarised), the steady state is the median of the
 others. Each round runs, in order: raw write, every save, then (after round 0) hot read, memcpy,
-every load, verify. Before each save the tool's previous output is deleted; before each load the
-tool's files are read once (hot cache) and the live state is poisoned, so a load that restores
-nothing fails the run. Every save and load starts after ``settle`` idle seconds.
+every load, verify, and the training loop (``loop``) in each of its modes. Before each save the
+tool's previous output is deleted; before each load the tool's files are read once (hot cache)
+and the live state is poisoned, so a load that restores nothing fails the run. Every save, load
+and training loop starts after ``settle`` idle seconds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import tardigrade as tg
 
 from .fresh import RAW_WRITE, first_save_in_fresh_process
+from .loop import ComputeStep, LoopSpec, train_all
 from .measure import Sample, measure, settle
 from .raw import Scratch, hot_read, memcpy, raw_write, remove, warm
 from .state import TrainState, build_state
@@ -44,6 +46,7 @@ class Options:
     repeats: int
     settle_s: float
     dir: Path
+    loop: LoopSpec
     keep_files: bool = False
 
 
@@ -71,6 +74,7 @@ def one_round(
     scratch: Scratch,
     root: Path,
     expected: dict[str, tuple[float, float]],
+    compute: ComputeStep,
     opts: Options,
     log: Log,
 ) -> dict[str, Any]:
@@ -78,6 +82,7 @@ def one_round(
     nbytes = scratch.view.nbytes
     tag = f"round {r}" + (" (warm-up)" if r == 0 else "")
     groups: dict[str, dict[str, Sample]] = {"reference": {}, "save": {}, "load": {}, "verify": {}}
+    loop: dict[str, dict[str, Any]] = {}
 
     def timed(kind: str, name: str, op: Callable[[], Any]) -> None:
         groups[kind][name] = measure(op)
@@ -94,7 +99,8 @@ def one_round(
         timed("save", name, functools.partial(save, state, path))
 
     # The warm-up round only takes each tool's first save in this process out of the steady
-    # state; loads have no first-time cost worth a round of their own.
+    # state (the training loop's saves included); loads have no first-time cost worth a round
+    # of their own.
     if r > 0:
         warm(raw_path)
         timed("reference", "hot_read", functools.partial(hot_read, scratch, raw_path))
@@ -116,10 +122,26 @@ def one_round(
         groups["verify"]["tardigrade"] = s
         log(_line(f"{tag} verify tardigrade", s, int(s.extra["verified_bytes"])))
 
+        loop = train_all(
+            state,
+            opts.loop,
+            compute,
+            root / "loop" / f"round-{r}",
+            functools.partial(settle, opts.settle_s),
+            keep_files=opts.keep_files,
+        )
+        for mode, x in loop.items():
+            log(
+                f"{tag} loop {mode:<20} {x['seconds']:7.3f} s {x['steps_per_s']:6.2f} steps/s  "
+                f"overhead {x['overhead_pct']:+6.1f}% (CPU {x['cpu_overhead_pct']:+6.1f}%)  "
+                f"blocked {x['blocking_s']:.3f} s"
+            )
+
     return {
         "round": r,
         "warmup": r == 0,
         **{kind: {k: v.to_json() for k, v in g.items()} for kind, g in groups.items()},
+        "loop": loop,
     }
 
 
@@ -137,12 +159,13 @@ def run(opts: Options, log: Log) -> dict[str, Any]:
     scratch = Scratch(nbytes)
     scratch.fill_from(state)  # pre-faults the reference buffer
     expected = state.fingerprint()
+    compute = ComputeStep(opts.loop.matrix, opts.loop.products)
     root = opts.dir / "steady"
     root.mkdir(parents=True, exist_ok=True)
     rounds = []
     try:
         for r in range(opts.repeats + 1):
-            rounds.append(one_round(r, state, scratch, root, expected, opts, log))
+            rounds.append(one_round(r, state, scratch, root, expected, compute, opts, log))
     finally:
         if not opts.keep_files:
             remove(root)
@@ -166,5 +189,6 @@ def run(opts: Options, log: Log) -> dict[str, Any]:
             "python": platform.python_version(),
         },
         "tools": {"save": list(SAVES), "load": list(LOADS)},
+        "loop": opts.loop.to_json(),
     }
     return {"meta": meta, "first_save": first, "rounds": rounds}

@@ -82,11 +82,22 @@ class TrainState:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every live tensor under a flat name: ``model.0.weight``, ``optim.state.0.exp_avg``."""
-        out = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        return {name: t for name, (_, t) in self.tensor_paths().items()}
+
+    def tensor_paths(self) -> dict[str, tuple[tuple[Any, ...], torch.Tensor]]:
+        """Every live tensor by flat name, with its key path in ``state_dicts()``.
+
+        The key path is also Tardigrade's (``tg.load(keys=[path])``): ``model.0.weight`` is
+        ``("model", "0.weight")``, ``optim.state.0.exp_avg`` is ``("optim", "state", 0,
+        "exp_avg")``.
+        """
+        out: dict[str, tuple[tuple[Any, ...], torch.Tensor]] = {
+            f"model.{k}": (("model", k), v) for k, v in self.model.state_dict().items()
+        }
         for i, per_param in self.optim.state_dict()["state"].items():
             for k, v in per_param.items():
                 if isinstance(v, torch.Tensor):
-                    out[f"optim.state.{i}.{k}"] = v
+                    out[f"optim.state.{i}.{k}"] = (("optim", "state", i, k), v)
         return out
 
     @property

@@ -153,14 +153,22 @@ def load_dcp(state: TrainState, path: Path) -> None:
 _async: tg.AsyncCheckpointer | None = None
 
 
-@save_tool("tardigrade_async")
-def save_tardigrade_async(state: TrainState, path: Path) -> dict[str, float]:
-    # One checkpointer per process, as in training: its staging buffers are reused.
+def async_checkpointer() -> tg.AsyncCheckpointer:
+    """The process's one checkpointer, as in training: its staging buffers are reused.
+
+    The saves here and the training loop (``loop``) share it, so the state is staged into one
+    set of buffers, not two.
+    """
     global _async
     if _async is None:
         _async = tg.AsyncCheckpointer()
+    return _async
+
+
+@save_tool("tardigrade_async")
+def save_tardigrade_async(state: TrainState, path: Path) -> dict[str, float]:
     t0 = time.perf_counter()
-    future = _async.save(path, state.live)
+    future = async_checkpointer().save(path, state.live)
     blocking = time.perf_counter() - t0
     assert future is not None
     future.result()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = {"tardigrade", "torch", "safetensors", "dcp"}
 REFERENCES = {"raw_write", "hot_read", "memcpy"}
+LOOP_MODES = {"none", "tardigrade_async", "dcp_async"}
 
 
 @pytest.mark.slow
@@ -54,6 +56,20 @@ def test_quick_run_measures_every_tool(tmp_path: Path) -> None:
         for name, s in summary[group].items():
             assert s["median_s"] > 0 and s["gbps"] > 0, (group, name)
             assert s["peak_rss_above_bytes"] >= 0, (group, name)
+
+    # The training loop: every mode in every measured round, overhead vs the no-save baseline.
+    assert results["meta"]["loop"]["steps"] > 0
+    measured = [r for r in results["rounds"] if not r["warmup"]]
+    assert measured and all(set(r["loop"]) == LOOP_MODES for r in measured)
+    assert set(summary["loop"]) == LOOP_MODES
+    for mode, x in summary["loop"].items():
+        assert x["median_s"] > 0 and x["steps_per_s"] > 0, mode
+        assert math.isfinite(x["overhead_pct"]) and math.isfinite(x["cpu_overhead_pct"]), mode
+        assert x["cpu_s"] > 0, mode
+        assert x["saves"] == (0 if mode == "none" else results["meta"]["loop"]["saves"]), mode
+        assert x["blocking_s"] >= 0 and x["final_wait_s"] >= 0, mode
+    assert summary["loop"]["none"]["overhead_pct"] == 0
+    assert "Training loop" in proc.stdout
 
     names = [t["name"] for t in results["targets"]]
     assert len(names) == len(set(names))

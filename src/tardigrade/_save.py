@@ -206,8 +206,8 @@ def _write_file(
     writer = None
     size = 0
     try:
-        writer = job.storage.open_writer(f"{staging}/{fp.name}")
         head = st.encode_header(specs, {"format": "pt"})
+        writer = job.storage.open_writer(f"{staging}/{fp.name}", size_hint=len(head) + fp.nbytes)
         writer.write(head)
         size = len(head)
     except BaseException as e:

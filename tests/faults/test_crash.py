@@ -95,8 +95,8 @@ CHILD = textwrap.dedent(
         elif point == "manifest_open":
             orig_init = local.LocalWriter.__init__
 
-            def init(self, path):
-                orig_init(self, path)
+            def init(self, path, **kw):
+                orig_init(self, path, **kw)
                 if os.path.basename(path) == "manifest.json":
                     die(f"manifest_open {path}")
 

@@ -22,7 +22,7 @@ from .jsonio import dumps, loads_strict
 
 # Bytes hashed and handed to the OS per call: large enough to amortise syscalls, small enough
 # that the hash reads from cache-warm memory right before the write.
-SLICE_BYTES = 32 * 1024 * 1024
+SLICE_BYTES = 1024 * 1024
 HEADER_ALIGN = 8
 
 

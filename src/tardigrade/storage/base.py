@@ -53,7 +53,8 @@ class Storage(abc.ABC):
     root: str
 
     @abc.abstractmethod
-    def open_writer(self, name: str) -> Writer: ...
+    def open_writer(self, name: str, *, size_hint: int | None = None) -> Writer:
+        """Create the file ``name``; ``size_hint`` (its expected size) may pick a faster path."""
 
     @abc.abstractmethod
     def open_reader(self, name: str) -> Reader: ...

@@ -11,7 +11,7 @@ Modules:
 
 - ``state``   the training state: an MLP plus Adam moments after one optimizer step.
 - ``measure`` timing plus peak RSS above the live state for one operation.
-- ``raw``     the physical references: raw write + fsync, hot read, memcpy.
+- ``raw``     the physical references: raw write + fsync (buffered and O_DIRECT), hot read, memcpy.
 - ``tools``   the registry of saves and loads (tool name -> callable). Add a tool there.
 - ``fresh``   the first save of a fresh process, one subprocess per tool.
 - ``loop``    the training loop: steps/s with no checkpoints, Tardigrade async, DCP async.

@@ -3,7 +3,7 @@
 Phase 1: for each tool (and the raw write), a fresh process (see ``fresh``) builds the state and
 saves once. Phase 2: this process builds the state once and runs ``repeats + 1`` rounds; round 0
 is a warm-up of the saves (recorded, not summarised), the steady state is the median of the
-others. Each round runs, in order: raw write, every save, then (after round 0) hot read, memcpy,
+others. Each round runs, in order: raw write (buffered, then O_DIRECT), every save, then (after round 0) hot read, memcpy,
 every load, verify, and the training loop (``loop``) in each of its modes. Before each save the
 tool's previous output is deleted; before each load the tool's files are read once (hot cache)
 and the live state is poisoned, so a load that restores nothing fails the run. Every save, load
@@ -29,7 +29,7 @@ import tardigrade as tg
 from .fresh import RAW_WRITE, first_save_in_fresh_process
 from .loop import ComputeStep, LoopSpec, train_all
 from .measure import Sample, measure, settle
-from .raw import Scratch, hot_read, memcpy, raw_write, remove, warm
+from .raw import Scratch, hot_read, memcpy, raw_write, raw_write_direct, remove, warm
 from .state import TrainState, build_state
 from .tools import LOADS, SAVES, verify_tardigrade
 
@@ -92,6 +92,13 @@ def one_round(
     remove(raw_path)
     settle(opts.settle_s)
     timed("reference", "raw_write", functools.partial(raw_write, scratch, raw_path))
+    direct_path = root / "raw_write_direct"
+    remove(direct_path)
+    settle(opts.settle_s)
+    timed(
+        "reference", "raw_write_direct", functools.partial(raw_write_direct, scratch, direct_path)
+    )
+    remove(direct_path)
     for name, save in SAVES.items():
         path = root / name
         remove(path)

@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = {"tardigrade", "torch", "safetensors", "dcp"}
-REFERENCES = {"raw_write", "hot_read", "memcpy"}
+REFERENCES = {"raw_write", "raw_write_direct", "hot_read", "memcpy"}
 LOOP_MODES = {"none", "tardigrade_async", "dcp_async"}
 
 

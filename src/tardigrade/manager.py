@@ -42,6 +42,57 @@ from .errors import (
 log = logging.getLogger("tardigrade")
 
 _NAME = re.compile(r"^step-(\d{9,})$")
+_REPLACED = re.compile(r"^\.tmp-(step-\d{9,})-replaced-")
+
+
+@dataclass(frozen=True)
+class Tidied:
+    """One leftover that :func:`tidy` dealt with."""
+
+    name: str
+    action: str  # "removed" or "recovered"
+    nbytes: int
+
+
+def tidy(directory: str, *, dry_run: bool = False) -> list[Tidied]:
+    """Clean up after writers that died in ``directory``; the caller must hold its lock.
+
+    A ``.tmp-*`` staging directory (a save that never committed, or a retention delete that
+    was interrupted) is removed. A committed checkpoint that a crashed replace had moved aside
+    (``.tmp-step-N-replaced-*``) is put back under its name when that name is free. Committed
+    checkpoints are never touched. ``dry_run`` reports without changing anything.
+    """
+    done = []
+    for n in sorted(os.listdir(directory)):
+        if not n.startswith(".tmp-"):
+            continue
+        path = os.path.join(directory, n)
+        m = _REPLACED.match(n)
+        target = os.path.join(directory, m.group(1)) if m else ""
+        committed = os.path.isfile(os.path.join(path, "manifest.json"))
+        if m and committed and not os.path.exists(target):
+            if not dry_run:
+                os.rename(path, target)
+                log.warning("tardigrade: recovered %s from an interrupted replace", m.group(1))
+            done.append(Tidied(m.group(1), "recovered", _tree_bytes(path if dry_run else target)))
+            continue
+        nbytes = _tree_bytes(path)
+        if not dry_run:
+            log.info("tardigrade: removing leftover %s from an interrupted save", n)
+            shutil.rmtree(path, ignore_errors=True)
+        done.append(Tidied(n, "removed", nbytes))
+    return done
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def step_name(step: int) -> str:
@@ -313,20 +364,8 @@ class CheckpointManager:
 
     def _remove_leftovers(self) -> None:
         """Remove tmp dirs of dead writers; put back a checkpoint a crashed replace moved aside."""
-        if not self._lock.held:
-            return
-        for n in sorted(os.listdir(self.directory)):
-            path = os.path.join(self.directory, n)
-            m = re.match(r"^\.tmp-(step-\d{9,})-replaced-", n)
-            target = os.path.join(self.directory, m.group(1)) if m else ""
-            committed = os.path.isfile(os.path.join(path, "manifest.json"))
-            if m and committed and not os.path.exists(target):
-                os.rename(path, target)
-                log.warning("tardigrade: recovered %s from an interrupted replace", m.group(1))
-                continue
-            if n.startswith(".tmp-"):
-                log.info("tardigrade: removing leftover %s from an interrupted save", n)
-                shutil.rmtree(path, ignore_errors=True)
+        if self._lock.held:
+            tidy(self.directory)
 
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest committed checkpoint that verifies into ``state``; return its step.

@@ -5,6 +5,8 @@
     tardigrade inspect CKPT [--json]        what a checkpoint holds (manifest only)
     tardigrade verify CKPT|DIR              full checksum pass
     tardigrade export CKPT OUT.safetensors  tensors as one safetensors file
+    tardigrade diff A B                     what differs between two checkpoints
+    tardigrade gc DIR                       remove leftovers of interrupted saves
 
 Exit status: 0 success, 1 failure (corrupt checkpoint, missing path, ...), 2 bad usage.
 """
@@ -18,13 +20,13 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..errors import InvalidArgumentError, TardigradeError
-from . import demo, export, inspect, ls, verify
+from . import demo, diff, export, gc, inspect, ls, verify
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
-COMMANDS = (demo, ls, inspect, verify, export)
+COMMANDS = (demo, ls, inspect, verify, diff, export, gc)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,191 @@
+"""``tardigrade diff A B``: what differs between two checkpoints, leaf by leaf.
+
+Structure, small values, dtypes and shapes come from the two manifests. Tensor contents are
+compared by their chunk checksums when both checkpoints split the tensor the same way (the
+usual case: same model, same machine); otherwise the two tensors are read, one at a time, and
+compared byte for byte. So a diff of two large checkpoints reads tensor data only where it has
+to, and holds at most one tensor of each in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._load import _check_refs, _read_entries, open_manifest
+from .._tree import decode, path_str
+from ..format.dtypes import TORCH_DTYPES
+from ..format.manifest import Manifest
+from ._listing import require_single
+
+HELP = "show what differs between two checkpoints"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "diff",
+        help=HELP,
+        description=(
+            "Compare the state saved in checkpoints A and B: keys only in one of them, values "
+            "and container types that changed, tensors whose dtype, shape or bytes differ "
+            "(bit for bit: NaNs with the same bits are equal, 0.0 and -0.0 are not). Exit "
+            "status 0 when the states are identical, 1 when they differ or on error."
+        ),
+    )
+    p.add_argument("a", metavar="A", help="a checkpoint directory")
+    p.add_argument("b", metavar="B", help="another checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print the differences as JSON")
+    p.set_defaults(run=run)
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """A tensor leaf as the manifest describes it."""
+
+    node: dict[str, Any]
+    dtype: str
+    shape: tuple[int, ...]
+
+    def text(self) -> str:
+        kind = "ndarray" if self.node["t"] == "ndarray" else "tensor"
+        return f"{kind} {self.dtype}{list(self.shape)}"
+
+
+class _Side:
+    """One checkpoint: its manifest and its leaves by path."""
+
+    def __init__(self, path: str) -> None:
+        require_single(path)
+        self.storage, self.name, self.m = open_manifest(path)
+        self.where = self.storage.url(self.name)
+        _check_refs(self.m.tree, self.m, self.where)
+        self.leaves: dict[tuple[Any, ...], Any] = {}
+        self.containers: dict[tuple[Any, ...], str] = {}
+        tree = decode(self.m.tree, self._tensor, self.where)
+        self._walk(tree, ())
+
+    def _tensor(self, node: dict[str, Any], path: tuple[Any, ...]) -> _Tensor:
+        info = self.m.tensors[node["e"]]
+        view = node.get("view")
+        shape = tuple(view["shape"]) if view else info.shape
+        return _Tensor(node, info.dtype, shape)
+
+    def _walk(self, value: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(value, dict):
+            self.containers[path] = type(value).__name__
+            for k, v in value.items():
+                self._walk(v, (*path, k))
+        elif isinstance(value, (list, tuple)):
+            self.containers[path] = type(value).__name__
+            for i, v in enumerate(value):
+                self._walk(v, (*path, i))
+        else:
+            self.leaves[path] = value
+
+    def entry_bytes(self, e: int) -> torch.Tensor:
+        """One stored tensor, read and checksum-verified."""
+        info = self.m.tensors[e]
+        dest = {e: torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])}
+        _read_entries(self.storage, self.name, self.m, {e}, dest, True, 2, {})
+        return dest[e]
+
+
+def _layout(m: Manifest, e: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [(c.offsets, c.shape) for c in m.tensors[e].chunks]
+
+
+def _leaf_text(v: Any) -> str:
+    if isinstance(v, _Tensor):
+        return v.text()
+    return f"{type(v).__name__} {_short(v)}"
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _same_scalar(x: Any, y: Any) -> bool:
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, float):
+        return x.hex() == y.hex() or (x != x and y != y)  # bitwise, NaN equal to NaN
+    return bool(x == y)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same_tensor(a: _Side, ta: _Tensor, b: _Side, tb: _Tensor) -> bool:
+    ea, eb = ta.node["e"], tb.node["e"]
+    va, vb = ta.node.get("view"), tb.node.get("view")
+    ia, ib = a.m.tensors[ea], b.m.tensors[eb]
+    if va == vb and ia.shape == ib.shape and _layout(a.m, ea) == _layout(b.m, eb):
+        return [c.checksum for c in ia.chunks] == [c.checksum for c in ib.chunks]
+    # Stored differently (another split, or a view into another storage): compare bytes.
+    xa, xb = a.entry_bytes(ea), b.entry_bytes(eb)
+    if va:
+        xa = xa.reshape(-1).as_strided(va["shape"], va["stride"], va["offset"])
+    if vb:
+        xb = xb.reshape(-1).as_strided(vb["shape"], vb["stride"], vb["offset"])
+    return torch.equal(_bits(xa), _bits(xb))
+
+
+def compare(path_a: str, path_b: str) -> list[dict[str, str]]:
+    """Every difference between the states of two checkpoints, in path order."""
+    a, b = _Side(path_a), _Side(path_b)
+    out: list[dict[str, str]] = []
+
+    def add(kind: str, path: tuple[Any, ...], detail: str) -> None:
+        out.append({"kind": kind, "path": path_str(path), "detail": detail})
+
+    paths = list(dict.fromkeys([*a.containers, *a.leaves, *b.containers, *b.leaves]))
+    for p in paths:
+        in_a = p in a.containers or p in a.leaves
+        in_b = p in b.containers or p in b.leaves
+        if in_a and not in_b:
+            if p[:-1] in b.containers:  # report the top of a missing subtree only
+                add("only in A", p, a.containers.get(p) or _leaf_text(a.leaves[p]))
+            continue
+        if in_b and not in_a:
+            if p[:-1] in a.containers:
+                add("only in B", p, b.containers.get(p) or _leaf_text(b.leaves[p]))
+            continue
+        ka, kb = a.containers.get(p), b.containers.get(p)
+        if ka or kb:
+            if ka != kb:
+                left = ka or _leaf_text(a.leaves[p])
+                right = kb or _leaf_text(b.leaves[p])
+                add("type", p, f"{left} -> {right}")
+            continue
+        x, y = a.leaves[p], b.leaves[p]
+        if isinstance(x, _Tensor) and isinstance(y, _Tensor):
+            if (x.dtype, x.shape, x.node["t"]) != (y.dtype, y.shape, y.node["t"]):
+                add("type", p, f"{x.text()} -> {y.text()}")
+            elif not _same_tensor(a, x, b, y):
+                add("values", p, f"{x.text()}: bytes differ")
+        elif isinstance(x, _Tensor) or isinstance(y, _Tensor) or type(x) is not type(y):
+            add("type", p, f"{_leaf_text(x)} -> {_leaf_text(y)}")
+        elif not _same_scalar(x, y):
+            add("value", p, f"{_short(x)} -> {_short(y)}")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    diffs = compare(args.a, args.b)
+    if args.json:
+        print(json.dumps({"a": args.a, "b": args.b, "identical": not diffs, "diffs": diffs}))
+        return 1 if diffs else 0
+    if not diffs:
+        print(f"identical: the states saved in {args.a} and {args.b} are bit for bit the same")
+        return 0
+    width = max(len(d["kind"]) for d in diffs)
+    for d in diffs:
+        print(f"{d['kind']:<{width}}  {d['path']}  {d['detail']}")
+    print(f"{len(diffs)} difference(s) between {args.a} (A) and {args.b} (B)")
+    return 1

@@ -1,0 +1,57 @@
+"""``tardigrade gc DIR``: clean up what dead writers left in a checkpoint directory.
+
+It takes the directory's lock first, exactly as a ``CheckpointManager`` would, so it refuses to
+touch a directory a live job is writing into (whose ``.tmp-*`` directories may be saves in
+flight). Committed checkpoints are never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .._lock import DirectoryLock
+from ..errors import CheckpointNotFoundError
+from ..manager import tidy
+from ._output import human_bytes
+
+HELP = "remove leftovers of interrupted saves from a checkpoint directory"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "gc",
+        help=HELP,
+        description=(
+            "Remove the .tmp-* directories that interrupted saves and deletes left in DIR, and "
+            "put back a checkpoint that a crashed replace had moved aside. Refuses (exit 1) "
+            "while a live job holds the directory's lock. Committed checkpoints are never "
+            "touched."
+        ),
+    )
+    p.add_argument("dir", metavar="DIR", help="directory holding checkpoint directories")
+    p.add_argument("-n", "--dry-run", action="store_true", help="only print what would be done")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    directory = os.path.abspath(args.dir)
+    if not os.path.isdir(directory):
+        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+        raise CheckpointNotFoundError(f"{args.dir}: {what}; pass a checkpoint directory")
+    lock = DirectoryLock(directory)
+    lock.acquire()  # CheckpointLockedError names the live owner
+    try:
+        done = tidy(directory, dry_run=args.dry_run)
+    finally:
+        lock.release()
+    verb = {"removed": "would remove", "recovered": "would recover"} if args.dry_run else {}
+    for t in done:
+        print(f"{verb.get(t.action, t.action):<13} {t.name}  ({human_bytes(t.nbytes)})")
+    freed = sum(t.nbytes for t in done if t.action == "removed")
+    if not done:
+        print(f"nothing to clean in {args.dir}")
+    else:
+        what = "would free" if args.dry_run else "freed"
+        print(f"{len(done)} leftover(s); {what} {human_bytes(freed)}")
+    return 0

@@ -1,0 +1,206 @@
+"""``tardigrade diff`` and ``tardigrade gc``: output, exit status, and what they touch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tardigrade as tg
+from tardigrade.cli import main
+from tardigrade.storage import local
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(64, 8, generator=g), "b": torch.zeros(8)},
+        "step": 10,
+        "lr": 0.5,
+        "tags": ("a", "b"),
+        "nan": float("nan"),
+    }
+
+
+# --- diff -------------------------------------------------------------------------------------
+
+
+def test_diff_of_identical_states_exits_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tg.save(tmp_path / "a", state())
+    tg.save(tmp_path / "b", state())
+    rc, out, _ = cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    assert rc == 0, out
+    assert "identical" in out
+
+
+def test_diff_lists_every_kind_of_difference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = state(), state()
+    b["model"]["w"][3, 2] += 1  # same dtype and shape, other bytes
+    b["model"]["b"] = torch.zeros(9)  # other shape
+    b["step"] = 11  # other value
+    b["tags"] = ["a", "b"]  # tuple -> list
+    del b["lr"]  # only in A
+    b["extra"] = {"x": 1}  # only in B (reported once, at the top of the subtree)
+    tg.save(tmp_path / "a", a)
+    tg.save(tmp_path / "b", b)
+    rc, out, _ = cli(capsys, "diff", "--json", tmp_path / "a", tmp_path / "b")
+    assert rc == 1
+    report = json.loads(out)
+    assert not report["identical"]
+    got = {(d["kind"], d["path"]) for d in report["diffs"]}
+    assert got == {
+        ("values", "state['model']['w']"),
+        ("type", "state['model']['b']"),
+        ("value", "state['step']"),
+        ("type", "state['tags']"),
+        ("only in A", "state['lr']"),
+        ("only in B", "state['extra']"),
+    }, report["diffs"]
+    rc, out, _ = cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    assert rc == 1
+    assert "10 -> 11" in out and "6 difference(s)" in out
+
+
+def test_diff_is_bitwise_for_floats(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = state(), state()
+    b["lr"] = -0.0
+    a["lr"] = 0.0
+    tg.save(tmp_path / "a", a)
+    tg.save(tmp_path / "b", b)
+    rc, out, _ = cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    assert rc == 1 and "state['lr']" in out  # 0.0 == -0.0 in Python, but not bit for bit
+
+
+def test_diff_reads_bytes_when_the_layouts_differ(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    big = {"t": torch.randn(40, 1024, 1024 // 4)}  # 40 MiB of fp32
+    tg.save(tmp_path / "one", big)  # one file
+    import tardigrade._plan as plan
+
+    monkeypatch.setattr(plan, "MIN_FILE_BYTES", 1024 * 1024)
+    from tardigrade import _save
+
+    real_plan = _save.plan_files
+    monkeypatch.setattr(_save, "plan_files", lambda e, workers: real_plan(e, workers=4))
+    tg.save(tmp_path / "split", big)  # split by rows across files
+    assert len(list((tmp_path / "split").glob("data-*"))) > 1
+    rc, out, _ = cli(capsys, "diff", tmp_path / "one", tmp_path / "split")
+    assert rc == 0, out
+
+    big["t"][39, 0, 0] += 1
+    tg.save(tmp_path / "changed", big)  # split like "split", unlike "one"
+    reads: list[str] = []
+    real_reader = local.LocalReader.__init__
+
+    def counting(self: local.LocalReader, path: str) -> None:
+        reads.append(path)
+        real_reader(self, path)
+
+    monkeypatch.setattr(local.LocalReader, "__init__", counting)
+    rc, out, _ = cli(capsys, "diff", tmp_path / "one", tmp_path / "changed")
+    assert rc == 1 and "state['t']" in out and "bytes differ" in out
+    assert any(".safetensors" in r for r in reads)  # the bytes were compared
+
+    # Same layout on both sides: the checksums decide, no tensor byte is read.
+    reads.clear()
+    rc, out, _ = cli(capsys, "diff", tmp_path / "split", tmp_path / "changed")
+    assert rc == 1 and "bytes differ" in out
+    assert not [r for r in reads if r.endswith(".safetensors")]
+
+
+def test_diff_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tg.save(tmp_path / "a", state())
+    rc, _, err = cli(capsys, "diff", tmp_path / "a", tmp_path / "missing")
+    assert rc == 1 and "missing" in err
+    rc, _, err = cli(capsys, "diff", tmp_path / "a")
+    assert rc == 2
+
+
+# --- gc ---------------------------------------------------------------------------------------
+
+
+def _leftovers(root: Path) -> None:
+    tg.save(root / "step-000000001", state(), step=1)
+    tg.save(root / "step-000000002", state(), step=2)
+    dead = root / ".tmp-step-000000003-deadbeef"
+    dead.mkdir()
+    (dead / "data-00000-of-00001.safetensors").write_bytes(b"x" * 5000)
+    # A crashed replace moved step 4 aside and never put the new one in place.
+    tg.save(root / ".tmp-step-000000004-replaced-cafe", state(), step=4)
+
+
+def test_gc_removes_tmp_dirs_and_recovers_a_moved_aside_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _leftovers(tmp_path)
+    rc, out, _ = cli(capsys, "gc", "--dry-run", tmp_path)
+    assert rc == 0
+    assert "would remove" in out and "would recover" in out
+    assert (tmp_path / ".tmp-step-000000003-deadbeef").exists()  # dry run changed nothing
+
+    rc, out, _ = cli(capsys, "gc", tmp_path)
+    assert rc == 0, out
+    assert not (tmp_path / ".tmp-step-000000003-deadbeef").exists()
+    assert "freed" in out
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-000000001", "step-000000002", "step-000000004"]
+    assert tg.load(tmp_path / "step-000000004")["step"] == 10
+    assert not (tmp_path / ".lock").exists()  # the lock was released
+
+    rc, out, _ = cli(capsys, "gc", tmp_path)
+    assert rc == 0 and "nothing to clean" in out
+
+
+def test_gc_refuses_while_a_live_job_holds_the_lock(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _leftovers(tmp_path)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from tardigrade._lock import DirectoryLock; "
+            f"DirectoryLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        rc, _, err = cli(capsys, "gc", tmp_path)
+        assert rc == 1
+        assert "another job is writing checkpoints here" in err and str(holder.pid) in err
+        assert (tmp_path / ".tmp-step-000000003-deadbeef").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # Its owner is dead now: the lock is stale and gc takes it over.
+    rc, _, _ = cli(capsys, "gc", tmp_path)
+    assert rc == 0
+    assert not (tmp_path / ".tmp-step-000000003-deadbeef").exists()
+
+
+def test_gc_of_a_missing_directory_fails_clearly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, _, err = cli(capsys, "gc", tmp_path / "nope")
+    assert rc == 1 and "does not exist" in err
+    assert not (tmp_path / "nope").exists()  # gc does not create it

@@ -153,8 +153,11 @@ def targets(summary: dict[str, Any], cpu_count: int) -> list[Target]:
     rss_load = [load[TG]["peak_rss_above_pct"]] if TG in load else []
     verify = summary["verify"].get(TG)
 
+    def extra(tool: str, key: str) -> float | None:
+        return save.get(tool, {}).get("extra", {}).get(key)
+
     def blocking(tool: str) -> float | None:
-        return save.get(tool, {}).get("extra", {}).get("blocking_s")
+        return extra(tool, "blocking_s")
 
     memcpy = ref.get("memcpy", {}).get("median_s")
     tg_block, dcp_block = blocking("tardigrade_async"), blocking("dcp_async")
@@ -173,10 +176,12 @@ def targets(summary: dict[str, Any], cpu_count: int) -> list[Target]:
             0.5,
             "x",
         ),
+        # "Background phase throughput within 10 % of the synchronous save's": the time from
+        # staged to committed against a whole synchronous save of the same state.
         Target(
-            "tg async total / tg sync save (steady)",
-            save["tardigrade_async"]["median_s"] / save[TG]["median_s"]
-            if "tardigrade_async" in save and TG in save
+            "tg async background phase / tg sync save (steady)",
+            background / save[TG]["median_s"]
+            if (background := extra("tardigrade_async", "background_s")) is not None and TG in save
             else None,
             "<=",
             1.1,

@@ -3,11 +3,12 @@
 Phase 1: for each tool (and the raw write), a fresh process (see ``fresh``) builds the state and
 saves once. Phase 2: this process builds the state once and runs ``repeats + 1`` rounds; round 0
 is a warm-up of the saves (recorded, not summarised), the steady state is the median of the
-others. Each round runs, in order: raw write (buffered, then O_DIRECT), every save, then (after round 0) hot read, memcpy,
-every load, verify, and the training loop (``loop``) in each of its modes. Before each save the
-tool's previous output is deleted; before each load the tool's files are read once (hot cache)
-and the live state is poisoned, so a load that restores nothing fails the run. Every save, load
-and training loop starts after ``settle`` idle seconds.
+others. Each round runs, in order: raw write (buffered, then O_DIRECT), every save, then (after
+round 0) hot read, memcpy, every load, verify, and the training loop (``loop``) in each of its
+modes. Before each save the tool's previous output is deleted; before each load the tool's files
+are read once (hot cache) and the live state is poisoned, so a load that restores nothing fails
+the run. Every save, load, reference and training loop starts after ``settle`` idle seconds, so
+each operation and the reference it is compared with start alike.
 """
 
 from __future__ import annotations
@@ -109,8 +110,12 @@ def one_round(
     # state (the training loop's saves included); loads have no first-time cost worth a round
     # of their own.
     if r > 0:
+        # References start as the operations they measure do: after the same settle.
+        since = time.monotonic()
         warm(raw_path)
+        settle(opts.settle_s, since=since)
         timed("reference", "hot_read", functools.partial(hot_read, scratch, raw_path))
+        settle(opts.settle_s)
         timed("reference", "memcpy", functools.partial(memcpy, scratch, state))
 
         for name, load in LOADS.items():

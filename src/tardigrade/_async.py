@@ -23,6 +23,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._save import (
@@ -97,6 +98,7 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
     with the copy for the cores and lengthen the time training is blocked.
     """
     bounded = pool.max_bytes is not None
+    copier = _Copier()
     held: list[tuple[queue.SimpleQueue[Any], list[Any]]] = []
     for fp, stream in zip(job.plan.files, streams, strict=True):
         slab = None
@@ -111,6 +113,7 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
             segments = [s.segment for s in ready] + ([END] if final else [])
             ready = []
             if bounded:
+                copier.run()
                 for seg in segments:
                     stream.put(seg)
             else:
@@ -139,7 +142,10 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
                     room = slab.room(ALIGN)
                 n = min(n, room)
                 dst = slab.take(n, ALIGN)
-                dst.copy_(flat[pos : pos + n], non_blocking=on_device)
+                if on_device:
+                    dst.copy_(flat[pos : pos + n], non_blocking=True)
+                else:
+                    copier.add(dst.numpy(), flat[pos : pos + n].numpy())
                 ready.append(_Staged(Segment(i, memoryview(dst.numpy()), slab.done_one), on_device))
                 pos += n
                 remaining -= n
@@ -147,9 +153,64 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
         hand_over(final=True)
         if slab is not None:
             slab.seal()
+    copier.run()
     for stream, segments in held:
         for seg in segments:
             stream.put(seg)
+
+
+# Host copies run in this many threads (the caller's included), splitting the work into pieces
+# taken first come, first served: a core busy with something else slows the copy down instead
+# of stalling it, as a statically split parallel copy would.
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+COPY_PIECE = 8 * 1024 * 1024
+_copy_pool: ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
+
+
+def _copy_threads() -> ThreadPoolExecutor:
+    global _copy_pool
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            _copy_pool = ThreadPoolExecutor(
+                max(1, COPY_THREADS - 1), thread_name_prefix="tardigrade-copy"
+            )
+        return _copy_pool
+
+
+class _Copier:
+    """Host-to-host copies collected while slabs are laid out, then run in parallel."""
+
+    def __init__(self) -> None:
+        self._pieces: list[tuple[Any, Any]] = []
+
+    def add(self, dst: Any, src: Any) -> None:
+        for start in range(0, len(dst), COPY_PIECE):
+            self._pieces.append((dst[start : start + COPY_PIECE], src[start : start + COPY_PIECE]))
+
+    def run(self) -> None:
+        pieces, self._pieces = self._pieces, []
+        if not pieces:
+            return
+        work = iter(pieces)
+        lock = threading.Lock()
+
+        def drain() -> None:
+            # numpy copies without holding the GIL, so the threads copy side by side.
+            while True:
+                with lock:
+                    piece = next(work, None)
+                if piece is None:
+                    return
+                np.copyto(*piece)
+
+        helpers = min(COPY_THREADS - 1, len(pieces) - 1)
+        futures = [_copy_threads().submit(drain) for _ in range(helpers)]
+        try:
+            drain()
+        finally:
+            for f in futures:
+                f.result()
 
 
 @dataclass(frozen=True)

@@ -100,70 +100,89 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
     bounded = pool.max_bytes is not None
     copier = _Copier()
     held: list[tuple[queue.SimpleQueue[Any], list[Any]]] = []
-    for fp, stream in zip(job.plan.files, streams, strict=True):
-        slab = None
-        ready: list[Any] = []  # segments whose bytes may still be in flight from a device
+    slab = None
+    ready: list[Any] = []  # segments not handed over yet (device copies may be in flight)
+    try:
+        for fp, stream in zip(job.plan.files, streams, strict=True):
 
-        def hand_over(final: bool, stream: queue.SimpleQueue[Any] = stream) -> None:
-            nonlocal ready
-            if any(s.device_copy for s in ready):
-                # Device-to-host copies into pinned slabs are asynchronous: the writer must
-                # not read a slab before its bytes have landed.
-                torch.cuda.synchronize()
-            segments = [s.segment for s in ready] + ([END] if final else [])
-            ready = []
-            if bounded:
-                copier.run()
-                for seg in segments:
-                    stream.put(seg)
-            else:
-                held.append((stream, segments))
-
-        remaining = fp.nbytes + ALIGN * len(fp.items)  # upper bound, alignment included
-        for i, item in enumerate(fp.items):
-            src = item_source(job, item)
-            if not src.is_contiguous() or src.is_conj() or src.is_neg():
-                src = src.resolve_conj().resolve_neg().contiguous()
-            flat = as_bytes(src)
-            on_device = flat.device.type != "cpu"
-            if flat.numel() == 0:
-                ready.append(_Staged(Segment(i, memoryview(b"")), False))
-            pos = 0
-            while pos < flat.numel():
-                n = flat.numel() - pos
-                room = slab.room(ALIGN) if slab is not None else 0
-                # Start a fresh slab when this one is full, or when splitting a small item
-                # across slabs would only save a sliver of space.
-                if slab is None or room == 0 or (room < n and room < slab.capacity // 8):
-                    if slab is not None:
-                        hand_over(final=False)
-                        slab.seal()
-                    slab = pool.acquire(remaining)
-                    room = slab.room(ALIGN)
-                n = min(n, room)
-                dst = slab.take(n, ALIGN)
-                if on_device:
-                    dst.copy_(flat[pos : pos + n], non_blocking=True)
+            def hand_over(final: bool, stream: queue.SimpleQueue[Any] = stream) -> None:
+                nonlocal ready
+                if any(s.device_copy for s in ready):
+                    # Device-to-host copies into pinned slabs are asynchronous: the writer
+                    # must not read a slab before its bytes have landed.
+                    torch.cuda.synchronize()
+                segments = [s.segment for s in ready] + ([END] if final else [])
+                if bounded:
+                    copier.run()
+                    ready = []
+                    for seg in segments:
+                        stream.put(seg)
                 else:
-                    copier.add(dst.numpy(), flat[pos : pos + n].numpy())
-                ready.append(_Staged(Segment(i, memoryview(dst.numpy()), slab.done_one), on_device))
-                pos += n
-                remaining -= n
-            remaining -= ALIGN
-        hand_over(final=True)
+                    ready = []
+                    held.append((stream, segments))
+
+            remaining = fp.nbytes + ALIGN * len(fp.items)  # upper bound, alignment included
+            for i, item in enumerate(fp.items):
+                src = item_source(job, item)
+                if not src.is_contiguous() or src.is_conj() or src.is_neg():
+                    src = src.resolve_conj().resolve_neg().contiguous()
+                flat = as_bytes(src)
+                on_device = flat.device.type != "cpu"
+                if flat.numel() == 0:
+                    ready.append(_Staged(Segment(i, memoryview(b"")), False))
+                pos = 0
+                while pos < flat.numel():
+                    n = flat.numel() - pos
+                    room = slab.room(ALIGN) if slab is not None else 0
+                    # Start a fresh slab when this one is full, or when splitting a small item
+                    # across slabs would only save a sliver of space.
+                    if slab is None or room == 0 or (room < n and room < slab.capacity // 8):
+                        if slab is not None:
+                            hand_over(final=False)
+                            slab, full = None, slab
+                            full.seal()
+                        slab = pool.acquire(remaining)
+                        room = slab.room(ALIGN)
+                    n = min(n, room)
+                    dst = slab.take(n, ALIGN)
+                    seg = Segment(i, memoryview(dst.numpy()), slab.done_one)
+                    ready.append(_Staged(seg, on_device))
+                    if on_device:
+                        dst.copy_(flat[pos : pos + n], non_blocking=True)
+                    else:
+                        copier.add(dst.numpy(), flat[pos : pos + n].numpy())
+                    pos += n
+                    remaining -= n
+                remaining -= ALIGN
+            hand_over(final=True)
+            if slab is not None:
+                slab, full = None, slab
+                full.seal()
+        copier.run()
+    except BaseException:
+        # Give back every slab this save took that no writer will release.
+        for _, segments in held:
+            _release(segments)
+        _release([s.segment for s in ready])
         if slab is not None:
             slab.seal()
-    copier.run()
+        raise
     for stream, segments in held:
         for seg in segments:
             stream.put(seg)
+
+
+def _release(segments: list[Any]) -> None:
+    for seg in segments:
+        if seg is not END and seg.done is not None:
+            seg.done()
 
 
 # Host copies run in this many threads (the caller's included), splitting the work into pieces
 # taken first come, first served: a core busy with something else slows the copy down instead
 # of stalling it, as a statically split parallel copy would.
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
-COPY_PIECE = 8 * 1024 * 1024
+COPY_PIECE = 32 * 1024 * 1024
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
 
@@ -205,7 +224,12 @@ class _Copier:
                 np.copyto(*piece)
 
         helpers = min(COPY_THREADS - 1, len(pieces) - 1)
-        futures = [_copy_threads().submit(drain) for _ in range(helpers)]
+        futures = []
+        try:
+            for _ in range(helpers):
+                futures.append(_copy_threads().submit(drain))
+        except RuntimeError:
+            pass  # the interpreter is exiting and takes no new work: copy in this thread
         try:
             drain()
         finally:
@@ -304,19 +328,24 @@ class AsyncCheckpointer:
             streams: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in job.plan.files]
             # The writers read until END/ABORT, so the iterators' own sentinel never matches.
             readers = [iter(q.get, _NEVER) for q in streams]
-            background = self._executor.submit(write_and_commit, job, readers)
-            fut = SaveFuture(job.storage.url(job.name), background)
+            # Under a budget the writers must drain slabs while staging goes on; without one
+            # they start once the copy is done, so nothing competes with it for the cores.
+            bounded = self.pool.max_bytes is not None
+            background = self._executor.submit(write_and_commit, job, readers) if bounded else None
             try:
                 stage_copy(job, self.pool, streams)
             except BaseException:
-                for s in streams:
-                    s.put(ABORT)
-                background.exception()  # let the writers clean up before we report
-                fut.observed = True
+                if background is not None:
+                    for s in streams:
+                        s.put(ABORT)
+                    background.exception()  # let the writers clean up before we report
                 raise
             finally:
                 job.blocking_seconds = time.perf_counter() - job.started
-                fut.blocking_seconds = job.blocking_seconds
+            if background is None:
+                background = self._executor.submit(write_and_commit, job, readers)
+            fut = SaveFuture(job.storage.url(job.name), background)
+            fut.blocking_seconds = job.blocking_seconds
             fut._staged.set()
             self._last = fut
             return fut

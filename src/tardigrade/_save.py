@@ -9,12 +9,13 @@ writes the manifest last and makes the checkpoint visible atomically.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,6 +241,36 @@ def _write_file(
     return size, {it.key: h.hexdigest() for it, h in zip(fp.items, hashers, strict=True)}
 
 
+def in_threads(calls: Sequence[Callable[[], Any]], name: str) -> list[Any]:
+    """Run ``calls`` side by side (the last in this thread); return results in order.
+
+    Plain threads rather than an executor: an async save still writing while the interpreter
+    exits must be able to start its writers after ``concurrent.futures`` refuses new work.
+    """
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException | None] = [None] * len(calls)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as e:
+            errors[i] = e
+
+    threads = [
+        threading.Thread(target=one, args=(i,), name=f"{name}-{i}") for i in range(len(calls) - 1)
+    ]
+    for t in threads:
+        t.start()
+    if calls:
+        one(len(calls) - 1)
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
 def _discard(stream: Iterable[Any]) -> None:
     for seg in stream:
         if seg is END or seg is ABORT:
@@ -298,15 +329,13 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
                 _discard(stream)
             raise
         files = job.plan.files
-        if len(files) == 1:
-            results = [_write_file(job, files[0], staging, streams[0])]
-        else:
-            with ThreadPoolExecutor(len(files), thread_name_prefix="tardigrade-write") as pool:
-                futures = [
-                    pool.submit(_write_file, job, fp, staging, stream)
-                    for fp, stream in zip(files, streams, strict=True)
-                ]
-                results = [f.result() for f in futures]
+        results = in_threads(
+            [
+                functools.partial(_write_file, job, fp, staging, stream)
+                for fp, stream in zip(files, streams, strict=True)
+            ],
+            "tardigrade-write",
+        )
         sizes = {fp.name: size for fp, (size, _) in zip(files, results, strict=True)}
         sums = {k: v for _, file_sums in results for k, v in file_sums.items()}
         manifest = dumps(_manifest(job, sizes, sums))

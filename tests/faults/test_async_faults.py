@@ -598,3 +598,40 @@ def test_disk_full_fails_the_save_cleanly(tiny_fs: Path, mode: str) -> None:
         tg.save(tiny_fs / "fits", fits)
     assert_same(tg.load(tiny_fs / "fits"), fits)
     only_entries(tiny_fs, "fits", "small")
+
+
+@pytest.mark.parametrize("budget", [None, 4 * MiB], ids=["unbounded", "budget"])
+def test_failure_while_staging_returns_staging_buffers(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    checkpointers: Callable[..., tg.AsyncCheckpointer],
+    budget: int | None,
+) -> None:
+    """An error in the middle of the host copy (after slabs were taken) leaks no slab, raises
+    from save() itself, commits nothing, and the next save works."""
+    ckpt = checkpointers(max_staging_bytes=budget)
+    state = {f"t{i}": torch.randn(MiB // 4) for i in range(8)}  # 8 MiB in 1 MiB tensors
+    fut = ckpt.save(tmp_path / "warm", state)
+    assert fut is not None
+    fut.result(timeout=60)
+    real = _async.item_source
+    calls = {"n": 0}
+
+    def failing(job: Any, item: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 6:  # several slabs are in use by now
+            raise RuntimeError("device lost while copying")
+        return real(job, item)
+
+    monkeypatch.setattr(_async, "item_source", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        ckpt.save(tmp_path / "failed", state)
+    assert ckpt.pool.in_use_bytes == 0, "a failed staging kept slabs out of the pool"
+    assert not (tmp_path / "failed").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    monkeypatch.undo()
+    fut = ckpt.save(tmp_path / "after", state)
+    assert fut is not None
+    fut.result(timeout=60)
+    assert ckpt.pool.in_use_bytes == 0
+    assert_same(tg.load(tmp_path / "after"), state)

@@ -76,6 +76,17 @@ def test_filesystem_refusing_direct_io_at_open_gets_a_buffered_file(
     assert (tmp_path / "f").read_bytes() == data
 
 
+@pytest.mark.parametrize("value", ["0", "false", "OFF"])
+def test_direct_io_can_be_turned_off_by_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("TARDIGRADE_DIRECT_IO", value)
+    data = _payload(DIRECT_MIN_BYTES + 3)
+    w = _write(tmp_path / "f", data, 1 << 20, size_hint=len(data))
+    assert not w.direct
+    assert (tmp_path / "f").read_bytes() == data
+
+
 def test_filesystem_refusing_a_direct_write_falls_back_to_buffered(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -48,6 +48,9 @@ def fsync_dir(path: str) -> None:
 # period runs at a fraction of the disk's speed; direct writes go at disk speed and leave the
 # training process's memory alone.
 DIRECT_MIN_BYTES = 4 * 1024 * 1024
+# TARDIGRADE_DIRECT_IO=0 turns direct writes off (every file buffered), e.g. for a network or
+# FUSE filesystem where O_DIRECT is accepted but slow.
+DIRECT_IO_ENV = "TARDIGRADE_DIRECT_IO"
 DIRECT_BLOCK = 4096  # offsets, lengths and buffer addresses of direct I/O are multiples of this
 BOUNCE_BYTES = 8 * 1024 * 1024
 
@@ -70,7 +73,13 @@ class LocalWriter(Writer):
         self._bounce: np.ndarray[Any, Any] | None = None
         self._fill = 0
         self.direct = False  # whether the bytes go to disk with O_DIRECT
-        if size_hint is not None and size_hint >= DIRECT_MIN_BYTES and _set_direct(self._fd, True):
+        if (
+            size_hint is not None
+            and size_hint >= DIRECT_MIN_BYTES
+            and os.environ.get(DIRECT_IO_ENV, "1").strip().lower()
+            not in ("0", "false", "no", "off")
+            and _set_direct(self._fd, True)
+        ):
             cap = min(BOUNCE_BYTES, -(-size_hint // DIRECT_BLOCK) * DIRECT_BLOCK)
             self._bounce = _aligned(cap)
             self.direct = True

@@ -20,7 +20,6 @@ import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,20 +28,20 @@ import torch
 from ._save import (
     ABORT,
     END,
+    Block,
     SaveJob,
     SaveResult,
-    Segment,
     as_bytes,
+    file_header,
     item_source,
     plan,
     write_and_commit,
 )
-from ._staging import SlabPool, StagingStats
+from ._staging import Slab, SlabPool, StagingStats
 from .errors import InvalidArgumentError, SaveError, TardigradeError
 
 log = logging.getLogger("tardigrade")
 
-ALIGN = 64  # staging offsets stay cache-line aligned for fast copies
 _NEVER = object()
 
 
@@ -90,70 +89,85 @@ class SaveFuture:
 
 
 def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any]]) -> None:
-    """Copy every item's bytes into pool slabs and feed them to the file writers.
+    """Copy every data file's bytes, header included, into pool slabs; feed them to the writers.
 
-    Files are staged one after another, so at most one slab is partly filled and a budget of
-    two slabs cannot deadlock against the writers draining them. Without a budget, segments
-    are handed to the writers only once everything is staged: writing meanwhile would compete
-    with the copy for the cores and lengthen the time training is blocked.
+    Each slab holds the next run of one file's image, so a writer sends a full slab to disk as
+    is (with O_DIRECT, straight from the slab: no second copy) and hashes each item's span of
+    it. Files are staged one after another, so at most one slab is partly filled and a budget
+    of two slabs cannot deadlock against the writers draining them. Without a budget, blocks
+    are handed to the writers only once everything is staged.
     """
+    job.image = True
     bounded = pool.max_bytes is not None
     copier = _Copier()
     held: list[tuple[queue.SimpleQueue[Any], list[Any]]] = []
-    slab = None
-    ready: list[Any] = []  # segments not handed over yet (device copies may be in flight)
+    slab: Slab | None = None
+    pending: list[Block] = []  # blocks not handed over yet (device copies may be in flight)
     try:
         for fp, stream in zip(job.plan.files, streams, strict=True):
+            device = False  # whether a device-to-host copy targets a pending block
 
             def hand_over(final: bool, stream: queue.SimpleQueue[Any] = stream) -> None:
-                nonlocal ready
-                if any(s.device_copy for s in ready):
+                nonlocal pending, device
+                if device:
                     # Device-to-host copies into pinned slabs are asynchronous: the writer
                     # must not read a slab before its bytes have landed.
                     torch.cuda.synchronize()
-                segments = [s.segment for s in ready] + ([END] if final else [])
+                    device = False
+                blocks: list[Any] = [*pending, *([END] if final else [])]
                 if bounded:
                     copier.run()
-                    ready = []
-                    for seg in segments:
-                        stream.put(seg)
+                    pending = []
+                    for b in blocks:
+                        stream.put(b)
                 else:
-                    ready = []
-                    held.append((stream, segments))
+                    pending = []
+                    held.append((stream, blocks))
 
-            remaining = fp.nbytes + ALIGN * len(fp.items)  # upper bound, alignment included
+            head = file_header(job, fp)
+            remaining = len(head) + fp.nbytes
+            buf: Any = None  # the current slab's bytes (uint8 tensor)
+            fill = 0
+            ranges: list[tuple[int, int, int]] = []
+
+            def next_slab(want: int) -> None:
+                nonlocal slab, buf, fill, ranges
+                if slab is not None:
+                    pending.append(
+                        Block(memoryview(buf[:fill].numpy()), tuple(ranges), slab.done_one)
+                    )
+                    hand_over(final=False)
+                    slab, full = None, slab
+                    full.seal()
+                slab = pool.acquire(want)
+                buf, fill, ranges = slab.take(slab.capacity, 1), 0, []
+
+            sources = [(None, torch.frombuffer(bytearray(head), dtype=torch.uint8))]
             for i, item in enumerate(fp.items):
                 src = item_source(job, item)
                 if not src.is_contiguous() or src.is_conj() or src.is_neg():
                     src = src.resolve_conj().resolve_neg().contiguous()
-                flat = as_bytes(src)
+                sources.append((i, as_bytes(src)))
+            for i, flat in sources:
                 on_device = flat.device.type != "cpu"
-                if flat.numel() == 0:
-                    ready.append(_Staged(Segment(i, memoryview(b"")), False))
                 pos = 0
                 while pos < flat.numel():
-                    n = flat.numel() - pos
-                    room = slab.room(ALIGN) if slab is not None else 0
-                    # Start a fresh slab when this one is full, or when splitting a small item
-                    # across slabs would only save a sliver of space.
-                    if slab is None or room == 0 or (room < n and room < slab.capacity // 8):
-                        if slab is not None:
-                            hand_over(final=False)
-                            slab, full = None, slab
-                            full.seal()
-                        slab = pool.acquire(remaining)
-                        room = slab.room(ALIGN)
-                    n = min(n, room)
-                    dst = slab.take(n, ALIGN)
-                    seg = Segment(i, memoryview(dst.numpy()), slab.done_one)
-                    ready.append(_Staged(seg, on_device))
+                    if slab is None or fill == buf.numel():
+                        next_slab(remaining)
+                    n = min(flat.numel() - pos, buf.numel() - fill)
+                    dst = buf[fill : fill + n]
                     if on_device:
                         dst.copy_(flat[pos : pos + n], non_blocking=True)
+                        device = True
                     else:
                         copier.add(dst.numpy(), flat[pos : pos + n].numpy())
+                    if i is not None:
+                        ranges.append((i, fill, fill + n))
+                    fill += n
                     pos += n
                     remaining -= n
-                remaining -= ALIGN
+            if slab is not None:
+                pending.append(Block(memoryview(buf[:fill].numpy()), tuple(ranges), slab.done_one))
             hand_over(final=True)
             if slab is not None:
                 slab, full = None, slab
@@ -161,15 +175,15 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
         copier.run()
     except BaseException:
         # Give back every slab this save took that no writer will release.
-        for _, segments in held:
-            _release(segments)
-        _release([s.segment for s in ready])
+        for _, blocks in held:
+            _release(blocks)
+        _release(pending)
         if slab is not None:
             slab.seal()
         raise
-    for stream, segments in held:
-        for seg in segments:
-            stream.put(seg)
+    for stream, blocks in held:
+        for b in blocks:
+            stream.put(b)
 
 
 def _release(segments: list[Any]) -> None:
@@ -235,12 +249,6 @@ class _Copier:
         finally:
             for f in futures:
                 f.result()
-
-
-@dataclass(frozen=True)
-class _Staged:
-    segment: Segment
-    device_copy: bool
 
 
 _live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()

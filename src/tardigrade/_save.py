@@ -66,6 +66,8 @@ class SaveJob:
     overwrite: bool
     started: float
     blocking_seconds: float | None = None  # set by an async save once staging is done
+    # True when the stager sends whole file images (header included) as Blocks, not Segments.
+    image: bool = False
 
 
 def _check_metadata(metadata: Any) -> dict[str, Any]:
@@ -176,6 +178,19 @@ class Segment:
     done: Callable[[], None] | None = None
 
 
+@dataclass(frozen=True)
+class Block:
+    """A run of a data file's bytes, header included, in file order (an async save's slab).
+
+    ``ranges`` are the ``(item, start, stop)`` spans of ``data`` holding each item's bytes, for
+    the checksums; ``done`` releases the staging buffer.
+    """
+
+    data: memoryview
+    ranges: tuple[tuple[int, int, int], ...]
+    done: Callable[[], None] | None = None
+
+
 # End of a file's segment stream; ABORT ends it because staging failed.
 END: Any = None
 ABORT: Any = object()
@@ -197,20 +212,21 @@ def stream_borrowed(job: SaveJob) -> list[list[Any]]:
 def _write_file(
     job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]
 ) -> tuple[int, dict[str, str]]:
-    """Stream one data file: header, then each item's bytes, hashed on the way; then fsync."""
-    specs = [
-        st.TensorSpec(it.key, job.flat.entries[it.entry].dtype, item_shape(job, it), it.nbytes)
-        for it in fp.items
-    ]
-    hashers = [Hasher() for _ in specs]
+    """Stream one data file: header, then each item's bytes, hashed on the way; then fsync.
+
+    The stream holds Segments (one item's bytes; the header is written here) or, for an async
+    save, Blocks (runs of the whole file image, header included).
+    """
+    hashers = [Hasher() for _ in fp.items]
     failure: BaseException | None = None
     writer = None
     size = 0
     try:
-        head = st.encode_header(specs, {"format": "pt"})
+        head = file_header(job, fp)
         writer = job.storage.open_writer(f"{staging}/{fp.name}", size_hint=len(head) + fp.nbytes)
-        writer.write(head)
-        size = len(head)
+        if not job.image:
+            writer.write(head)
+            size = len(head)
     except BaseException as e:
         failure = e
     # Drain the whole stream even after a failure: every segment must release its staging
@@ -221,7 +237,13 @@ def _write_file(
                 failure = SaveError(f"{job.storage.url(job.name)}: staging failed")
             break
         try:
-            if failure is None:
+            if failure is None and isinstance(seg, Block):
+                for item, lo, hi in seg.ranges:
+                    for start in range(lo, hi, st.SLICE_BYTES):
+                        hashers[item].update(seg.data[start : min(hi, start + st.SLICE_BYTES)])
+                writer.write(seg.data)  # type: ignore[union-attr]
+                size += seg.data.nbytes
+            elif failure is None:
                 data = seg.data
                 for start in range(0, data.nbytes, st.SLICE_BYTES):
                     piece = data[start : start + st.SLICE_BYTES]
@@ -269,6 +291,15 @@ def in_threads(calls: Sequence[Callable[[], Any]], name: str) -> list[Any]:
         if e is not None:
             raise e
     return results
+
+
+def file_header(job: SaveJob, fp: FilePlan) -> bytes:
+    """The safetensors header of one data file (its tensors' keys, dtypes, shapes, offsets)."""
+    specs = [
+        st.TensorSpec(it.key, job.flat.entries[it.entry].dtype, item_shape(job, it), it.nbytes)
+        for it in fp.items
+    ]
+    return st.encode_header(specs, {"format": "pt"})
 
 
 def _discard(stream: Iterable[Any]) -> None:

@@ -146,9 +146,15 @@ class StagingStats:
     allocations: int
 
 
+# Slabs start at a page boundary: a writer hands a full slab to O_DIRECT straight from memory.
+PAGE = 4096
+
+
 def _allocate(nbytes: int) -> torch.Tensor:
     pin = torch.cuda.is_available()
-    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
+    start = -raw.data_ptr() % PAGE
+    buf = raw[start : start + nbytes]
     # Fault the pages in now, once: a slab is reused for every later save, and staging into
     # touched memory runs at memcpy speed instead of page-fault speed.
     buf.zero_()

@@ -514,7 +514,9 @@ def test_sigkill_during_background_write_commits_nothing(
             fut.result()
             print("COMMITTED", flush=True)
             """,
-            delay=5.0,
+            # The data write is held until the kill: an async save hands a whole staging slab
+            # to one write call, so a short delay could let the save commit before the kill.
+            delay=3600.0,
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -133,3 +133,26 @@ def test_checkpoint_written_directly_round_trips_and_opens_as_safetensors(tmp_pa
     assert data.stat().st_size % DIRECT_BLOCK != 0  # the padding was truncated away
     with safe_open(str(data), framework="pt") as f:
         assert torch.equal(f.get_tensor("w"), state["w"])
+
+
+def test_aligned_data_goes_direct_without_a_bounce_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block-aligned buffer written at a block boundary reaches the disk straight from the
+    caller's memory; only an unaligned tail passes through a (small) bounce buffer."""
+    bounced: list[int] = []
+    real = local._aligned
+    monkeypatch.setattr(local, "_aligned", lambda n: (bounced.append(n), real(n))[1])
+    raw = np.zeros(3 * BOUNCE_BYTES + 2 * DIRECT_BLOCK, dtype=np.uint8)
+    start = -raw.ctypes.data % DIRECT_BLOCK
+    block = raw[start : start + 3 * BOUNCE_BYTES]
+    block[:] = np.frombuffer(_payload(block.nbytes, seed=1), dtype=np.uint8)
+    tail = _payload(1000, seed=2)
+    path = tmp_path / "f"
+    w = LocalWriter(str(path), size_hint=block.nbytes + len(tail))
+    w.write(memoryview(block))
+    assert bounced == [], "aligned data was copied through the bounce buffer"
+    w.write(tail)
+    w.close()
+    assert bounced and max(bounced) == DIRECT_BLOCK  # the tail alone, one block
+    assert path.read_bytes() == block.tobytes() + tail

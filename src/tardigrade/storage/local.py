@@ -59,8 +59,10 @@ class LocalWriter(Writer):
     """A new file, written sequentially and fsynced on ``close``.
 
     With a ``size_hint`` of at least ``DIRECT_MIN_BYTES`` the file is written with O_DIRECT
-    from a page-aligned bounce buffer, where the filesystem supports it; the last block is
-    zero-padded and the file truncated back to its true size before the fsync.
+    where the filesystem supports it. Data that starts at a block-aligned address while the
+    file is at a block boundary goes to disk straight from the caller's memory (an async save's
+    staging slabs are laid out so); anything else passes through a page-aligned bounce buffer.
+    The last block is zero-padded and the file truncated back to its true size before the fsync.
     """
 
     def __init__(self, path: str, *, size_hint: int | None = None) -> None:
@@ -70,7 +72,8 @@ class LocalWriter(Writer):
         except OSError as e:
             raise StorageError(e.errno, f"cannot create {path}: {e.strerror}") from e
         self._size = 0  # bytes accepted so far (the file's final size)
-        self._bounce: np.ndarray[Any, Any] | None = None
+        self._bounce: np.ndarray[Any, Any] | None = None  # allocated on first use
+        self._bounce_cap = 0
         self._fill = 0
         self.direct = False  # whether the bytes go to disk with O_DIRECT
         if (
@@ -80,25 +83,42 @@ class LocalWriter(Writer):
             not in ("0", "false", "no", "off")
             and _set_direct(self._fd, True)
         ):
-            cap = min(BOUNCE_BYTES, -(-size_hint // DIRECT_BLOCK) * DIRECT_BLOCK)
-            self._bounce = _aligned(cap)
+            self._bounce_cap = min(BOUNCE_BYTES, -(-size_hint // DIRECT_BLOCK) * DIRECT_BLOCK)
             self.direct = True
 
     def write(self, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         self._size += view.nbytes
-        if self._bounce is None:
+        if not self._bounce_cap:
             self._write_all(view)
             return
-        cap = len(self._bounce)
+        if self.direct and self._fill == 0 and view.nbytes >= DIRECT_BLOCK:
+            # Block-aligned memory at a block boundary of the file: no copy needed.
+            whole = view.nbytes - view.nbytes % DIRECT_BLOCK
+            if np.frombuffer(view, dtype=np.uint8).ctypes.data % DIRECT_BLOCK == 0:
+                self._write_all(view[:whole])
+                view = view[whole:]
         while view.nbytes:
-            n = min(view.nbytes, cap - self._fill)
+            bounce = self._bounce_for(view.nbytes)
+            n = min(view.nbytes, len(bounce) - self._fill)
             # numpy copies without holding the GIL, so parallel writers overlap their copies.
-            self._bounce[self._fill : self._fill + n] = np.frombuffer(view[:n], dtype=np.uint8)
+            bounce[self._fill : self._fill + n] = np.frombuffer(view[:n], dtype=np.uint8)
             self._fill += n
             view = view[n:]
-            if self._fill == cap:
-                self._flush_bounce(cap)
+            if self._fill == len(bounce):
+                self._flush_bounce(self._fill)
+
+    def _bounce_for(self, nbytes: int) -> np.ndarray[Any, Any]:
+        """The bounce buffer, grown (up to its cap) to take ``nbytes`` more: a file whose bulk
+        goes direct from the caller's memory only ever bounces its small unaligned tail."""
+        need = min(self._bounce_cap, -(-(self._fill + nbytes) // DIRECT_BLOCK) * DIRECT_BLOCK)
+        if self._bounce is None or len(self._bounce) < need:
+            grown = _aligned(need)
+            if self._fill:
+                assert self._bounce is not None
+                grown[: self._fill] = self._bounce[: self._fill]
+            self._bounce = grown
+        return self._bounce
 
     def _flush_bounce(self, nbytes: int) -> None:
         assert self._bounce is not None

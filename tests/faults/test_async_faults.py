@@ -222,17 +222,24 @@ def run_child(body: str, *, delay: float = 0.0, timeout: float = 60) -> subproce
 
 
 def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
+    """The child's output up to ``marker``, read straight from the pipe.
+
+    Raw ``os.read`` rather than ``readline`` on the buffered file: select() watches the pipe,
+    and lines the file object has already buffered (two lines arriving in one chunk) would
+    never wake it up again.
+    """
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
     seen = ""
     deadline = time.monotonic() + timeout
     while marker not in seen:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
             pytest.fail(f"child never printed {marker!r}; output so far: {seen!r}")
-        line = proc.stdout.readline()
-        if not line:
+        chunk = os.read(fd, 65536)
+        if not chunk:
             pytest.fail(f"child exited before printing {marker!r}; output: {seen!r}")
-        seen += line
+        seen += chunk.decode(errors="replace")
     return seen
 
 

@@ -109,9 +109,12 @@ class LocalWriter(Writer):
                 self._flush_bounce(self._fill)
 
     def _bounce_for(self, nbytes: int) -> np.ndarray[Any, Any]:
-        """The bounce buffer, grown (up to its cap) to take ``nbytes`` more: a file whose bulk
-        goes direct from the caller's memory only ever bounces its small unaligned tail."""
-        need = min(self._bounce_cap, -(-(self._fill + nbytes) // DIRECT_BLOCK) * DIRECT_BLOCK)
+        """The bounce buffer, sized to take ``nbytes`` more: one block while everything fits
+        in one (a file whose bulk goes direct from the caller's memory only bounces its small
+        tail), else the full cap at once (growing step by step would fault in fresh memory
+        and copy the fill again at every step)."""
+        one_block = self._fill + nbytes <= DIRECT_BLOCK
+        need = min(self._bounce_cap, DIRECT_BLOCK if one_block else self._bounce_cap)
         if self._bounce is None or len(self._bounce) < need:
             grown = _aligned(need)
             if self._fill:

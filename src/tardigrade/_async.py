@@ -103,6 +103,10 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
     held: list[tuple[queue.SimpleQueue[Any], list[Any]]] = []
     slab: Slab | None = None
     pending: list[Block] = []  # blocks not handed over yet (device copies may be in flight)
+    # The current slab's bytes (a uint8 tensor), how far they are filled, and each item's span.
+    buf: Any = None
+    fill = 0
+    ranges: list[tuple[int, int, int]] = []
     try:
         for fp, stream in zip(job.plan.files, streams, strict=True):
             device = False  # whether a device-to-host copy targets a pending block
@@ -126,21 +130,25 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
 
             head = file_header(job, fp)
             remaining = len(head) + fp.nbytes
-            buf: Any = None  # the current slab's bytes (uint8 tensor)
-            fill = 0
-            ranges: list[tuple[int, int, int]] = []
 
-            def next_slab(want: int) -> None:
-                nonlocal slab, buf, fill, ranges
+            def close_slab(final: bool, filled: int) -> None:
+                """Queue the current slab's first ``filled`` bytes as a block and seal it."""
+                nonlocal slab
                 if slab is not None:
                     pending.append(
-                        Block(memoryview(buf[:fill].numpy()), tuple(ranges), slab.done_one)
+                        Block(memoryview(buf[:filled].numpy()), tuple(ranges), slab.done_one)
                     )
-                    hand_over(final=False)
+                hand_over(final)
+                if slab is not None:
                     slab, full = None, slab
                     full.seal()
+
+            def next_slab(want: int, filled: int) -> None:
+                nonlocal slab, buf, ranges
+                if slab is not None:
+                    close_slab(False, filled)
                 slab = pool.acquire(want)
-                buf, fill, ranges = slab.take(slab.capacity, 1), 0, []
+                buf, ranges = slab.claim(), []
 
             sources = [(None, torch.frombuffer(bytearray(head), dtype=torch.uint8))]
             for i, item in enumerate(fp.items):
@@ -153,7 +161,8 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
                 pos = 0
                 while pos < flat.numel():
                     if slab is None or fill == buf.numel():
-                        next_slab(remaining)
+                        next_slab(remaining, fill)
+                        fill = 0
                     n = min(flat.numel() - pos, buf.numel() - fill)
                     dst = buf[fill : fill + n]
                     if on_device:
@@ -166,12 +175,7 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
                     fill += n
                     pos += n
                     remaining -= n
-            if slab is not None:
-                pending.append(Block(memoryview(buf[:fill].numpy()), tuple(ranges), slab.done_one))
-            hand_over(final=True)
-            if slab is not None:
-                slab, full = None, slab
-                full.seal()
+            close_slab(True, fill)
         copier.run()
     except BaseException:
         # Give back every slab this save took that no writer will release.

@@ -25,12 +25,11 @@ SLAB_ROUND = 64 * 1024
 class Slab:
     """One reusable host buffer; freed back to its pool when sealed and fully written."""
 
-    __slots__ = ("_lock", "buf", "pool", "refs", "sealed", "used")
+    __slots__ = ("_lock", "buf", "pool", "refs", "sealed")
 
     def __init__(self, pool: SlabPool, buf: torch.Tensor) -> None:
         self.pool = pool
         self.buf = buf
-        self.used = 0
         self.refs = 0
         self.sealed = False
         self._lock = threading.Lock()
@@ -39,18 +38,11 @@ class Slab:
     def capacity(self) -> int:
         return self.buf.numel()
 
-    def room(self, align: int) -> int:
-        """Bytes still free after aligning the fill position."""
-        return max(0, self.capacity - -(-self.used // align) * align)
-
-    def take(self, nbytes: int, align: int) -> torch.Tensor:
-        """Reserve ``nbytes`` (at most :meth:`room`) at an ``align``-ed offset."""
-        start = -(-self.used // align) * align
-        assert start + nbytes <= self.capacity
-        self.used = start + nbytes
+    def claim(self) -> torch.Tensor:
+        """The slab's bytes, for one block of a file; released by :meth:`done_one`."""
         with self._lock:
             self.refs += 1
-        return self.buf[start : start + nbytes]
+        return self.buf
 
     def done_one(self) -> None:
         """A writer finished with one segment of this slab."""
@@ -122,7 +114,7 @@ class SlabPool:
                     self.allocations += 1
                     break
                 self._cond.wait()
-            slab.used, slab.refs, slab.sealed = 0, 0, False
+            slab.refs, slab.sealed = 0, False
             self.in_use_bytes += slab.capacity
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
             return slab

@@ -114,7 +114,7 @@ class LocalWriter(Writer):
         tail), else the full cap at once (growing step by step would fault in fresh memory
         and copy the fill again at every step)."""
         one_block = self._fill + nbytes <= DIRECT_BLOCK
-        need = min(self._bounce_cap, DIRECT_BLOCK if one_block else self._bounce_cap)
+        need = DIRECT_BLOCK if one_block else self._bounce_cap
         if self._bounce is None or len(self._bounce) < need:
             grown = _aligned(need)
             if self._fill:

@@ -25,7 +25,7 @@ from .errors import (
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher
-from .format.dtypes import TORCH_DTYPES
+from .format.dtypes import ITEMSIZE, TORCH_DTYPES
 from .format.manifest import MANIFEST, Chunk, Manifest, TensorInfo, parse
 from .storage import Storage, storage_for
 
@@ -463,6 +463,9 @@ def _entry_paths(tree: dict[str, Any]) -> dict[int, str]:
     return out
 
 
+_SCALAR_TAGS = frozenset(("none", "bool", "int", "float", "str", "bytes", "dtype"))
+
+
 def _check_refs(tree: dict[str, Any], m: Manifest, where: str) -> set[int]:
     """Every tensor reference must name a listed tensor, and views must fit inside it."""
     refs: set[int] = set()
@@ -476,7 +479,10 @@ def _check_refs(tree: dict[str, Any], m: Manifest, where: str) -> set[int]:
                 f"{where}: state tree has more than {limits.MAX_TREE_NODES} nodes"
             )
         if isinstance(node, dict):
-            if node.get("t") in ("tensor", "ndarray"):
+            t = node.get("t")
+            if type(t) is str and t in _SCALAR_TAGS:
+                continue  # no tensor below (decode() rejects a scalar node holding one)
+            if t in ("tensor", "ndarray"):
                 e = node.get("e")
                 if type(e) is not int or not 0 <= e < len(m.tensors):
                     raise CorruptCheckpointError(
@@ -499,10 +505,14 @@ def _check_view(view: Any, info: TensorInfo, where: str) -> None:
     ok = (
         ok
         and all(
-            isinstance(x, list) and all(type(i) is int and i >= 0 for i in x)
+            isinstance(x, list)
+            and all(type(i) is int and 0 <= i <= limits.MAX_TORCH_EXTENT for i in x)
             for x in (shape, stride)
         )
         and len(shape) == len(stride) <= limits.MAX_DIMS
+        # torch.as_strided refuses shapes whose sizes overflow int64, even empty ones.
+        and limits.fits_torch(shape, ITEMSIZE[info.dtype])
+        and view["offset"] <= math.prod(info.shape)
     )
     if ok and math.prod(shape):
         extent = view["offset"] + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1

@@ -253,6 +253,24 @@ def flatten(state: Any, root: tuple[Any, ...] = ()) -> Flat:
 # ----------------------------------------------------------------------------------------------
 # decoding
 
+# Every torch.dtype a state may hold, by the name flatten() writes (str(dtype) minus "torch.").
+# A fixed list: looking a name from the file up on the torch module instead would let the file
+# pick any attribute, and torch imports submodules lazily on attribute access ("_inductor"
+# pulls in hundreds of modules) or hands back functions ("has_cuda").
+_DTYPE_NAMES = (
+    "bfloat16", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "complex128",
+    "complex32", "complex64", "float16", "float32", "float4_e2m1fn_x2", "float64",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "int1", "int16", "int2", "int3", "int32", "int4", "int5", "int6", "int64", "int7", "int8",
+    "qint32", "qint8", "quint2x4", "quint4x2", "quint8", "uint1", "uint16", "uint2", "uint3",
+    "uint32", "uint4", "uint5", "uint6", "uint64", "uint7", "uint8",
+)  # fmt: skip
+_DTYPE_LEAVES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.__dict__.get(n) for n in _DTYPE_NAMES)  # older torch lacks a few
+    if isinstance(d, torch.dtype)
+}
+
 
 def _bad(where: str, path: tuple[Any, ...], what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
@@ -296,8 +314,8 @@ def decode(
             return v
         if tag == "bytes" and type(v) is str:
             return base64.b64decode(v, validate=True)
-        if tag == "dtype" and type(v) is str and isinstance(getattr(torch, v, None), torch.dtype):
-            return getattr(torch, v)
+        if tag == "dtype" and type(v) is str and v in _DTYPE_LEAVES:
+            return _DTYPE_LEAVES[v]
         if tag in ("tensor", "ndarray"):
             return leaf(node, path)
         if tag in ("list", "tuple") and type(v) is list:

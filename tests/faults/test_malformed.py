@@ -18,6 +18,8 @@ import os
 import re
 import shutil
 import struct
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -837,3 +839,142 @@ def test_tree_error_message_is_not_nested(ckpt: Path) -> None:
     with raises_exactly(CorruptCheckpointError, r"state tree at state\['n'\]") as info:
         tg.load(ckpt)
     assert str(info.value).count("state tree at") == 1, str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# shapes torch cannot describe (a zero dim hides any other dim from the byte count)
+
+
+@pytest.fixture
+def empty_ckpt(tmp_path: Path) -> Path:
+    """One empty tensor (shape [0, 4]) and a normal one, for shapes that hold no bytes."""
+    path = tmp_path / "empty"
+    tg.save(path, {"e": torch.empty(0, 4), "x": torch.arange(3.0)})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("shape", "pattern"),
+    [
+        ([0, 2**63], r"tensor #0 has an invalid shape \[0, 9223372036854775808\]"),
+        ([0, 2**62, 4], r"tensor #0 has a shape \[0, 4611686018427387904, 4\] too large"),
+        ([2**61, 0, 2**2], r"tensor #0 has a shape \[2305843009213693952, 0, 4\] too large"),
+    ],
+    ids=["dim-2^63", "strides-overflow", "bytes-overflow"],
+)
+def test_manifest_empty_tensor_with_huge_dims(
+    empty_ckpt: Path, shape: list[int], pattern: str
+) -> None:
+    """Zero elements, so no byte count catches it; torch.empty raised TypeError/RuntimeError."""
+
+    def edit(d: dict[str, Any]) -> None:
+        t = d["tensors"][0]
+        assert t["shape"] == [0, 4]
+        t["shape"] = shape
+        t["chunks"][0]["shape"] = shape
+        t["chunks"][0]["offsets"] = [0] * len(shape)
+
+    edit_manifest(empty_ckpt, edit)
+    assert_manifest_rejected(empty_ckpt, CorruptCheckpointError, pattern)
+    with raises_exactly(CorruptCheckpointError, pattern):
+        tg.load(empty_ckpt, verify=False)
+
+
+def test_header_empty_tensor_with_huge_dims(empty_ckpt: Path) -> None:
+    """The data file's own header is held to the same rule (tools read it without a manifest)."""
+    from tardigrade.format import safetensors as st
+    from tardigrade.storage.local import LocalReader
+
+    rewrite_header(empty_ckpt, lambda h: h["e"].update(shape=[0, 2**62, 4]))
+    with (
+        LocalReader(str(data_file(empty_ckpt))) as src,
+        raises_exactly(
+            CorruptCheckpointError, r"tensor 'e': shape \[0, 4611686018427387904, 4\] is too large"
+        ),
+    ):
+        st.read_header(src)
+    rewrite_header(empty_ckpt, lambda h: h["e"].update(shape=[0, 2**63]))
+    with (
+        LocalReader(str(data_file(empty_ckpt))) as src,
+        raises_exactly(
+            CorruptCheckpointError, r"tensor 'e' has an invalid shape \[0, 9223372036854775808\]"
+        ),
+    ):
+        st.read_header(src)
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        {"offset": 0, "shape": [0, 2**63], "stride": [1, 1]},
+        {"offset": 0, "shape": [0, 2**62, 4], "stride": [1, 1, 1]},
+        {"offset": 0, "shape": [0], "stride": [2**63]},
+        {"offset": 2**63, "shape": [0], "stride": [1]},
+    ],
+    ids=["dim-2^63", "strides-overflow", "stride-2^63", "offset-2^63"],
+)
+def test_tree_view_with_huge_dims(empty_ckpt: Path, view: dict[str, Any]) -> None:
+    def edit(d: dict[str, Any]) -> None:
+        d["tree"]["v"][1][1]["view"] = view  # state['x'], a 3-element tensor
+
+    edit_manifest(empty_ckpt, edit)
+    pattern = r"a tensor view .* does not fit its storage"
+    for verify in (True, False):
+        with raises_exactly(CorruptCheckpointError, pattern):
+            tg.load(empty_ckpt, verify=verify)
+
+
+# ----------------------------------------------------------------------------------------------
+# dtype leaves: names come from a fixed table, never looked up on the torch module
+
+_IMPORT_PROBE = r"""
+import json, sys
+import tardigrade as tg
+from tardigrade.errors import CorruptCheckpointError
+before = set(sys.modules)
+outcomes = []
+for ckpt in sys.argv[1:]:
+    try:
+        tg.load(ckpt)
+        outcomes.append("loaded")
+    except CorruptCheckpointError as e:
+        outcomes.append(str(e))
+print(json.dumps({"new": sorted(set(sys.modules) - before), "outcomes": outcomes}))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_dtype_leaf_imports_and_calls_nothing(tmp_path: Path) -> None:
+    """'_inductor' made the loader import ~800 torch modules; 'has_cuda' handed back a bool."""
+    names = ["_inductor", "has_cuda", "nn", "Tensor", "float", "_dynamo", "load"]
+    paths = []
+    for name in names:
+        ckpt = tmp_path / name
+        tg.save(ckpt, {"d": torch.bfloat16, "x": torch.ones(2)})
+        edit_manifest(ckpt, lambda d, n=name: d["tree"]["v"][0][1].update(v=n))
+        paths.append(str(ckpt))
+    env = dict(os.environ, PYTHONPATH=str(Path(tg.__file__).parent.parent))
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_PROBE, *paths],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=env,
+        check=True,
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["new"] == [], f"loading imported {len(got['new'])} modules: {got['new'][:10]}"
+    for name, outcome in zip(names, got["outcomes"], strict=True):
+        assert re.search(
+            r"state tree at state\['d'\]: unknown or malformed node of type 'dtype'", outcome
+        ), (name, outcome)
+
+
+def test_dtype_leaf_table_decodes_every_dtype() -> None:
+    """Every torch.dtype a state can hold round-trips through the fixed table."""
+    from tardigrade._tree import decode, flatten
+
+    dtypes = {n: d for n, d in vars(torch).items() if isinstance(d, torch.dtype)}
+    flat = flatten({"all": list(dtypes.values())})
+    out = decode(flat.tree, lambda n, p: None, "here")
+    assert out["all"] == list(dtypes.values())

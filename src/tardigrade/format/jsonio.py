@@ -10,7 +10,10 @@ from ..errors import CorruptCheckpointError
 
 def _no_duplicates(where: str):
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out = dict(pairs)
+        if len(out) == len(pairs):  # the common case, at C speed
+            return out
+        out = {}
         for k, v in pairs:
             if k in out:
                 raise CorruptCheckpointError(

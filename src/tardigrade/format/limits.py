@@ -1,5 +1,10 @@
 """Hard caps that keep a malicious or damaged checkpoint from exhausting memory or time."""
 
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own cap on a data file's JSON header
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_TENSORS_PER_FILE = 1_000_000
@@ -8,4 +13,14 @@ MAX_FILES = 100_000  # data files listed by one manifest
 MAX_TREE_NODES = 50_000_000
 MAX_TREE_DEPTH = 200  # nesting of the state tree in the manifest
 MAX_DIMS = 64
-MAX_BOX_CHUNKS = 4096  # n-d chunks of one tensor checked pairwise for overlap
+MAX_BOX_CHUNKS = 64  # chunks of one tensor compared pairwise when no cut separates them
+
+# torch keeps sizes, strides and byte counts in int64: a shape whose strides or byte count
+# overflow it makes torch.empty raise TypeError/RuntimeError (even when a dim is 0, since
+# strides treat a 0 dim as 1), so such shapes are refused while validating.
+MAX_TORCH_EXTENT = 2**63 - 1
+
+
+def fits_torch(shape: Sequence[int], itemsize: int) -> bool:
+    """True if torch can describe a tensor of ``shape`` (its strides and bytes fit int64)."""
+    return math.prod(max(d, 1) for d in shape) * itemsize <= MAX_TORCH_EXTENT

@@ -81,7 +81,7 @@ def _int_list(v: Any) -> bool:
     return (
         isinstance(v, list)
         and len(v) <= limits.MAX_DIMS
-        and all(type(x) is int and x >= 0 for x in v)
+        and all(type(x) is int and 0 <= x <= limits.MAX_TORCH_EXTENT for x in v)
     )
 
 
@@ -146,6 +146,8 @@ def _tensors(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...
         shape = t.get("shape")
         if not _int_list(shape):
             raise _fail(where, f"tensor #{i} has an invalid shape {shape!r}")
+        if not limits.fits_torch(shape, ITEMSIZE[dtype]):
+            raise _fail(where, f"tensor #{i} has a shape {shape} too large for any tensor")
         chunks = t.get("chunks")
         if not isinstance(chunks, list) or (not chunks and math.prod(shape) > 0):
             raise _fail(where, f"tensor #{i} lists no chunks")

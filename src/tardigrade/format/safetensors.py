@@ -124,7 +124,7 @@ def _entry(src: ByteSource, key: str, info: object, data_start: int) -> HeaderEn
     if (
         not isinstance(shape, list)
         or len(shape) > limits.MAX_DIMS
-        or not all(type(d) is int and d >= 0 for d in shape)
+        or not all(type(d) is int and 0 <= d <= limits.MAX_TORCH_EXTENT for d in shape)
     ):
         raise _corrupt(src, f"tensor {key!r} has an invalid shape {shape!r}")
     if not (
@@ -143,6 +143,10 @@ def _entry(src: ByteSource, key: str, info: object, data_start: int) -> HeaderEn
             f"tensor {key!r}: shape {shape} of {dtype} needs {nbytes} bytes but data_offsets "
             f"{offs} span {end - begin}",
         )
+    # A zero-size shape passes the byte count whatever its other dims; torch still refuses
+    # one whose strides overflow int64.
+    if not limits.fits_torch(shape, ITEMSIZE[dtype]):
+        raise _corrupt(src, f"tensor {key!r}: shape {shape} is too large for any tensor")
     if data_start + end > src.size:
         raise _corrupt(src, f"tensor {key!r}: data_offsets {offs} run past the end of the file")
     return HeaderEntry(key, dtype, tuple(shape), data_start + begin, data_start + end)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own cap on a data file's JSON header
@@ -23,4 +22,8 @@ MAX_TORCH_EXTENT = 2**63 - 1
 
 def fits_torch(shape: Sequence[int], itemsize: int) -> bool:
     """True if torch can describe a tensor of ``shape`` (its strides and bytes fit int64)."""
-    return math.prod(max(d, 1) for d in shape) * itemsize <= MAX_TORCH_EXTENT
+    n = itemsize
+    for d in shape:  # a loop, not math.prod over a generator: this runs for every tensor
+        if d > 1:
+            n *= d
+    return n <= MAX_TORCH_EXTENT

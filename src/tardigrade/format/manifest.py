@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +11,8 @@ from ..storage.base import check_name
 from . import limits
 from .checksum import ALGORITHM
 from .dtypes import ITEMSIZE
-from .jsonio import loads_strict
+from .jsonio import gc_paused, loads_strict
+from .tiling import TilingError, check_exact_tiling
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "tardigrade"
@@ -78,11 +78,14 @@ def _fail(where: str, what: str) -> CorruptCheckpointError:
 
 
 def _int_list(v: Any) -> bool:
-    return (
-        isinstance(v, list)
-        and len(v) <= limits.MAX_DIMS
-        and all(type(x) is int and 0 <= x <= limits.MAX_TORCH_EXTENT for x in v)
-    )
+    """A shape or offsets: at most MAX_DIMS ints, each one torch can hold (a plain loop: this
+    runs for every chunk, and a generator costs twice as much)."""
+    if type(v) is not list or len(v) > limits.MAX_DIMS:
+        return False
+    for x in v:  # noqa: SIM110
+        if type(x) is not int or x < 0 or x > limits.MAX_TORCH_EXTENT:
+            return False
+    return True
 
 
 def parse(raw_bytes: bytes, where: str) -> Manifest:
@@ -130,6 +133,11 @@ def _files(v: Any, where: str) -> dict[str, int]:
 
 
 def _tensors(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...]:
+    with gc_paused():
+        return _tensors_unpaused(v, files, where)
+
+
+def _tensors_unpaused(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...]:
     if not isinstance(v, list) or len(v) > limits.MAX_TENSORS:
         raise _fail(where, f"'tensors' must be a list of at most {limits.MAX_TENSORS} entries")
     out = []
@@ -151,10 +159,11 @@ def _tensors(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...
         chunks = t.get("chunks")
         if not isinstance(chunks, list) or (not chunks and math.prod(shape) > 0):
             raise _fail(where, f"tensor #{i} lists no chunks")
-        parsed = tuple(_chunk(c, i, shape, files, where) for c in chunks)
+        parsed = tuple([_chunk(c, i, shape, files, where) for c in chunks])
         # Bound every size by the bytes that really exist before anything is allocated.
+        itemsize = ITEMSIZE[dtype]
         for c in parsed:
-            used[c.file] += c.numel * ITEMSIZE[dtype]
+            used[c.file] += math.prod(c.shape) * itemsize
             if used[c.file] > files[c.file]:
                 raise _fail(
                     where,
@@ -169,51 +178,38 @@ def _tensors(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...
 def _chunk(c: Any, i: int, shape: list[int], files: dict[str, int], where: str) -> Chunk:
     if not isinstance(c, dict):
         raise _fail(where, f"tensor #{i} has a chunk that is not an object")
-    name = check_name(c.get("file"), where)
-    if name not in files:
+    name = c.get("file")
+    if type(name) is not str or name not in files:  # names in 'files' were checked already
+        name = check_name(name, where)
         raise _fail(where, f"tensor #{i} refers to data file {name!r}, which 'files' does not list")
     offsets, cshape = c.get("offsets"), c.get("shape")
     if not (_int_list(offsets) and _int_list(cshape) and len(offsets) == len(cshape) == len(shape)):
         raise _fail(where, f"tensor #{i} has a chunk with invalid offsets/shape")
-    if any(o + n > s for o, n, s in zip(offsets, cshape, shape, strict=True)):
-        raise _fail(
-            where, f"tensor #{i} has a chunk at {offsets} of shape {cshape} outside {shape}"
-        )
-    if not isinstance(c.get("key"), str) or not isinstance(c.get("checksum"), str):
+    for o, n, s in zip(offsets, cshape, shape, strict=True):
+        if o + n > s:
+            raise _fail(
+                where, f"tensor #{i} has a chunk at {offsets} of shape {cshape} outside {shape}"
+            )
+    key, checksum = c.get("key"), c.get("checksum")
+    if type(key) is not str or type(checksum) is not str:
         raise _fail(where, f"tensor #{i} has a chunk without key or checksum")
-    return Chunk(name, c["key"], tuple(offsets), tuple(cshape), c["checksum"])
+    return Chunk(name, key, tuple(offsets), tuple(cshape), checksum)
 
 
 def _check_tiling(chunks: tuple[Chunk, ...], shape: list[int], i: int, where: str) -> None:
     """Chunks must cover the tensor exactly once: equal volume and no two overlapping."""
+    if len(chunks) == 1:
+        if chunks[0].shape != tuple(shape):  # the common case, decided without arithmetic
+            raise _fail(where, f"tensor #{i}: its chunks do not cover its shape {shape} exactly")
+        return
     if sum(c.numel for c in chunks) != math.prod(shape):
         raise _fail(where, f"tensor #{i}: its chunks do not cover its shape {shape} exactly")
     boxes = [
-        (c.offsets, tuple(o + n for o, n in zip(c.offsets, c.shape, strict=True)))
+        (c.offsets, tuple([o + n for o, n in zip(c.offsets, c.shape, strict=True)]))
         for c in chunks
-        if c.numel
+        if 0 not in c.shape
     ]
-    if len(boxes) < 2:
-        return
-    rows_only = all(
-        lo[1:] == (0,) * (len(shape) - 1) and tuple(hi[1:]) == tuple(shape[1:]) for lo, hi in boxes
-    )
-    if rows_only:
-        # Row ranges (what writers emit): sorted intervals must not overlap. O(n log n).
-        spans = sorted((lo[0], hi[0]) for lo, hi in boxes)
-        if any(a_hi > b_lo for (_, a_hi), (b_lo, _) in itertools.pairwise(spans)):
-            raise _fail(where, f"tensor #{i}: two of its chunks overlap")
-        return
-    if len(boxes) > limits.MAX_BOX_CHUNKS:
-        raise _fail(
-            where,
-            f"tensor #{i} has {len(boxes)} non-row chunks, over the cap of {limits.MAX_BOX_CHUNKS}",
-        )
-    for a in range(len(boxes)):
-        lo1, hi1 = boxes[a]
-        for b in range(a + 1, len(boxes)):
-            lo2, hi2 = boxes[b]
-            if all(
-                max(x1, x2) < min(y1, y2) for x1, y1, x2, y2 in zip(lo1, hi1, lo2, hi2, strict=True)
-            ):
-                raise _fail(where, f"tensor #{i}: two of its chunks overlap")
+    try:
+        check_exact_tiling(boxes, shape, limits.MAX_BOX_CHUNKS)
+    except TilingError as e:
+        raise _fail(where, f"tensor #{i}: {e}") from None

@@ -1,0 +1,241 @@
+"""Hostile manifests within the caps: bounded time to validate, bounded memory to parse.
+
+Each manifest here is built adversarially (many tiny boxes, layouts no plane cuts, dense JSON)
+and must be read in about a second per 10 MB, whatever the verdict.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import time
+from typing import Any
+
+import pytest
+
+from tardigrade.errors import CorruptCheckpointError
+from tardigrade.format import manifest
+from tardigrade.format.tiling import TilingError, check_exact_tiling
+
+TARGET_BYTES = 10_000_000
+# The goal is ~1 s per 10 MB on this machine; the machine is shared, so allow 3x that.
+SECONDS_PER_10MB = 3.0
+
+
+def doc(tensors: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "format": "tardigrade",
+        "format_version": 1,
+        "checksum_algorithm": "xxh3-64",
+        "tree": {"t": "dict", "v": []},
+        "files": [{"name": "d", "size": 2**62}],
+        "tensors": tensors,
+    }
+
+
+def chunk(offsets: tuple[int, ...], shape: tuple[int, ...]) -> dict[str, Any]:
+    return {
+        "file": "d",
+        "key": "k",
+        "offsets": list(offsets),
+        "shape": list(shape),
+        "checksum": "0",
+    }
+
+
+def grid(shape: tuple[int, ...]) -> dict[str, Any]:
+    """``shape`` cut into 1x1x... boxes: the most chunks per byte a valid tensor can have."""
+    cells = itertools.product(*(range(s) for s in shape))
+    return {
+        "dtype": "U8",
+        "shape": list(shape),
+        "chunks": [chunk(c, (1,) * len(shape)) for c in cells],
+    }
+
+
+def bricks(rows: int, cols: int) -> dict[str, Any]:
+    """A brick wall: every other row shifted by one, so no plane cuts it (not a guillotine)."""
+    out = []
+    for r in range(rows):
+        if r % 2:
+            out.append(chunk((r, 0), (1, 1)))
+            out += [chunk((r, c), (1, 2)) for c in range(1, cols - 1, 2)]
+            out.append(chunk((r, cols - 1), (1, 1)))
+        else:
+            out += [chunk((r, c), (1, 2)) for c in range(0, cols, 2)]
+    return {"dtype": "U8", "shape": [rows, cols], "chunks": out}
+
+
+PINWHEEL = [
+    ((0, 0), (2, 1)),
+    ((2, 0), (3, 2)),
+    ((1, 2), (3, 3)),
+    ((0, 1), (1, 3)),
+    ((1, 1), (2, 2)),
+]
+
+
+def pinwheel_3d() -> dict[str, Any]:
+    """A 3x3x3 tensor: three pinwheel layers, each rotated, with unequal z extents, so that no
+    plane in x, y or z separates its boxes and they are compared pairwise."""
+    out = []
+    for z, (a, b) in enumerate(PINWHEEL):
+        out.append(chunk((a[0], a[1], 0), (b[0] - a[0], b[1] - a[1], 1 + z % 2)))
+        if z % 2 == 0:
+            out.append(chunk((a[0], a[1], 1), (b[0] - a[0], b[1] - a[1], 2)))
+        else:
+            out.append(chunk((a[0], a[1], 2), (b[0] - a[0], b[1] - a[1], 1)))
+    return {"dtype": "U8", "shape": [3, 3, 3], "chunks": out}
+
+
+def repeat(make: Any, approx_bytes_each: int) -> list[dict[str, Any]]:
+    return [make() for _ in range(TARGET_BYTES // approx_bytes_each)]
+
+
+def overlapping_last(t: dict[str, Any]) -> dict[str, Any]:
+    """Move the last box onto the first: same volume, one overlap, one hole."""
+    t["chunks"][-1] = dict(t["chunks"][0])
+    return t
+
+
+CASES: dict[str, Any] = {
+    # 64x64 grids: 4096 boxes each, which the pairwise check took minutes over
+    "grids-64x64": lambda: doc([grid((64, 64)) for _ in range(TARGET_BYTES // 300_000)]),
+    "one-400x400-grid": lambda: doc([grid((400, 400))]),
+    "one-46^3-grid": lambda: doc([grid((46, 46, 46))]),
+    "one-18^4-grid": lambda: doc([grid((18, 18, 18, 18))]),
+    "bricks": lambda: doc([bricks(300, 1000)]),
+    "many-2x2x2-grids": lambda: doc(repeat(lambda: grid((2, 2, 2)), 560)),
+    "many-3x3-grids": lambda: doc(repeat(lambda: grid((3, 3)), 600)),
+    "many-pinwheels-3d": lambda: doc(repeat(pinwheel_3d, 720)),
+    "grid-overlap-at-the-end": lambda: doc([overlapping_last(grid((400, 400)))]),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", list(CASES))
+def test_worst_case_manifest_validates_in_bounded_time(case: str) -> None:
+    raw = json.dumps(CASES[case](), separators=(",", ":")).encode()
+    assert len(raw) > 0.7 * TARGET_BYTES, len(raw)
+    gc.collect()  # measure the parse, not the collection of the document built above
+    start = time.process_time()
+    try:
+        manifest.parse(raw, "hostile.json")
+        verdict = "valid"
+    except CorruptCheckpointError as e:
+        verdict = str(e)
+    seconds = time.process_time() - start
+    bound = SECONDS_PER_10MB * len(raw) / 10_000_000
+    assert seconds < bound, f"{case}: {len(raw) / 1e6:.1f} MB took {seconds:.2f} s (> {bound:.2f})"
+    if case == "grid-overlap-at-the-end":
+        assert "hostile.json: tensor #0: two of its chunks overlap" in verdict
+    else:
+        assert verdict == "valid", verdict
+
+
+def test_pinwheel_3d_is_not_separable_but_valid() -> None:
+    """The stuck case really is stuck (so the pairwise fallback is what the timing covers)."""
+    from tardigrade.format.tiling import _cut
+
+    t = pinwheel_3d()
+    boxes = [
+        (tuple(c["offsets"]), tuple(o + n for o, n in zip(c["offsets"], c["shape"], strict=True)))
+        for c in t["chunks"]
+    ]
+    assert _cut(boxes, [0, 1, 2], (0, 0, 0), (3, 3, 3)) is None
+    check_exact_tiling(boxes, (3, 3, 3), 64)
+
+
+@pytest.mark.parametrize(
+    ("boxes", "shape", "valid"),
+    [
+        (PINWHEEL, (3, 3), True),
+        (
+            [
+                ((0, 0), (2, 1)),
+                ((2, 0), (3, 2)),
+                ((1, 2), (3, 3)),
+                ((0, 1), (1, 3)),
+                ((0, 0), (1, 1)),
+            ],
+            (3, 3),
+            False,
+        ),
+        ([((0,), (2,)), ((2,), (4,))], (4,), True),
+        ([((0, 0), (1, 2)), ((0, 1), (2, 2)), ((1, 0), (2, 1))], (2, 2), False),  # overlap + hole
+        ([((0, 0, 0), (1, 1, 1)), ((0, 0, 0), (1, 1, 1))], (1, 1, 2), False),
+    ],
+    ids=["pinwheel", "pinwheel-overlap", "1d", "l-shapes", "duplicates"],
+)
+def test_exact_tiling_verdicts(
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...], valid: bool
+) -> None:
+    if valid:
+        check_exact_tiling(boxes, shape, 64)
+    else:
+        with pytest.raises(TilingError):
+            check_exact_tiling(boxes, shape, 64)
+
+
+def test_exact_tiling_agrees_with_counting_cells() -> None:
+    """Random layouts in 1-4 dims, valid and damaged, against a cell-by-cell count."""
+    import math
+    import random
+
+    import numpy as np
+
+    rng = random.Random(20)
+    checked = refused = 0
+    for _ in range(3000):
+        shape = tuple(rng.randrange(1, 6) for _ in range(rng.choice([1, 2, 2, 3, 3, 4])))
+        boxes = _random_layout(rng, shape)
+        if sum(
+            math.prod(b - a for a, b in zip(lo, hi, strict=True)) for lo, hi in boxes
+        ) != math.prod(shape):
+            continue
+        cells = np.zeros(shape, dtype=np.int32)
+        for lo, hi in boxes:
+            cells[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))] += 1
+        exact = bool((cells == 1).all())
+        try:
+            check_exact_tiling(boxes, shape, 64)
+            verdict = True
+        except TilingError as e:
+            verdict = False
+            if exact and "too complex" in str(e):  # a valid layout no writer makes: refused
+                refused += 1
+                continue
+        assert verdict == exact, (shape, boxes)
+        checked += 1
+    assert checked > 1000
+    assert refused < checked / 50, refused
+
+
+def _random_layout(
+    rng: Any, shape: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Greedy random boxes filling the grid (often not a guillotine), sometimes one moved."""
+    import numpy as np
+
+    taken = np.zeros(shape, dtype=bool)
+    boxes = []
+    for cell in itertools.product(*(range(s) for s in shape)):
+        if taken[cell]:
+            continue
+        hi = [c + 1 for c in cell]
+        for _ in range(5):
+            k = rng.randrange(len(shape))
+            if hi[k] < shape[k]:
+                grown = [*hi[:k], hi[k] + 1, *hi[k + 1 :]]
+                if not taken[tuple(slice(a, b) for a, b in zip(cell, grown, strict=True))].any():
+                    hi = grown
+        taken[tuple(slice(a, b) for a, b in zip(cell, hi, strict=True))] = True
+        boxes.append((tuple(cell), tuple(hi)))
+    if rng.random() < 0.5:
+        i, k = rng.randrange(len(boxes)), rng.randrange(len(shape))
+        lo, hi = boxes[i]
+        if hi[k] < shape[k]:
+            boxes[i] = ((*lo[:k], lo[k] + 1, *lo[k + 1 :]), (*hi[:k], hi[k] + 1, *hi[k + 1 :]))
+    rng.shuffle(boxes)
+    return boxes

@@ -416,7 +416,7 @@ def _read_file(
 ) -> int:
     with storage.open_reader(f"{ckpt}/{file}") as src:
         _check_size(src, size)
-        header = st.read_header(src)
+        header = st.read_header(src, m.header_checksums.get(file) if verify else None)
         nbytes = 0
         for task in tasks:
             c, info = task.chunk, m.tensors[task.entry]
@@ -642,7 +642,7 @@ def verify(path: Any, *, workers: int = DEFAULT_WORKERS) -> VerifyReport:
     def one(file: str) -> int:
         with storage.open_reader(f"{name}/{file}") as src:
             _check_size(src, m.files[file])
-            header = st.read_header(src)
+            header = st.read_header(src, m.header_checksums.get(file))
             listed = {c.key for _, c in by_file[file]}
             if set(header) != listed:
                 raise CorruptCheckpointError(

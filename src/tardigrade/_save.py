@@ -32,9 +32,9 @@ from .errors import (
     TardigradeError,
 )
 from .format import safetensors as st
-from .format.checksum import ALGORITHM, Hasher
+from .format.checksum import ALGORITHM, Hasher, checksum
 from .format.jsonio import dumps
-from .format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST
+from .format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST, parse, seal
 from .storage import Storage, storage_for
 
 
@@ -106,11 +106,7 @@ def plan(
     storage, name = storage_for(path)
     if not isinstance(overwrite, bool):
         raise InvalidArgumentError(f"overwrite must be a bool, got {overwrite!r}")
-    if storage.exists(name) and not overwrite:
-        raise CheckpointExistsError(
-            f"{storage.url(name)}: a checkpoint already exists here; pass overwrite=True to "
-            "replace it, or save under another name."
-        )
+    check_target(storage, name, overwrite)
     header = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -132,6 +128,38 @@ def plan(
     flat = flatten(state)
     return SaveJob(
         storage, name, flat, plan_files(flat.entries, workers=workers), header, overwrite, started
+    )
+
+
+def check_target(storage: Storage, name: str, overwrite: bool, *, racing: bool = False) -> None:
+    """Refuse to save over anything but a committed checkpoint, and over that unless asked.
+
+    ``overwrite=True`` replaces a checkpoint; it never deletes a directory of other
+    checkpoints, a user's files or a regular file that happen to sit at the path.
+    """
+    kind = storage.describe(name)
+    if kind is None or (kind == "checkpoint" and overwrite):
+        return
+    url = storage.url(name)
+    if kind == "checkpoint":
+        if racing:
+            raise CheckpointExistsError(
+                f"{url}: another writer committed a checkpoint here while this save was "
+                "running; nothing was overwritten."
+            )
+        raise CheckpointExistsError(
+            f"{url}: a checkpoint already exists here; pass overwrite=True to replace it, or "
+            "save under another name."
+        )
+    what = (
+        "a file"
+        if kind == "file"
+        else "a directory that is not a committed checkpoint (it has no Tardigrade "
+        "manifest.json; it may hold other checkpoints or your own files)"
+    )
+    raise CheckpointExistsError(
+        f"{url}: {what} is in the way. Tardigrade only ever replaces a committed checkpoint, "
+        "even with overwrite=True; move or delete it yourself, or save under another name."
     )
 
 
@@ -209,18 +237,30 @@ def stream_borrowed(job: SaveJob) -> list[list[Any]]:
     return streams
 
 
-def _write_file(
-    job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]
-) -> tuple[int, dict[str, str]]:
+@dataclass(frozen=True)
+class WrittenFile:
+    """What the manifest records of one data file."""
+
+    size: int
+    header_checksum: str
+    checksums: dict[str, str]  # item key -> checksum of its bytes
+
+
+def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]) -> WrittenFile:
     """Stream one data file: header, then each item's bytes, hashed on the way; then fsync.
 
     The stream holds Segments (one item's bytes; the header is written here) or, for an async
-    save, Blocks (runs of the whole file image, header included).
+    save, Blocks (runs of the whole file image, header included). A Segment may point at live
+    memory that training mutates while it is written (a synchronous save), so the writer hashes
+    its own copy of the bytes, exactly what reaches the file: the checkpoint then always
+    verifies, though a tensor mutated mid-save may hold a mix of old and new values. A Block is
+    a private staging copy; it is hashed here and written without another copy.
     """
     hashers = [Hasher() for _ in fp.items]
     failure: BaseException | None = None
     writer = None
     size = 0
+    head = b""
     try:
         head = file_header(job, fp)
         writer = job.storage.open_writer(f"{staging}/{fp.name}", size_hint=len(head) + fp.nbytes)
@@ -247,8 +287,7 @@ def _write_file(
                 data = seg.data
                 for start in range(0, data.nbytes, st.SLICE_BYTES):
                     piece = data[start : start + st.SLICE_BYTES]
-                    hashers[seg.item].update(piece)
-                    writer.write(piece)  # type: ignore[union-attr]
+                    writer.write(piece, hasher=hashers[seg.item])  # type: ignore[union-attr]
                 size += data.nbytes
         except BaseException as e:
             failure = e
@@ -260,7 +299,11 @@ def _write_file(
             writer.abort()
         raise failure
     writer.close()  # type: ignore[union-attr]
-    return size, {it.key: h.hexdigest() for it, h in zip(fp.items, hashers, strict=True)}
+    return WrittenFile(
+        size,
+        checksum(head),
+        {it.key: h.hexdigest() for it, h in zip(fp.items, hashers, strict=True)},
+    )
 
 
 def in_threads(calls: Sequence[Callable[[], Any]], name: str) -> list[Any]:
@@ -315,7 +358,7 @@ def item_shape(job: SaveJob, item: WriteItem) -> tuple[int, ...]:
     return (item.stop - item.start, *shape[1:]) if shape else ()
 
 
-def _manifest(job: SaveJob, sizes: dict[str, int], sums: dict[str, str]) -> dict[str, Any]:
+def _manifest(job: SaveJob, written: dict[str, WrittenFile]) -> dict[str, Any]:
     tensors: list[dict[str, Any]] = [
         {"dtype": e.dtype, "shape": list(e.tensor.shape), "numpy": e.numpy, "chunks": []}
         for e in job.flat.entries
@@ -332,12 +375,15 @@ def _manifest(job: SaveJob, sizes: dict[str, int], sums: dict[str, str]) -> dict
                     "key": item.key,
                     "offsets": offsets,
                     "shape": shape,
-                    "checksum": sums[item.key],
+                    "checksum": written[fp.name].checksums[item.key],
                 }
             )
     return {
         **job.header,
-        "files": [{"name": n, "size": s} for n, s in sorted(sizes.items())],
+        "files": [
+            {"name": n, "size": w.size, "header_checksum": w.header_checksum}
+            for n, w in sorted(written.items())
+        ],
         "tensors": tensors,
         "tree": job.flat.tree,
     }
@@ -367,9 +413,17 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
             ],
             "tardigrade-write",
         )
-        sizes = {fp.name: size for fp, (size, _) in zip(files, results, strict=True)}
-        sums = {k: v for _, file_sums in results for k, v in file_sums.items()}
-        manifest = dumps(_manifest(job, sizes, sums))
+        written = {fp.name: w for fp, w in zip(files, results, strict=True)}
+        manifest = seal(dumps(_manifest(job, written)))
+        # Commit only what a reader accepts: the same validation that guards every load
+        # (unique keys, chunks tiling each tensor, sizes) runs on this save's own manifest.
+        try:
+            parse(manifest, storage.url(f"{job.name}/{MANIFEST}"))
+        except TardigradeError as e:
+            raise SaveError(
+                f"{storage.url(job.name)}: refusing to commit a manifest a reader would reject "
+                f"(a bug in Tardigrade; please report it): {e}"
+            ) from e
         w = storage.open_writer(f"{staging}/{MANIFEST}")
         try:
             w.write(manifest)
@@ -377,11 +431,7 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
             w.abort()
             raise
         w.close()
-        if not job.overwrite and storage.exists(job.name):
-            raise CheckpointExistsError(
-                f"{storage.url(job.name)}: another writer committed a checkpoint here while this "
-                "save was running; nothing was overwritten."
-            )
+        check_target(storage, job.name, job.overwrite, racing=True)
         storage.commit(staging, job.name, replace=job.overwrite)
     except BaseException as e:
         if staging is not None:
@@ -397,7 +447,7 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
     return SaveResult(
         storage.url(job.name),
         job.header["step"],
-        sum(sizes.values()) + len(manifest),
+        sum(w.size for w in written.values()) + len(manifest),
         len(files),
         job.blocking_seconds if job.blocking_seconds is not None else total,
         total,

@@ -38,11 +38,14 @@ from .errors import (
     UnsupportedFormatError,
     UnsupportedTypeError,
 )
+from .storage.local import fsync_dir, lock_dir
 
 log = logging.getLogger("tardigrade")
 
 _NAME = re.compile(r"^step-(\d{9,})$")
-_REPLACED = re.compile(r"^\.tmp-(step-\d{9,})-replaced-")
+# A committed checkpoint a replace without atomic swap moved aside (storage/local.py).
+# Any id is accepted: a checkpoint is put back, never deleted, whoever named it.
+_REPLACED = re.compile(r"^\.tmp-(.+)-replaced-[^-]+$")
 
 
 @dataclass(frozen=True)
@@ -55,33 +58,57 @@ class Tidied:
 
 
 def tidy(directory: str, *, dry_run: bool = False) -> list[Tidied]:
-    """Clean up after writers that died in ``directory``; the caller must hold its lock.
+    """Clean up after writers that died in ``directory``.
 
-    A ``.tmp-*`` staging directory (a save that never committed, or a retention delete that
-    was interrupted) is removed. A committed checkpoint that a crashed replace had moved aside
-    (``.tmp-step-N-replaced-*``) is put back under its name when that name is free. Committed
-    checkpoints are never touched. ``dry_run`` reports without changing anything.
+    Only ``.tmp-*`` directories are considered, and only those no live process holds: every
+    save holds an flock on its staging directory (and on a checkpoint it moves aside) until it
+    commits or gives up, so a save in flight, by this process or any other, is skipped. A dead
+    save's staging directory (or an interrupted retention delete) is removed. A committed
+    checkpoint that a crashed replace had moved aside (``.tmp-NAME-replaced-*``) is put back
+    under its name when that name is free, whatever the name; if a committed checkpoint holds
+    the name, the replace had finished and the old copy is removed. Committed checkpoints are
+    never touched. ``dry_run`` reports without changing anything.
     """
     done = []
     for n in sorted(os.listdir(directory)):
-        if not n.startswith(".tmp-"):
-            continue
         path = os.path.join(directory, n)
-        m = _REPLACED.match(n)
-        target = os.path.join(directory, m.group(1)) if m else ""
-        committed = os.path.isfile(os.path.join(path, "manifest.json"))
-        if m and committed and not os.path.exists(target):
+        if not n.startswith(".tmp-") or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        fd = lock_dir(path, wait=False)
+        if fd is None:
+            continue  # a live save holds it, or it is already gone
+        try:
+            done.extend(_tidy_one(directory, n, dry_run))
+        finally:
+            os.close(fd)
+    return done
+
+
+def _tidy_one(directory: str, n: str, dry_run: bool) -> list[Tidied]:
+    path = os.path.join(directory, n)
+    m = _REPLACED.match(n)
+    if m and os.path.isfile(os.path.join(path, "manifest.json")):
+        name = m.group(1)
+        target = os.path.join(directory, name)
+        if not os.path.lexists(target):
             if not dry_run:
                 os.rename(path, target)
-                log.warning("tardigrade: recovered %s from an interrupted replace", m.group(1))
-            done.append(Tidied(m.group(1), "recovered", _tree_bytes(path if dry_run else target)))
-            continue
-        nbytes = _tree_bytes(path)
-        if not dry_run:
-            log.info("tardigrade: removing leftover %s from an interrupted save", n)
-            shutil.rmtree(path, ignore_errors=True)
-        done.append(Tidied(n, "removed", nbytes))
-    return done
+                fsync_dir(directory)
+                log.warning("tardigrade: recovered %s from an interrupted replace", name)
+            return [Tidied(name, "recovered", _tree_bytes(path if dry_run else target))]
+        if not os.path.isfile(os.path.join(target, "manifest.json")):
+            log.warning(
+                "tardigrade: %s holds the checkpoint an interrupted replace moved aside, but %s "
+                "is taken by something that is not a checkpoint; leaving both in place",
+                path,
+                target,
+            )
+            return []
+    nbytes = _tree_bytes(path)
+    if not dry_run:
+        log.info("tardigrade: removing leftover %s from an interrupted save", n)
+        shutil.rmtree(path, ignore_errors=True)
+    return [Tidied(n, "removed", nbytes)]
 
 
 def _tree_bytes(path: str) -> int:

@@ -277,10 +277,10 @@ def test_failing_writes_do_not_stop_the_job(
     # async saves the error happens in the background writer and must still only be reported.
     real_write = local.LocalWriter.write
 
-    def write(self: local.LocalWriter, data: Any) -> None:
+    def write(self: local.LocalWriter, data: Any, **kw: Any) -> None:
         if "step-000000002" in self.path or "step-000000003" in self.path:
             raise StorageError(errno.ENOSPC, f"writing {self.path}: No space left (injected)")
-        real_write(self, data)
+        real_write(self, data, **kw)
 
     monkeypatch.setattr(local.LocalWriter, "write", write)
     caplog.set_level(logging.ERROR, logger="tardigrade")

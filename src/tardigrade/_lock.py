@@ -7,8 +7,8 @@ different PID namespaces (containers sharing the file system and the host name),
 drops it the moment the holder dies, SIGKILL included, so a dead writer on this machine never
 blocks the next job.
 
-Inside the file is a record: owner id, generation, host, pid, boot id, heartbeat time, lease,
-and a ``released`` flag. The holder rewrites it in place through its own descriptor every
+Inside the file is a record: owner id, generation, host, pid (and PID namespace), boot id,
+heartbeat time, lease, whether its holder has the flock, and a ``released`` flag. The holder rewrites it in place through its own descriptor every
 ``lease / 3`` seconds; nobody replaces it by path, and only a holder (under its flock, when the
 record is still its own) removes the file. The record covers what the flock cannot:
 
@@ -161,6 +161,7 @@ class DirectoryLock:
                 "boot_id": BOOT_ID,
                 "heartbeat": time.time(),
                 "lease_seconds": self.lease,
+                "flock": self._flocked,
                 "released": released,
             }
         ).encode()
@@ -300,9 +301,14 @@ class DirectoryLock:
         if rec.get("released") is True or rec.get("owner") == self.owner:
             return None
         pid = rec.get("pid")
-        if flocked and BOOT_ID is not None and rec.get("boot_id") == BOOT_ID:
-            # Same kernel: its holder would hold the flock. A pid proves nothing here (another
-            # PID namespace, or reused), so it is not consulted.
+        if (
+            flocked
+            and BOOT_ID is not None
+            and rec.get("boot_id") == BOOT_ID
+            and rec.get("flock") is True
+        ):
+            # Same kernel: its holder would still hold the flock. A pid proves nothing here
+            # (another PID namespace, or reused), so it is not consulted.
             return f"its owner (pid {pid}) has exited"
         if (
             not flocked

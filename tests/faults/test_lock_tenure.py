@@ -38,6 +38,7 @@ import torch
 import tardigrade as tg
 from tardigrade import _lock
 from tardigrade._lock import DirectoryLock
+from tardigrade.cli import main
 from tardigrade.errors import CheckpointLockedError
 
 pytestmark = pytest.mark.timeout(120)
@@ -158,6 +159,7 @@ NS_HOLDER = textwrap.dedent(
     r"""
     import json, os, sys
     from tardigrade._lock import DirectoryLock
+from tardigrade.cli import main
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=30)
     lock.acquire()
@@ -323,6 +325,7 @@ FORKING_HOLDER = textwrap.dedent(
     r"""
     import os, sys, time
     from tardigrade._lock import DirectoryLock
+from tardigrade.cli import main
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=30)
     lock.acquire()
@@ -442,6 +445,7 @@ HOLD_AND_DIE = textwrap.dedent(
     r"""
     import sys
     from tardigrade._lock import DirectoryLock
+from tardigrade.cli import main
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=30)
     try:
@@ -502,12 +506,33 @@ def test_a_manager_created_on_a_full_disk_saves_once_there_is_space(
     assert not (mnt / "ckpt" / ".lock").exists()
 
 
+def test_gc_frees_a_full_disk(full_tmpfs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]):
+    # A full disk is when leftovers of interrupted saves matter most; the old lock could not
+    # write its record there, so `tardigrade gc` failed instead of removing them.
+    mnt, filler = full_tmpfs
+    d = mnt / "ckpt"
+    filler.unlink()
+    leftover = d / f".tmp-step-000000007-{uuid.uuid4().hex}"
+    leftover.mkdir()
+    with open(leftover / "data-00000-of-00001.safetensors", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    assert main(["gc", str(d)]) == 0
+    assert "removed" in capsys.readouterr().out
+    assert not leftover.exists() and not (d / ".lock").exists()
+    assert os.statvfs(mnt).f_bavail > 0
+
+
 # -- 5. fencing ---------------------------------------------------------------------------------
 
 STALLER = textwrap.dedent(
     r"""
     import sys
     from tardigrade._lock import DirectoryLock
+from tardigrade.cli import main
     from tardigrade.errors import CheckpointLockedError
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=float(sys.argv[2]))

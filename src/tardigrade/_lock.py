@@ -227,17 +227,18 @@ class DirectoryLock:
         os.makedirs(self.directory, exist_ok=True)
         for _ in range(100):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            self._fd = fd  # from here on a fork closes the child's copy (see _forget_after_fork)
+            _HELD.add(self)
             try:
                 flocked = self._flock(fd)
                 if flocked and not _same_file(fd, self.path):
                     # Its holder removed it on release after we opened it: the lock that
                     # counts is the file at the path now, so compete for that one.
-                    os.close(fd)
+                    self._lose()
                     continue
                 self._take(fd, flocked)
             except BaseException:
-                if self._fd != fd:
-                    os.close(fd)  # drops the flock
+                self._lose()  # closes the file, which drops the flock
                 raise
             return
         raise CheckpointLockedError(
@@ -270,17 +271,12 @@ class DirectoryLock:
         ok = isinstance(prev, int) and not isinstance(prev, bool) and prev >= 0
         with self._mutex:
             self.generation = prev + 1 if ok else 1
-            self._fd, self._flocked, self.held = fd, flocked, True
-            try:
-                self._publish()
-                if not flocked and not self._ours(_parse(_pread(fd))):
-                    raise self._locked(_parse(_pread(fd)), held_now=False)  # someone else won
-            except BaseException:
-                self._fd, self.held, self.generation = -1, False, None
-                raise
+            self._flocked, self.held, self._unwritten = flocked, True, False
+            self._publish()
+            if not flocked and not self._ours(_parse(_pread(fd))):
+                raise self._locked(_parse(_pread(fd)), held_now=False)  # someone else won
         if why is not None:
             log.warning("tardigrade: took over the lock of %s: %s", self.directory, why)
-        _HELD.add(self)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="tardigrade-lock", daemon=True)
         self._thread.start()
@@ -342,13 +338,17 @@ class DirectoryLock:
             ago = f"{time.time() - beat:.0f} s ago" if beat is not None else "never"
             who = f"owner host {rec.get('host')!r}, {pid}, heartbeat {ago}"
         if held_now:
-            what = "It holds the lock now; the lock is free the moment that process exits."
+            what = (
+                "Stop it or use another directory; it holds the lock now, and the lock is free "
+                "the moment that process exits."
+            )
         else:
-            lease = self._lease_of(rec)
-            what = f"Or wait {lease:.0f} s after it dies (its lease; only its heartbeat shows)."
+            what = (
+                f"Stop it, use another directory, or wait {self._lease_of(rec):.0f} s after it "
+                "dies (its lease: only its heartbeat shows whether it lives)."
+            )
         return CheckpointLockedError(
-            f"{self.directory}: another job is writing checkpoints here ({who}). Stop it or use "
-            f"another directory. {what}"
+            f"{self.directory}: another job is writing checkpoints here ({who}). {what}"
         )
 
     # -- holding it ----------------------------------------------------------------------------
@@ -376,7 +376,11 @@ class DirectoryLock:
         return self._ours(rec)
 
     def _lose(self) -> None:
-        """With the mutex held: let go of a lock taken from us, leaving its file alone."""
+        """Close our descriptor (dropping any flock) and leave the file alone.
+
+        For a lock taken from us, or one we failed to take; the caller holds the mutex, or no
+        heartbeat runs yet.
+        """
         fd, self._fd = self._fd, -1
         self.held, self.generation = False, None
         _HELD.discard(self)

@@ -159,7 +159,6 @@ NS_HOLDER = textwrap.dedent(
     r"""
     import json, os, sys
     from tardigrade._lock import DirectoryLock
-from tardigrade.cli import main
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=30)
     lock.acquire()
@@ -188,6 +187,7 @@ class NamespaceHolder:
     """
 
     def __init__(self, tmp_path: Path, directory: Path, *, as_init: bool) -> None:
+        self.pidfds: list[int] = []
         script = tmp_path / "ns_holder.py"
         script.write_text(NS_HOLDER)
         run = [sys.executable, str(script), str(directory)]
@@ -325,7 +325,6 @@ FORKING_HOLDER = textwrap.dedent(
     r"""
     import os, sys, time
     from tardigrade._lock import DirectoryLock
-from tardigrade.cli import main
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=30)
     lock.acquire()
@@ -445,7 +444,6 @@ HOLD_AND_DIE = textwrap.dedent(
     r"""
     import sys
     from tardigrade._lock import DirectoryLock
-from tardigrade.cli import main
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=30)
     try:
@@ -532,7 +530,6 @@ STALLER = textwrap.dedent(
     r"""
     import sys
     from tardigrade._lock import DirectoryLock
-from tardigrade.cli import main
     from tardigrade.errors import CheckpointLockedError
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=float(sys.argv[2]))

@@ -89,9 +89,12 @@ class JobRunner:
             mgr.save(0, epoch=0, force=True)  # after a signal: synchronous, sets should_stop
         else:
             log.info("tardigrade: job resumes after epoch %d", epoch)
-        # A signal that arrived during restore, or during an async save that already covers
-        # the last epoch, finds nothing new to save: _stop_on_signal commits what is in flight.
-        while not (mgr.should_stop or mgr._stop_on_signal() or self.job.stop()):
+        while not mgr.should_stop:
+            finished = self.job.stop()
+            # A signal that arrived during restore, during the async save of the last epoch or
+            # in stop() finds nothing new to save: _stop_on_signal commits what is in flight.
+            if mgr._stop_on_signal() or finished:
+                break
             epoch += 1
             self.job.epoch(epoch)
             mgr.save(epoch, epoch=epoch)  # after a signal: synchronous, sets should_stop

@@ -1032,3 +1032,20 @@ def test_close_survives_an_exception_raised_by_a_signal_handler(
     assert not (tmp_path / ".lock").exists()
     assert signal.getsignal(signal.SIGTERM) is sigterm_original
     tg.CheckpointManager(tmp_path, make_state(), save_on_signals=()).close()
+
+
+@ASYNC
+def test_save_honours_a_pending_signal_like_step(
+    tmp_path: Path, sigterm_original: Any, async_save: bool
+):
+    with tg.CheckpointManager(tmp_path, make_state(), async_save=async_save) as mgr:
+        save_steps(mgr, [1])
+        mark(mgr.state, 2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_signalled(mgr)
+        assert mgr.save(2) is True
+        assert mgr.should_stop
+        # Saved synchronously: committed before save() returned, nothing left in flight.
+        assert mgr.exists(2) and mgr._pending == []
+        assert saved_value(mgr, 2) == 2.0
+        assert mgr._signalled is None

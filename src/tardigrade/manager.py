@@ -575,8 +575,8 @@ class CheckpointManager:
                 if step is not None:
                     raise
                 log.warning(
-                    "tardigrade: skipping checkpoint %s: it cannot be read: %s; trying the "
-                    "next older one",
+                    "tardigrade: skipping checkpoint %s: %s (kept on disk; trying the next "
+                    "older one)",
                     self.path(s),
                     e,
                 )

@@ -311,8 +311,10 @@ class CheckpointManager:
     and the ``keep_best`` best by ``best_metric``; the newest committed checkpoint is always
     kept; with all three None everything is kept. Old checkpoints are deleted only after a new
     one commits. ``on_save_error="warn"`` logs a failed save, counts it in ``stats`` and lets
-    training go on; ``"raise"`` raises it. A signal in ``save_on_signals`` makes the next
-    ``step()`` save synchronously and set ``should_stop``.
+    training go on; ``"raise"`` raises it. A directory that can never hold a checkpoint
+    (read-only filesystem, permission denied, a regular file in the way) raises
+    ``StorageError`` here, in both modes. A signal in ``save_on_signals`` makes the next
+    ``step()`` or ``save()`` save synchronously and set ``should_stop``.
     """
 
     def __init__(

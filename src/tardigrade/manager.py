@@ -145,7 +145,9 @@ def _unlisten(mgr: CheckpointManager, sig: int) -> None:
         return
     if signal.getsignal(sig) is _relay:
         # Raises ValueError outside the main thread; the relay then forwards to _before.
-        signal.signal(sig, _before[sig])
+        # None: the old handler was not installed from Python and cannot be put back.
+        prev = _before[sig]
+        signal.signal(sig, signal.SIG_DFL if prev is None else prev)
     _listeners.pop(sig, None)
     _before.pop(sig, None)
 
@@ -528,9 +530,10 @@ class CheckpointManager:
 
         A corrupt, incomplete or unreadable newer checkpoint is skipped with a warning (and
         kept on disk as evidence). Saves of this manager still in flight are waited for first
-        (a failure among them is reported as ``step`` would). With ``step`` given, restore exactly that one; later checkpoints then belong
-        to an abandoned timeline and are replaced as this run saves those steps again. Returns
-        None when the directory holds no checkpoint.
+        (a failure among them is reported as ``step`` would). With ``step`` given, restore
+        exactly that one; later checkpoints then belong to an abandoned timeline and are
+        replaced as this run saves those steps again. Returns None when the directory holds
+        no checkpoint.
         """
         self._check_open("restore")
         # Our own async save still in flight has a .tmp-* staging directory that the cleanup
@@ -630,8 +633,10 @@ class CheckpointManager:
             )
         self._drain(wait=False)
         if self._take_signal(f"saving step {step}"):
-            saved = self._save(step, epoch, metrics, sync=True)
-            self.should_stop = True
+            try:
+                saved = self._save(step, epoch, metrics, sync=True)
+            finally:
+                self.should_stop = True  # even if the save raised: the signal is consumed
             self._advance(step, epoch)
             return saved
         saved = self._due(step, epoch) and self._save(step, epoch, metrics, sync=False)
@@ -653,7 +658,9 @@ class CheckpointManager:
         For a caller at a boundary where the state is already saved (``JobRunner`` between
         epochs). Returns whether it stopped.
         """
-        if not self._take_signal("finishing the save in flight"):
+        if not self._take_signal(
+            "the latest state is saved already: committing any save in flight"
+        ):
             return False
         self._drain(wait=True)
         self.should_stop = True
@@ -686,9 +693,11 @@ class CheckpointManager:
             raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
         self._drain(wait=False)
         preempted = self._take_signal(f"saving step {step}")
-        ok = self._save(step, epoch, metrics, sync=preempted, force=force)
-        if preempted:
-            self.should_stop = True
+        try:
+            ok = self._save(step, epoch, metrics, sync=preempted, force=force)
+        finally:
+            if preempted:
+                self.should_stop = True  # even if the save raised: the signal is consumed
         self._advance(max(step, self._last_step or 0), epoch)
         return ok
 

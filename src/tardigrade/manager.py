@@ -172,6 +172,10 @@ _PERMANENT = {
 }
 
 
+# Below this much free space a save of any real model fails: say so when the manager starts.
+_FULL_BYTES = 1 << 20
+
+
 def _first_non_directory(path: str) -> str:
     """The first component of ``path`` that exists but is not a directory (or ``path``)."""
     probe = path
@@ -204,6 +208,12 @@ def _check_directory(directory: str) -> None:
     except OSError as e:
         why = _PERMANENT.get(e.errno or 0)
         if why is None:
+            log.warning(
+                "tardigrade: checkpoint directory %s: %s; saves will fail until this is fixed "
+                "(training is not stopped for it)",
+                directory,
+                e,
+            )
             return
         why = why.format(uid=os.geteuid(), blocker=_first_non_directory(directory))
         raise StorageError(
@@ -211,6 +221,17 @@ def _check_directory(directory: str) -> None:
             f"{directory}: cannot be used as a checkpoint directory, no save could ever succeed "
             f"there ({e.strerror}): {why}.",
         ) from e
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return
+    if fs.f_bavail * fs.f_frsize < _FULL_BYTES:
+        log.warning(
+            "tardigrade: the filesystem of checkpoint directory %s is full (%d bytes free); "
+            "saves will fail until space is freed (training is not stopped for it)",
+            directory,
+            fs.f_bavail * fs.f_frsize,
+        )
 
 
 def step_name(step: int) -> str:

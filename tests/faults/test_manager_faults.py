@@ -442,7 +442,7 @@ def test_permission_denied_fails_at_construction(tmp_path: Path):
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
 def test_a_full_disk_at_construction_is_not_fatal(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int
 ):
     # Space can be freed while training runs: only the saves are refused (and reported).
     real_mkdir = os.mkdir
@@ -453,7 +453,10 @@ def test_a_full_disk_at_construction_is_not_fatal(
         real_mkdir(path, *a, **kw)
 
     monkeypatch.setattr(os, "mkdir", mkdir)
+    caplog.set_level(logging.WARNING, logger="tardigrade")
     with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        (warning,) = [r.getMessage() for r in caplog.records if os.strerror(code) in r.getMessage()]
+        assert str(tmp_path) in warning and "saves will fail" in warning
         monkeypatch.undo()  # space freed
         assert mgr.save(1) is True
         mgr.wait()
@@ -476,7 +479,8 @@ def test_a_really_full_disk_at_construction_constructs_and_warns(
     mgr = tg.CheckpointManager(d, make_state())  # does not raise
     try:
         logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert any("No space left" in m for m in logged), logged
+        (full,) = [m for m in logged if "is full" in m]
+        assert str(d) in full and "saves will fail until space is freed" in full
     finally:
         mgr.close()
 

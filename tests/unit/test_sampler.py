@@ -604,30 +604,34 @@ def test_a_len_loader_loop_saved_at_the_epoch_end_resumes_with_the_next_epoch(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_track_with_workers_advances_the_epoch_with_its_last_batch(drop_last: bool) -> None:
+@pytest.mark.parametrize(("world", "drop_last"), [(1, False), (1, True), (2, False), (2, True)])
+def test_track_with_workers_advances_the_epoch_with_its_last_batch(
+    world: int, drop_last: bool
+) -> None:
     # Prefetching workers, track(), a loop that stops after len(loader) batches per epoch.
-    # drop_last comes from the loader: track() reads it there.
+    # drop_last comes from the loader: track() reads it there. Without drop_last every rank's
+    # last batch is full, so nothing but track() can end the epoch.
     n, bs, epochs = (30 if drop_last else 32), 4, 3
-    s = tg.ResumableSampler(n, seed=4)
-    loader = DataLoader(
-        TensorDataset(torch.arange(n)),
-        batch_size=bs,
-        sampler=s,
-        num_workers=2,
-        drop_last=drop_last,
-        generator=s.generator,
-    )
-    length = len(loader)
-    for epoch in range(epochs):
-        got: list[list[int]] = []
-        for (batch,) in s.track(loader):
-            got.append(batch.tolist())
-            if len(got) == length:
-                break
-        assert flat(got) == _per_rank_epoch(s, epoch, bs, drop_last), f"epoch {epoch}"
-        assert (s.epoch, s.consumed) == (epoch + 1, 0), f"epoch {epoch} did not advance"
-        assert len(loader) == length
+    for rank in range(world):
+        s = tg.ResumableSampler(n, seed=4, rank=rank, world_size=world)
+        loader = DataLoader(
+            TensorDataset(torch.arange(n)),
+            batch_size=bs,
+            sampler=s,
+            num_workers=2,
+            drop_last=drop_last,
+            generator=s.generator,
+        )
+        length = len(loader)
+        for epoch in range(epochs):
+            got: list[list[int]] = []
+            for (batch,) in s.track(loader):
+                got.append(batch.tolist())
+                if len(got) == length:
+                    break
+            assert flat(got) == _per_rank_epoch(s, epoch, bs, drop_last), (rank, epoch)
+            assert (s.epoch, s.consumed) == (epoch + 1, 0), f"rank {rank} epoch {epoch} stuck"
+            assert len(loader) == length
 
 
 @pytest.mark.parametrize(

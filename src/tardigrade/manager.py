@@ -568,9 +568,18 @@ class CheckpointManager:
 
     # -- restore ---------------------------------------------------------------------------
 
+    def _still_ours(self, what: str) -> bool:
+        """Fencing: delete nothing unless the directory lock is still this manager's."""
+        try:
+            self._lock.check()
+        except CheckpointLockedError as e:
+            log.error("tardigrade: not %s in %s: %s", what, self.directory, e)
+            return False
+        return True
+
     def _remove_leftovers(self) -> None:
         """Remove tmp dirs of dead writers; put back a checkpoint a crashed replace moved aside."""
-        if self._lock.held:
+        if self._lock.held and self._still_ours("cleaning up leftovers"):
             tidy(self.directory)
 
     def restore(self, step: int | None = None) -> int | None:
@@ -929,9 +938,10 @@ class CheckpointManager:
         # A step being loaded, or with a save of ours in flight (a replace: force=True or an
         # abandoned step), is not deleted under that reader or writer.
         busy = self._loading | {s for s, _ in self._pending}
-        for s in steps:
-            if s in keep or s in busy:
-                continue
+        doomed_steps = [s for s in steps if s not in keep and s not in busy]
+        if not doomed_steps or not self._still_ours("removing old checkpoints"):
+            return
+        for s in doomed_steps:
             # Rename first so a crash mid-delete never leaves a half-deleted "committed" dir.
             doomed = os.path.join(self.directory, f".tmp-deleting-{step_name(s)}")
             try:

@@ -761,3 +761,31 @@ def test_sigterm_saves_stops_and_resumes_bit_exactly(tmp_path: Path):
     assert len(got["momentum"]) == len(want["momentum"]) == 4
     for a, b in zip(got["momentum"], want["momentum"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_manager_that_lost_its_lock_deletes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Fencing: retention and leftover cleanup check the lock is still ours before deleting.
+    state = {"w": torch.zeros(2)}
+    mgr = tg.CheckpointManager(tmp_path, state, async_save=False, keep_last=None)
+    try:
+        for s in (1, 2, 3):
+            mgr.save(s)
+        (tmp_path / ".tmp-step-000000009-dead").mkdir()
+
+        def lost() -> None:
+            raise tg.CheckpointLockedError(f"{tmp_path}: taken over (injected)")
+
+        monkeypatch.setattr(mgr._lock, "check", lost)
+        mgr.keep_last = 1
+        caplog.set_level(logging.ERROR, logger="tardigrade")
+        mgr._retain()
+        mgr._remove_leftovers()
+        assert mgr.steps() == [1, 2, 3]
+        assert (tmp_path / ".tmp-step-000000009-dead").is_dir()
+        assert any("not removing old checkpoints" in r.getMessage() for r in caplog.records)
+        assert any("not cleaning up leftovers" in r.getMessage() for r in caplog.records)
+    finally:
+        monkeypatch.undo()
+        mgr.close()

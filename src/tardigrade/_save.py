@@ -66,8 +66,6 @@ class SaveJob:
     overwrite: bool
     started: float
     blocking_seconds: float | None = None  # set by an async save once staging is done
-    # True when the stager sends whole file images (header included) as Blocks, not Segments.
-    image: bool = False
 
 
 def _check_metadata(metadata: Any) -> dict[str, Any]:
@@ -246,27 +244,89 @@ class WrittenFile:
     checksums: dict[str, str]  # item key -> checksum of its bytes
 
 
+class _Layout:
+    """A data file's layout, which its header fixes, checked against what the writer is given.
+
+    The file is the header, then every item's bytes back to back. Each run of bytes handed to
+    the writer must land where the header says it belongs: header bytes equal to the header,
+    each item's bytes (the ones hashed for it) at that item's offset, nothing missing, nothing
+    extra. A stream that breaks this (a header sent twice, a span hashed for the wrong item, a
+    byte too many) would commit a file that contradicts its own header and that no reader can
+    load; the writer fails the save instead. Only bookkeeping per run, plus comparing the header.
+    """
+
+    def __init__(self, where: str, head: bytes, fp: FilePlan) -> None:
+        self.where = where
+        self.head = head
+        self.starts: list[int] = []
+        offset = len(head)
+        for it in fp.items:
+            self.starts.append(offset)
+            offset += it.nbytes
+        self.end = offset
+        self.nbytes = [it.nbytes for it in fp.items]
+        self.got = [0] * len(fp.items)  # bytes of each item received so far
+        self.pos = 0  # bytes received so far: the file offset of the next one
+
+    def bad(self, what: str) -> SaveError:
+        return SaveError(
+            f"{self.where}: {what}; the file would not match its own header, so nothing was "
+            "committed. This is a bug in Tardigrade; please report it."
+        )
+
+    def header(self, data: memoryview) -> None:
+        """``data`` is about to be written at ``pos``: its header bytes must be the header's."""
+        k = min(data.nbytes, len(self.head) - self.pos)
+        if k > 0 and data[:k] != self.head[self.pos : self.pos + k]:
+            raise self.bad(f"bytes {self.pos}..{self.pos + k} differ from the file's header")
+
+    def item(self, item: int, at: int, n: int) -> None:
+        """``n`` bytes of ``item`` are about to be written at file offset ``at``."""
+        expect = self.starts[item] + self.got[item]
+        if at != expect or self.got[item] + n > self.nbytes[item]:
+            raise self.bad(
+                f"{n} bytes of item {item} staged at byte {at}, but the header places its "
+                f"next bytes at {expect} and it has {self.nbytes[item] - self.got[item]} left"
+            )
+        self.got[item] += n
+
+    def advance(self, n: int) -> None:
+        self.pos += n
+        if self.pos > self.end:
+            raise self.bad(f"{self.pos} bytes staged, but header and tensors are {self.end}")
+
+    def finish(self) -> None:
+        short = [i for i, (g, n) in enumerate(zip(self.got, self.nbytes, strict=True)) if g != n]
+        if self.pos != self.end or short:
+            raise self.bad(
+                f"{self.pos} bytes staged, but header and tensors are {self.end} bytes"
+                + (f" (items {short} incomplete)" if short else "")
+            )
+
+
 def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]) -> WrittenFile:
     """Stream one data file: header, then each item's bytes, hashed on the way; then fsync.
 
     The stream holds Segments (one item's bytes; the header is written here) or, for an async
-    save, Blocks (runs of the whole file image, header included). A Segment may point at live
-    memory that training mutates while it is written (a synchronous save), so the writer hashes
-    its own copy of the bytes, exactly what reaches the file: the checkpoint then always
-    verifies, though a tensor mutated mid-save may hold a mix of old and new values. A Block is
-    a private staging copy; it is hashed here and written without another copy.
+    save, Blocks (runs of the whole file image, header included). Which one is told by the
+    stream itself, never by a flag another thread sets: the async stager starts filling the
+    streams while this writer already runs. A Segment may point at live memory that training
+    mutates while it is written (a synchronous save), so the writer hashes its own copy of the
+    bytes, exactly what reaches the file: the checkpoint then always verifies, though a tensor
+    mutated mid-save may hold a mix of old and new values. A Block is a private staging copy;
+    it is hashed here and written without another copy. Every run is checked against the
+    header's layout (``_Layout``) before it is written, and the file's size at the end.
     """
     hashers = [Hasher() for _ in fp.items]
     failure: BaseException | None = None
     writer = None
-    size = 0
     head = b""
+    layout: _Layout | None = None
+    image: bool | None = None  # whether the stream is Blocks; known at its first element
     try:
         head = file_header(job, fp)
+        layout = _Layout(job.storage.url(f"{job.name}/{fp.name}"), head, fp)
         writer = job.storage.open_writer(f"{staging}/{fp.name}", size_hint=len(head) + fp.nbytes)
-        if not job.image:
-            writer.write(head)
-            size = len(head)
     except BaseException as e:
         failure = e
     # Drain the whole stream even after a failure: every segment must release its staging
@@ -277,30 +337,53 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
                 failure = SaveError(f"{job.storage.url(job.name)}: staging failed")
             break
         try:
-            if failure is None and isinstance(seg, Block):
-                for item, lo, hi in seg.ranges:
-                    for start in range(lo, hi, st.SLICE_BYTES):
-                        hashers[item].update(seg.data[start : min(hi, start + st.SLICE_BYTES)])
-                writer.write(seg.data)  # type: ignore[union-attr]
-                size += seg.data.nbytes
-            elif failure is None:
-                data = seg.data
-                for start in range(0, data.nbytes, st.SLICE_BYTES):
-                    piece = data[start : start + st.SLICE_BYTES]
-                    writer.write(piece, hasher=hashers[seg.item])  # type: ignore[union-attr]
-                size += data.nbytes
+            if failure is None:
+                assert writer is not None and layout is not None
+                if image is None:
+                    image = isinstance(seg, Block)
+                    if not image:
+                        layout.advance(len(head))
+                        writer.write(head)
+                if isinstance(seg, Block) != image:
+                    raise layout.bad("a stream mixes whole-file blocks and item segments")
+                if isinstance(seg, Block):
+                    layout.header(seg.data)
+                    for item, lo, hi in seg.ranges:
+                        if not 0 <= lo <= hi <= seg.data.nbytes:
+                            raise layout.bad(f"item {item}'s span {lo}..{hi} is outside its block")
+                        layout.item(item, layout.pos + lo, hi - lo)
+                        for start in range(lo, hi, st.SLICE_BYTES):
+                            hashers[item].update(seg.data[start : min(hi, start + st.SLICE_BYTES)])
+                    layout.advance(seg.data.nbytes)
+                    writer.write(seg.data)
+                else:
+                    data = seg.data
+                    layout.item(seg.item, layout.pos, data.nbytes)
+                    layout.advance(data.nbytes)
+                    for start in range(0, data.nbytes, st.SLICE_BYTES):
+                        piece = data[start : start + st.SLICE_BYTES]
+                        writer.write(piece, hasher=hashers[seg.item])
         except BaseException as e:
             failure = e
         finally:
             if seg.done is not None:
                 seg.done()
+    try:
+        if failure is None:
+            assert writer is not None and layout is not None
+            if image is None:  # a file of no items: nothing but the header
+                layout.advance(len(head))
+                writer.write(head)
+            layout.finish()
+    except BaseException as e:
+        failure = e
     if failure is not None:
         if writer is not None:
             writer.abort()
         raise failure
     writer.close()  # type: ignore[union-attr]
     return WrittenFile(
-        size,
+        layout.pos,  # type: ignore[union-attr]
         checksum(head),
         {it.key: h.hexdigest() for it, h in zip(fp.items, hashers, strict=True)},
     )

@@ -171,6 +171,18 @@ class LocalWriter(Writer):
                 self._flush_bounce(padded)
                 os.ftruncate(self._fd, self._size)
             os.fsync(self._fd)
+            # Direct writes pad the last block and truncate it off again: one fstat proves the
+            # file holds exactly the bytes accepted, no padding left and none lost.
+            actual = os.fstat(self._fd).st_size
+            if actual != self._size:
+                raise StorageError(
+                    errno.EIO,
+                    f"{self.path}: the file holds {actual} bytes after writing, but {self._size} "
+                    "were written to it; the file is not what was written. This is a bug in "
+                    "Tardigrade or a filesystem fault; please report it.",
+                )
+        except StorageError:
+            raise
         except OSError as e:
             raise StorageError(e.errno, f"finishing {self.path}: {e.strerror}") from e
         finally:

@@ -167,14 +167,27 @@ class DirectoryLock:
         ).encode()
         return data.ljust(-(-(len(data) + 1) // _BLOCK) * _BLOCK - 1) + b"\n"
 
-    def _write(self, fd: int, data: bytes, *, sync: bool = True) -> None:
-        done = 0
-        while done < len(data):
-            done += os.pwrite(fd, data[done:], done)
-        if os.fstat(fd).st_size != len(data):
-            os.ftruncate(fd, len(data))
-        if sync:
-            os.fsync(fd)  # another host reads the file through the server, not our page cache
+    def _write(self, held: int, data: bytes, *, sync: bool = True) -> None:
+        """Rewrite the record of the lock file open as ``held``.
+
+        The holder keeps only a read-only descriptor (enough for flock) and opens the file for
+        writing just for the write: a file held open for writing would keep its file system
+        from being remounted read-only for as long as a training job runs.
+        """
+        fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            now, ours = os.fstat(fd), os.fstat(held)
+            if (now.st_dev, now.st_ino) != (ours.st_dev, ours.st_ino):
+                raise FileNotFoundError(errno.ENOENT, "the lock file was replaced", self.path)
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], done)
+            if now.st_size != len(data):
+                os.ftruncate(fd, len(data))
+            if sync:
+                os.fsync(fd)  # another host reads the file through the server, not our cache
+        finally:
+            os.close(fd)
 
     def _publish(self) -> None:
         """Write our record; on a full disk keep the lock and try again at the next heartbeat."""
@@ -226,7 +239,7 @@ class DirectoryLock:
             return
         os.makedirs(self.directory, exist_ok=True)
         for _ in range(100):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             self._fd = fd  # from here on a fork closes the child's copy (see _forget_after_fork)
             _HELD.add(self)
             try:

@@ -10,6 +10,7 @@ and closing (also at interpreter exit) waits for in-flight work.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import queue
@@ -97,7 +98,6 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
     of two slabs cannot deadlock against the writers draining them. Without a budget, blocks
     are handed to the writers only once everything is staged.
     """
-    job.image = True
     bounded = pool.max_bytes is not None
     copier = _Copier()
     held: list[tuple[queue.SimpleQueue[Any], list[Any]]] = []
@@ -188,6 +188,22 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
     for stream, blocks in held:
         for b in blocks:
             stream.put(b)
+
+
+def _write_staged(job: SaveJob, readers: list[Any], staged: threading.Event) -> SaveResult:
+    """Write and commit in the background; report how long staging blocked the caller.
+
+    Under a budget the writers run while ``save`` is still staging, and may commit before the
+    caller's clock stops: the blocking time is read only once staging has set it (and the save
+    as a whole took at least as long as it blocked the caller).
+    """
+    result = write_and_commit(job, readers)
+    staged.wait()
+    blocking = job.blocking_seconds
+    assert blocking is not None  # set before ``staged``
+    return dataclasses.replace(
+        result, blocking_seconds=blocking, total_seconds=max(result.total_seconds, blocking)
+    )
 
 
 def _release(segments: list[Any]) -> None:
@@ -343,19 +359,24 @@ class AsyncCheckpointer:
             # Under a budget the writers must drain slabs while staging goes on; without one
             # they start once the copy is done, so nothing competes with it for the cores.
             bounded = self.pool.max_bytes is not None
-            background = self._executor.submit(write_and_commit, job, readers) if bounded else None
+            staged = threading.Event()
+            background = (
+                self._executor.submit(_write_staged, job, readers, staged) if bounded else None
+            )
             try:
-                stage_copy(job, self.pool, streams)
+                try:
+                    stage_copy(job, self.pool, streams)
+                finally:
+                    job.blocking_seconds = time.perf_counter() - job.started
+                    staged.set()
             except BaseException:
                 if background is not None:
                     for s in streams:
                         s.put(ABORT)
                     background.exception()  # let the writers clean up before we report
                 raise
-            finally:
-                job.blocking_seconds = time.perf_counter() - job.started
             if background is None:
-                background = self._executor.submit(write_and_commit, job, readers)
+                background = self._executor.submit(_write_staged, job, readers, staged)
             fut = SaveFuture(job.storage.url(job.name), background)
             fut.blocking_seconds = job.blocking_seconds
             fut._staged.set()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ import torch
 
 from ._plan import DEFAULT_WORKERS
 from ._tree import decode, is_stateful, path_str
+from ._validate import class_name, same_class, standin, validate_state
 from .errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -30,6 +32,9 @@ from .format.manifest import MANIFEST, Chunk, Manifest, TensorInfo, parse
 from .storage import Storage, storage_for
 
 Key = str | tuple[Any, ...]
+Path = tuple[Any, ...]
+
+log = logging.getLogger("tardigrade")
 
 
 def open_manifest(path: Any) -> tuple[Storage, str, Manifest]:
@@ -132,12 +137,19 @@ def _graft(
 class _Matcher:
     """Finds live tensors to read straight into and lists every difference."""
 
-    def __init__(self, manifest: Manifest, where: str) -> None:
+    def __init__(self, manifest: Manifest, where: str, strict: bool) -> None:
         self.m = manifest
         self.where = where
+        self.strict = strict
         self.diffs: list[str] = []
         self.dest: dict[int, torch.Tensor] = {}
         self.live_sd: dict[int, Any] = {}  # id(stateful node) -> the state_dict() we matched
+        # Stateful nodes saved from another class: a difference under strict, else not loaded.
+        self.other_class: dict[int, str] = {}  # id(stateful node) -> message
+        # Live tensors the read overwrites in place, by the (outermost) stateful object that
+        # owns them; None for tensors outside any object.
+        self.in_place: dict[Path | None, list[str]] = {}
+        self._owner: Path | None = None
 
     def match(self, node: dict[str, Any], live: Any, path: tuple[Any, ...], lenient: bool) -> None:
         tag = node.get("t")
@@ -149,11 +161,27 @@ class _Matcher:
                     f"{type(live).__name__} without load_state_dict()"
                 )
                 return
+            if not same_class(node["cls"], live):
+                # Checked before state_dict() is even asked for: nothing of it is read.
+                self.other_class[id(node)] = (
+                    f"{p}: checkpoint holds the state of a {node['cls']}, live object is a "
+                    f"{class_name(live)} (another class)"
+                )
+                if self.strict:
+                    self.diffs.append(self.other_class[id(node)])
+                return
             sd = live.state_dict()
             self.live_sd[id(node)] = sd
             # Only modules have a fixed set of keys; optimizers etc. create state lazily.
             strict_keys = isinstance(live, torch.nn.Module) and not node["v"].get("pruned")
-            self.match(node["v"], sd, path, lenient=not strict_keys)
+            outer = self._owner is None
+            if outer:
+                self._owner = path
+            try:
+                self.match(node["v"], sd, path, lenient=not strict_keys)
+            finally:
+                if outer:
+                    self._owner = None
         elif path and _plain_node(node) and _plain_live(live):
             return  # a subtree of plain values is replaced as a whole, whatever its shape
         elif tag in ("dict", "odict"):
@@ -239,6 +267,7 @@ class _Matcher:
             and not live_t.is_neg()
         ):
             self.dest[node["e"]] = live_t.detach()
+            self.in_place.setdefault(self._owner, []).append(p)
 
 
 def _leaf_shape_dtype(
@@ -275,48 +304,134 @@ def _plain_live(obj: Any, depth: int = 0) -> bool:
 
 
 class _Applier:
-    """Puts loaded values into the live state; calls load_state_dict() on stateful objects."""
+    """Puts loaded values into the live state; calls load_state_dict() on stateful objects.
+
+    Every object's ``load_state_dict()`` runs first, in tree order; plain values are replaced
+    after all of them accepted, so an object that still rejects its state leaves no plain value
+    changed and the error can say exactly what was restored.
+    """
 
     def __init__(self, matcher: _Matcher, strict: bool, where: str) -> None:
         self.matcher = matcher
         self.strict = strict
         self.where = where
 
-    def apply(self, node: dict[str, Any], live: Any, value: Any, path: tuple[Any, ...]) -> Any:
+    def objects(
+        self, node: dict[str, Any], live: Any, value: Any, path: Path
+    ) -> Iterator[tuple[Path, dict[str, Any], Any, Any]]:
+        """Each (path, node, live object, state) that load_state_dict() is called with."""
         tag = node.get("t")
         if path and _plain_node(node) and _plain_live(live):
-            return value
+            return
         if tag == "stateful" and is_stateful(live):
+            if id(node) not in self.matcher.other_class:
+                yield path, node, live, value
+        elif tag in ("dict", "odict") and isinstance(live, dict):
+            for item in node["v"]:
+                k = _key_of(item[0], self.where)
+                if k in live:
+                    yield from self.objects(item[1], live[k], value[k], (*path, k))
+        elif (tag, isinstance(live, list), isinstance(live, tuple)) in (
+            ("list", True, False),
+            ("tuple", False, True),
+        ) and len(live) == len(value):
+            for i, child in enumerate(node["v"]):
+                yield from self.objects(child, live[i], value[i], (*path, i))
+
+    def validate(self, tree: dict[str, Any], into: Any, preview: Any) -> list[str]:
+        """Every object's objection to its state (``preview`` holds stand-ins for tensors)."""
+        out = []
+        for path, _, live, sd in self.objects(tree, into, preview, ()):
+            try:
+                validate_state(live, sd)
+            except Exception as e:  # whatever the object raises is its objection
+                cls = type(live).__name__
+                why = str(e) if str(e).startswith(cls) else f"{cls} rejects the state: {e}"
+                out.append(f"{path_str(path)}: {why}")
+        return out
+
+    def apply(self, tree: dict[str, Any], into: Any, value: Any) -> Any:
+        objects = list(self.objects(tree, into, value, ()))
+        for i, (_, node, live, sd) in enumerate(objects):
             try:
                 if isinstance(live, torch.nn.Module):
                     strict = self.strict and not node["v"].get("pruned")
                     if not strict:
-                        value = _fitting(value, self.matcher.live_sd.get(id(node)))
-                    live.load_state_dict(value, strict=strict)
+                        sd = _fitting(sd, self.matcher.live_sd.get(id(node)))
+                    live.load_state_dict(sd, strict=strict)
                 else:
-                    live.load_state_dict(value)
-            except TardigradeError:
-                raise
+                    live.load_state_dict(sd)
             except Exception as e:
-                raise StateMismatchError(
-                    f"{self.where}: {path_str(path)}: {type(live).__name__}.load_state_dict() "
-                    f"rejected the checkpoint's state: {e}"
-                ) from e
+                raise StateMismatchError(self.partial(objects, i, e)) from e
+        return self.put(tree, into, value, ())
+
+    def partial(self, objects: list[tuple[Path, Any, Any, Any]], failed: int, e: Exception) -> str:
+        """What a load that stopped at ``objects[failed]`` has changed, and what it has not."""
+        in_place = self.matcher.in_place
+
+        def objs(items: list[tuple[Path, Any, Any, Any]]) -> str:
+            return ", ".join(
+                path_str(p) + (f" ({len(in_place[p])} tensor(s))" if in_place.get(p) else "")
+                for p, *_ in items
+            )
+
+        path, _, live, _ = objects[failed]
+        rest = objects[failed + 1 :]
+        lines = [
+            f"{self.where}: {path_str(path)}: {type(live).__name__}.load_state_dict() rejected "
+            f"the checkpoint's state: {e}",
+            "The load stopped part-way; the live state now mixes the checkpoint with what it "
+            "held before:",
+            "  restored (load_state_dict() done): " + (objs(objects[:failed]) or "nothing"),
+            f"  rejected: {path_str(path)}"
+            + (
+                f"; its {len(in_place[path])} tensor(s) were already overwritten in place"
+                if in_place.get(path)
+                else "; unchanged"
+            ),
+        ]
+        over = [o for o in rest if in_place.get(o[0])]
+        if over:
+            lines.append(
+                "  tensors overwritten in place, load_state_dict() not called: " + objs(over)
+            )
+        kept = [o for o in rest if not in_place.get(o[0])]
+        if kept:
+            lines.append("  not restored (unchanged): " + objs(kept))
+        loose = in_place.get(None, [])
+        if loose:
+            shown = ", ".join(loose[:10]) + (
+                f" and {len(loose) - 10} more" if len(loose) > 10 else ""
+            )
+            lines.append(f"  tensors outside these objects, overwritten in place: {shown}")
+        lines.append("  plain values (numbers, strings, ...): none replaced")
+        lines.append(
+            "Give these objects a validate_state_dict() that refuses such a state before the "
+            "load starts, and rebuild them (or load another checkpoint into them) before training."
+        )
+        return "\n".join(lines)
+
+    def put(self, node: dict[str, Any], live: Any, value: Any, path: Path) -> Any:
+        """Replace plain values and copy tensors; stateful objects are already loaded."""
+        tag = node.get("t")
+        if path and _plain_node(node) and _plain_live(live):
+            return value
+        if tag == "stateful" and is_stateful(live):
             return live
         if tag in ("dict", "odict") and isinstance(live, dict):
             for item in node["v"]:
                 k = _key_of(item[0], self.where)
                 live[k] = (
-                    self.apply(item[1], live[k], value[k], (*path, k)) if k in live else value[k]
+                    self.put(item[1], live[k], value[k], (*path, k)) if k in live else value[k]
                 )
             return live
         if tag == "list" and isinstance(live, list) and len(live) == len(value):
             for i, child in enumerate(node["v"]):
-                live[i] = self.apply(child, live[i], value[i], (*path, i))
+                live[i] = self.put(child, live[i], value[i], (*path, i))
             return live
         if tag == "tuple" and isinstance(live, tuple) and len(live) == len(value):
             return tuple(
-                self.apply(c, lv, v, (*path, i))
+                self.put(c, lv, v, (*path, i))
                 for i, (c, lv, v) in enumerate(zip(node["v"], live, value, strict=True))
             )
         if (
@@ -416,7 +531,7 @@ def _read_file(
 ) -> int:
     with storage.open_reader(f"{ckpt}/{file}") as src:
         _check_size(src, size)
-        header = st.read_header(src)
+        header = st.read_header(src, m.header_checksums.get(file) if verify else None)
         nbytes = 0
         for task in tasks:
             c, info = task.chunk, m.tensors[task.entry]
@@ -530,7 +645,22 @@ def load(
     verify: bool = True,
     workers: int = DEFAULT_WORKERS,
 ) -> Any:
-    """Load a checkpoint as a plain tree, or restore it in place into live state with ``into=``."""
+    """Load a checkpoint as a plain tree, or restore it in place into live state with ``into=``.
+
+    With ``into=`` everything that can refuse the checkpoint is checked before a byte lands in
+    the live state, and all refusals are raised together as one StateMismatchError: under
+    ``strict=True`` missing or unexpected keys, shapes, dtypes and the class of each stateful
+    object (by class name, module ignored; ``nn.Module`` is matched by its keys and shapes
+    only); in both modes each object's ``validate_state_dict()`` (optimizers get a built-in
+    check of their parameter groups). ``strict=False`` loads what matches and skips (with a
+    warning) objects saved from another class. Tensor bytes are then read straight into the
+    live tensors, and ``load_state_dict()`` is called on each object before plain values are
+    replaced; an object that still rejects its state raises a StateMismatchError that lists
+    what was restored and what was not.
+
+    >>> tg.load("ckpt/step-100", into=state)          # doctest: +SKIP
+    >>> weights = tg.load("ckpt/step-100", keys=["model"])["model"]  # doctest: +SKIP
+    """
     storage, name, m = open_manifest(path)
     where = storage.url(name)
     _check_refs(m.tree, m, where)
@@ -538,16 +668,21 @@ def load(
     decode(m.tree, lambda node, p: None, where)
     tree = m.tree if keys is None else _select(m.tree, keys, where)
     needed = _check_refs(tree, m, where)
-    matcher = _Matcher(m, where)
+    matcher = _Matcher(m, where, strict)
+    applier = _Applier(matcher, strict, where)
     if into is not None:
+        # Everything that can refuse the checkpoint does so here, before a byte is read into
+        # the live state: structure, shapes and dtypes, classes, each object's own checks.
         matcher.match(tree, into, (), lenient=not strict)
-        if strict and matcher.diffs:
-            raise StateMismatchError(
-                f"{where}: the live state does not match the checkpoint ({len(matcher.diffs)} "
-                "difference(s)); nothing was loaded:\n  "
-                + "\n  ".join(matcher.diffs)
-                + "\nPass strict=False to load what matches, or fix the live state."
-            )
+
+        def standin_leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
+            info = m.tensors[node["e"]]
+            return standin(node, _leaf_shape_dtype(node, info)[0], info.dtype, where)
+
+        rejected = applier.validate(tree, into, decode(tree, standin_leaf, where))
+        _refuse(where, matcher.diffs if strict else [], rejected)
+        for message in matcher.other_class.values():
+            log.warning("tardigrade: %s: not loaded (strict=False skips it)", message)
     _check_sizes(storage, name, m, {c.file for e in needed for c in m.tensors[e].chunks})
     dest = matcher.dest
     for e in needed:
@@ -560,10 +695,15 @@ def load(
         if into is None or not matcher.dest:
             raise
         # Bytes go straight into the live tensors (no second copy of the state), so damage
-        # found mid-way leaves some of them overwritten: say so, and what to do.
+        # found mid-way leaves some of them overwritten: say which, and what to do.
+        owners = ", ".join(
+            f"{path_str(p)} ({len(ts)} tensor(s))" if p is not None else ", ".join(ts[:10])
+            for p, ts in matcher.in_place.items()
+        )
         raise type(e)(
-            f"{e}\nThe live state may be partly overwritten; restore it from another "
-            "checkpoint (CheckpointManager.restore() verifies before it loads)."
+            f"{e}\nThe live tensors read in place may be partly overwritten: {owners}. No "
+            "load_state_dict() was called and no plain value replaced. Restore them from "
+            "another checkpoint (CheckpointManager.restore() verifies before it loads)."
         ) from e
 
     def leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
@@ -576,8 +716,31 @@ def load(
     value = decode(tree, leaf, where)
     if into is None:
         return value
-    _Applier(matcher, strict, where).apply(tree, into, value, ())
+    applier.apply(tree, into, value)
     return value
+
+
+def _refuse(where: str, diffs: list[str], rejected: list[str]) -> None:
+    """Raise one StateMismatchError naming every difference and every objection, if any."""
+    problems = diffs + rejected
+    if not problems:
+        return
+    hints = []
+    if diffs:
+        hints.append("pass strict=False to load what matches, or fix the live state")
+    if rejected:
+        hints.append(
+            "build the rejecting objects to fit the checkpoint, or leave them out with keys=[...]"
+        )
+    raise StateMismatchError(
+        f"{where}: the live state does not match the checkpoint ({len(problems)} "
+        "difference(s)); nothing was loaded:\n  "
+        + "\n  ".join(problems)
+        + "\n"
+        + "; ".join(hints)[:1].upper()
+        + "; ".join(hints)[1:]
+        + "."
+    )
 
 
 def _check_sizes(storage: Storage, name: str, m: Manifest, files: set[str]) -> None:
@@ -652,7 +815,7 @@ def verify(path: Any, *, workers: int = DEFAULT_WORKERS) -> VerifyReport:
     def one(file: str) -> int:
         with storage.open_reader(f"{name}/{file}") as src:
             _check_size(src, m.files[file])
-            header = st.read_header(src)
+            header = st.read_header(src, m.header_checksums.get(file))
             listed = {c.key for _, c in by_file[file]}
             if set(header) != listed:
                 raise CorruptCheckpointError(

@@ -48,12 +48,30 @@ class SavePlan:
         return sum(f.nbytes for f in self.files)
 
 
-def entry_key(entry: Entry, index: int, used: set[str]) -> str:
-    """A readable, unique safetensors key: the tree path of the entry's first leaf."""
-    base = "/".join(str(p) for p in entry.paths[0]) if entry.paths and entry.paths[0] else "root"
-    key = base if base not in used else f"{base}#{index}"
-    used.add(key)
-    return key
+def entry_key(entry: Entry) -> str:
+    """A readable safetensors key: the tree path of the entry's first leaf (maybe not unique)."""
+    return "/".join(str(p) for p in entry.paths[0]) if entry.paths and entry.paths[0] else "root"
+
+
+class KeyMaker:
+    """Hands out safetensors keys that are unique by construction.
+
+    Readable keys come from tree paths, and a split tensor's chunks add ``@row``; a user's own
+    key may spell exactly such a name (``"w@0"``), and ``5`` and ``"5"`` print alike. Every
+    key is therefore checked against all keys handed out so far, and a taken one gets the
+    first free ``#n`` suffix.
+    """
+
+    def __init__(self) -> None:
+        self.used: set[str] = set()
+
+    def __call__(self, wanted: str) -> str:
+        key, n = wanted, 1
+        while key in self.used:
+            n += 1
+            key = f"{wanted}#{n}"
+        self.used.add(key)
+        return key
 
 
 def plan_files(entries: list[Entry], *, workers: int = DEFAULT_WORKERS) -> SavePlan:
@@ -61,10 +79,10 @@ def plan_files(entries: list[Entry], *, workers: int = DEFAULT_WORKERS) -> SaveP
     total = sum(e.tensor.numel() * ITEMSIZE[e.dtype] for e in entries)
     n_files = max(1, min(workers, math.ceil(total / MIN_FILE_BYTES)))
     target = max(1, math.ceil(total / n_files))
-    used: set[str] = set()
+    unique = KeyMaker()
     items: list[WriteItem] = []
     for i, e in enumerate(entries):
-        key = entry_key(e, i, used)
+        key = entry_key(e)
         t = e.tensor
         nbytes = t.numel() * ITEMSIZE[e.dtype]
         rows = t.shape[0] if t.dim() else 1
@@ -74,10 +92,10 @@ def plan_files(entries: list[Entry], *, workers: int = DEFAULT_WORKERS) -> SaveP
             for start in range(0, rows, per):
                 stop = min(rows, start + per)
                 items.append(
-                    WriteItem(i, f"{key}@{start}", start, stop, (stop - start) * row_bytes)
+                    WriteItem(i, unique(f"{key}@{start}"), start, stop, (stop - start) * row_bytes)
                 )
         else:
-            items.append(WriteItem(i, key, 0, rows, nbytes))
+            items.append(WriteItem(i, unique(key), 0, rows, nbytes))
     # Largest first into the least loaded file balances bytes across writer threads.
     loads = [0] * n_files
     bins: list[list[WriteItem]] = [[] for _ in range(n_files)]

@@ -32,9 +32,9 @@ from .errors import (
     TardigradeError,
 )
 from .format import safetensors as st
-from .format.checksum import ALGORITHM, Hasher
+from .format.checksum import ALGORITHM, Hasher, checksum
 from .format.jsonio import dumps
-from .format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST
+from .format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST, parse, seal
 from .storage import Storage, storage_for
 
 
@@ -66,8 +66,6 @@ class SaveJob:
     overwrite: bool
     started: float
     blocking_seconds: float | None = None  # set by an async save once staging is done
-    # True when the stager sends whole file images (header included) as Blocks, not Segments.
-    image: bool = False
 
 
 def _check_metadata(metadata: Any) -> dict[str, Any]:
@@ -106,11 +104,7 @@ def plan(
     storage, name = storage_for(path)
     if not isinstance(overwrite, bool):
         raise InvalidArgumentError(f"overwrite must be a bool, got {overwrite!r}")
-    if storage.exists(name) and not overwrite:
-        raise CheckpointExistsError(
-            f"{storage.url(name)}: a checkpoint already exists here; pass overwrite=True to "
-            "replace it, or save under another name."
-        )
+    check_target(storage, name, overwrite)
     header = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -132,6 +126,38 @@ def plan(
     flat = flatten(state)
     return SaveJob(
         storage, name, flat, plan_files(flat.entries, workers=workers), header, overwrite, started
+    )
+
+
+def check_target(storage: Storage, name: str, overwrite: bool, *, racing: bool = False) -> None:
+    """Refuse to save over anything but a committed checkpoint, and over that unless asked.
+
+    ``overwrite=True`` replaces a checkpoint; it never deletes a directory of other
+    checkpoints, a user's files or a regular file that happen to sit at the path.
+    """
+    kind = storage.describe(name)
+    if kind is None or (kind == "checkpoint" and overwrite):
+        return
+    url = storage.url(name)
+    if kind == "checkpoint":
+        if racing:
+            raise CheckpointExistsError(
+                f"{url}: another writer committed a checkpoint here while this save was "
+                "running; nothing was overwritten."
+            )
+        raise CheckpointExistsError(
+            f"{url}: a checkpoint already exists here; pass overwrite=True to replace it, or "
+            "save under another name."
+        )
+    what = (
+        "a file"
+        if kind == "file"
+        else "a directory that is not a committed checkpoint (it has no Tardigrade "
+        "manifest.json; it may hold other checkpoints or your own files)"
+    )
+    raise CheckpointExistsError(
+        f"{url}: {what} is in the way. Tardigrade only ever replaces a committed checkpoint, "
+        "even with overwrite=True; move or delete it yourself, or save under another name."
     )
 
 
@@ -209,24 +235,98 @@ def stream_borrowed(job: SaveJob) -> list[list[Any]]:
     return streams
 
 
-def _write_file(
-    job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]
-) -> tuple[int, dict[str, str]]:
+@dataclass(frozen=True)
+class WrittenFile:
+    """What the manifest records of one data file."""
+
+    size: int
+    header_checksum: str
+    checksums: dict[str, str]  # item key -> checksum of its bytes
+
+
+class _Layout:
+    """A data file's layout, which its header fixes, checked against what the writer is given.
+
+    The file is the header, then every item's bytes back to back. Each run of bytes handed to
+    the writer must land where the header says it belongs: header bytes equal to the header,
+    each item's bytes (the ones hashed for it) at that item's offset, nothing missing, nothing
+    extra. A stream that breaks this (a header sent twice, a span hashed for the wrong item, a
+    byte too many) would commit a file that contradicts its own header and that no reader can
+    load; the writer fails the save instead. Only bookkeeping per run, plus comparing the header.
+    """
+
+    def __init__(self, where: str, head: bytes, fp: FilePlan) -> None:
+        self.where = where
+        self.head = head
+        self.starts: list[int] = []
+        offset = len(head)
+        for it in fp.items:
+            self.starts.append(offset)
+            offset += it.nbytes
+        self.end = offset
+        self.nbytes = [it.nbytes for it in fp.items]
+        self.got = [0] * len(fp.items)  # bytes of each item received so far
+        self.pos = 0  # bytes received so far: the file offset of the next one
+
+    def bad(self, what: str) -> SaveError:
+        return SaveError(
+            f"{self.where}: {what}; the file would not match its own header, so nothing was "
+            "committed. This is a bug in Tardigrade; please report it."
+        )
+
+    def header(self, data: memoryview) -> None:
+        """``data`` is about to be written at ``pos``: its header bytes must be the header's."""
+        k = min(data.nbytes, len(self.head) - self.pos)
+        if k > 0 and data[:k] != self.head[self.pos : self.pos + k]:
+            raise self.bad(f"bytes {self.pos}..{self.pos + k} differ from the file's header")
+
+    def item(self, item: int, at: int, n: int) -> None:
+        """``n`` bytes of ``item`` are about to be written at file offset ``at``."""
+        expect = self.starts[item] + self.got[item]
+        if at != expect or self.got[item] + n > self.nbytes[item]:
+            raise self.bad(
+                f"{n} bytes of item {item} staged at byte {at}, but the header places its "
+                f"next bytes at {expect} and it has {self.nbytes[item] - self.got[item]} left"
+            )
+        self.got[item] += n
+
+    def advance(self, n: int) -> None:
+        self.pos += n
+        if self.pos > self.end:
+            raise self.bad(f"{self.pos} bytes staged, but header and tensors are {self.end}")
+
+    def finish(self) -> None:
+        short = [i for i, (g, n) in enumerate(zip(self.got, self.nbytes, strict=True)) if g != n]
+        if self.pos != self.end or short:
+            raise self.bad(
+                f"{self.pos} bytes staged, but header and tensors are {self.end} bytes"
+                + (f" (items {short} incomplete)" if short else "")
+            )
+
+
+def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]) -> WrittenFile:
     """Stream one data file: header, then each item's bytes, hashed on the way; then fsync.
 
     The stream holds Segments (one item's bytes; the header is written here) or, for an async
-    save, Blocks (runs of the whole file image, header included).
+    save, Blocks (runs of the whole file image, header included). Which one is told by the
+    stream itself, never by a flag another thread sets: the async stager starts filling the
+    streams while this writer already runs. A Segment may point at live memory that training
+    mutates while it is written (a synchronous save), so the writer hashes its own copy of the
+    bytes, exactly what reaches the file: the checkpoint then always verifies, though a tensor
+    mutated mid-save may hold a mix of old and new values. A Block is a private staging copy;
+    it is hashed here and written without another copy. Every run is checked against the
+    header's layout (``_Layout``) before it is written, and the file's size at the end.
     """
     hashers = [Hasher() for _ in fp.items]
     failure: BaseException | None = None
     writer = None
-    size = 0
+    head = b""
+    layout: _Layout | None = None
+    image: bool | None = None  # whether the stream is Blocks; known at its first element
     try:
         head = file_header(job, fp)
+        layout = _Layout(job.storage.url(f"{job.name}/{fp.name}"), head, fp)
         writer = job.storage.open_writer(f"{staging}/{fp.name}", size_hint=len(head) + fp.nbytes)
-        if not job.image:
-            writer.write(head)
-            size = len(head)
     except BaseException as e:
         failure = e
     # Drain the whole stream even after a failure: every segment must release its staging
@@ -237,30 +337,56 @@ def _write_file(
                 failure = SaveError(f"{job.storage.url(job.name)}: staging failed")
             break
         try:
-            if failure is None and isinstance(seg, Block):
-                for item, lo, hi in seg.ranges:
-                    for start in range(lo, hi, st.SLICE_BYTES):
-                        hashers[item].update(seg.data[start : min(hi, start + st.SLICE_BYTES)])
-                writer.write(seg.data)  # type: ignore[union-attr]
-                size += seg.data.nbytes
-            elif failure is None:
-                data = seg.data
-                for start in range(0, data.nbytes, st.SLICE_BYTES):
-                    piece = data[start : start + st.SLICE_BYTES]
-                    hashers[seg.item].update(piece)
-                    writer.write(piece)  # type: ignore[union-attr]
-                size += data.nbytes
+            if failure is None:
+                assert writer is not None and layout is not None
+                if image is None:
+                    image = isinstance(seg, Block)
+                    if not image:
+                        layout.advance(len(head))
+                        writer.write(head)
+                if isinstance(seg, Block) != image:
+                    raise layout.bad("a stream mixes whole-file blocks and item segments")
+                if isinstance(seg, Block):
+                    layout.header(seg.data)
+                    for item, lo, hi in seg.ranges:
+                        if not 0 <= lo <= hi <= seg.data.nbytes:
+                            raise layout.bad(f"item {item}'s span {lo}..{hi} is outside its block")
+                        layout.item(item, layout.pos + lo, hi - lo)
+                        for start in range(lo, hi, st.SLICE_BYTES):
+                            hashers[item].update(seg.data[start : min(hi, start + st.SLICE_BYTES)])
+                    layout.advance(seg.data.nbytes)
+                    writer.write(seg.data)
+                else:
+                    data = seg.data
+                    layout.item(seg.item, layout.pos, data.nbytes)
+                    layout.advance(data.nbytes)
+                    for start in range(0, data.nbytes, st.SLICE_BYTES):
+                        piece = data[start : start + st.SLICE_BYTES]
+                        writer.write(piece, hasher=hashers[seg.item])
         except BaseException as e:
             failure = e
         finally:
             if seg.done is not None:
                 seg.done()
+    try:
+        if failure is None:
+            assert writer is not None and layout is not None
+            if image is None:  # a file of no items: nothing but the header
+                layout.advance(len(head))
+                writer.write(head)
+            layout.finish()
+    except BaseException as e:
+        failure = e
     if failure is not None:
         if writer is not None:
             writer.abort()
         raise failure
     writer.close()  # type: ignore[union-attr]
-    return size, {it.key: h.hexdigest() for it, h in zip(fp.items, hashers, strict=True)}
+    return WrittenFile(
+        layout.pos,  # type: ignore[union-attr]
+        checksum(head),
+        {it.key: h.hexdigest() for it, h in zip(fp.items, hashers, strict=True)},
+    )
 
 
 def in_threads(calls: Sequence[Callable[[], Any]], name: str) -> list[Any]:
@@ -315,7 +441,7 @@ def item_shape(job: SaveJob, item: WriteItem) -> tuple[int, ...]:
     return (item.stop - item.start, *shape[1:]) if shape else ()
 
 
-def _manifest(job: SaveJob, sizes: dict[str, int], sums: dict[str, str]) -> dict[str, Any]:
+def _manifest(job: SaveJob, written: dict[str, WrittenFile]) -> dict[str, Any]:
     tensors: list[dict[str, Any]] = [
         {"dtype": e.dtype, "shape": list(e.tensor.shape), "numpy": e.numpy, "chunks": []}
         for e in job.flat.entries
@@ -332,12 +458,15 @@ def _manifest(job: SaveJob, sizes: dict[str, int], sums: dict[str, str]) -> dict
                     "key": item.key,
                     "offsets": offsets,
                     "shape": shape,
-                    "checksum": sums[item.key],
+                    "checksum": written[fp.name].checksums[item.key],
                 }
             )
     return {
         **job.header,
-        "files": [{"name": n, "size": s} for n, s in sorted(sizes.items())],
+        "files": [
+            {"name": n, "size": w.size, "header_checksum": w.header_checksum}
+            for n, w in sorted(written.items())
+        ],
         "tensors": tensors,
         "tree": job.flat.tree,
     }
@@ -367,9 +496,17 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
             ],
             "tardigrade-write",
         )
-        sizes = {fp.name: size for fp, (size, _) in zip(files, results, strict=True)}
-        sums = {k: v for _, file_sums in results for k, v in file_sums.items()}
-        manifest = dumps(_manifest(job, sizes, sums))
+        written = {fp.name: w for fp, w in zip(files, results, strict=True)}
+        manifest = seal(dumps(_manifest(job, written)))
+        # Commit only what a reader accepts: the same validation that guards every load
+        # (unique keys, chunks tiling each tensor, sizes) runs on this save's own manifest.
+        try:
+            parse(manifest, storage.url(f"{job.name}/{MANIFEST}"))
+        except TardigradeError as e:
+            raise SaveError(
+                f"{storage.url(job.name)}: refusing to commit a manifest a reader would reject "
+                f"(a bug in Tardigrade; please report it): {e}"
+            ) from e
         w = storage.open_writer(f"{staging}/{MANIFEST}")
         try:
             w.write(manifest)
@@ -377,11 +514,7 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
             w.abort()
             raise
         w.close()
-        if not job.overwrite and storage.exists(job.name):
-            raise CheckpointExistsError(
-                f"{storage.url(job.name)}: another writer committed a checkpoint here while this "
-                "save was running; nothing was overwritten."
-            )
+        check_target(storage, job.name, job.overwrite, racing=True)
         storage.commit(staging, job.name, replace=job.overwrite)
     except BaseException as e:
         if staging is not None:
@@ -397,7 +530,7 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
     return SaveResult(
         storage.url(job.name),
         job.header["step"],
-        sum(sizes.values()) + len(manifest),
+        sum(w.size for w in written.values()) + len(manifest),
         len(files),
         job.blocking_seconds if job.blocking_seconds is not None else total,
         total,

@@ -27,8 +27,24 @@ from .format.dtypes import DTYPE_NAMES, NUMPY_DTYPES, NUMPY_NAMES, TORCH_DTYPES
 class Stateful(Protocol):
     """Anything saved through ``state_dict()`` and restored through ``load_state_dict()``.
 
-    On save Tardigrade calls ``state_dict()`` once; on ``load(into=...)`` it calls
-    ``state_dict()`` to find live tensors to read into, then ``load_state_dict(tree)``.
+    On save Tardigrade calls ``state_dict()`` once. On ``load(into=...)``, in this order:
+
+    1. ``state_dict()``, to find the live tensors the checkpoint's bytes are read into;
+    2. ``validate_state_dict(tree)``, if the object has it (optional, not part of the
+       protocol's required methods): raise any exception to refuse the checkpoint's state.
+       It runs before a byte is read into any live tensor, so a refusal leaves the whole live
+       state untouched. Tensors in ``tree`` are stand-ins: meta tensors (numpy: read-only
+       zero-stride arrays) with the checkpoint's shape and dtype, values not read yet. It
+       should check what ``load_state_dict`` would refuse (e.g. a sampler's dataset length);
+       ``tg.ResumableSampler`` has one, and optimizers get a built-in check of their
+       parameter groups;
+    3. (the tensor bytes are read, straight into the live tensors from step 1);
+    4. ``load_state_dict(tree)``.
+
+    Under ``strict=True`` the object's class must also be the one that was saved, compared by
+    name (``__name__``; module and enclosing scope may differ, so ``__main__.Counter`` loads
+    into ``train.Counter``). ``nn.Module`` is exempt: its keys, shapes and dtypes are matched
+    strictly instead.
     """
 
     def state_dict(self) -> Any: ...

@@ -15,6 +15,14 @@ How the position stays exact:
   ``loader``: it advances the position when a batch is *delivered to the training loop*, and
   the sampler's own yields stop counting.
 
+The epoch advances the moment its last sample is consumed (handed out, or with ``track()``
+delivered), not when the loader's iterator is exhausted: loops that stop after exactly
+``len(loader)`` batches without draining the iterator (PyTorch Lightning, any loop that counts
+batches) would otherwise start the next pass at the end of the old epoch and get nothing.
+With a ``DataLoader(drop_last=True)``, pass ``batch_size=`` and ``drop_last=True`` to the
+sampler too: it then hands out only the full batches of each epoch, so the epoch ends with the
+loader's last batch (``track()`` reads both from the loader itself).
+
 Bit-exact resume also needs the DataLoader not to draw from the global torch RNG: each new
 loader iterator draws a base seed for its workers, from the loader's ``generator`` or else from
 the global RNG, and a resumed run creates its iterator at another point of the global random
@@ -26,7 +34,7 @@ stream (so dropout would diverge). Pass the sampler's own generator, which is re
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -49,7 +57,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     >>> state = {"model": model, "optim": opt, "data": sampler}            # doctest: +SKIP
     >>> for batch in loader: ...   # runs to the end of the epoch, then advances the epoch
 
-    With ``num_workers > 0`` iterate ``sampler.track(loader)`` (see the module docs).
+    With ``num_workers > 0`` iterate ``sampler.track(loader)`` (see the module docs). With a
+    ``DataLoader(..., drop_last=True)`` pass the same ``batch_size`` and ``drop_last=True`` here,
+    so the epoch ends where the loader's does.
     """
 
     def __init__(
@@ -60,6 +70,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         seed: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        batch_size: int | None = None,
+        drop_last: bool = False,
     ) -> None:
         if type(dataset_len) is not int or dataset_len < 0:
             raise InvalidArgumentError(f"dataset_len must be an int >= 0, got {dataset_len!r}")
@@ -72,6 +84,15 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             raise InvalidArgumentError(f"world_size must be an int >= 1, got {world_size!r}")
         if type(self.rank) is not int or not 0 <= self.rank < self.world_size:
             raise InvalidArgumentError(f"rank must be in [0, {self.world_size}), got {rank!r}")
+        if batch_size is not None and (type(batch_size) is not int or batch_size < 1):
+            raise InvalidArgumentError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if type(drop_last) is not bool or (drop_last and batch_size is None):
+            raise InvalidArgumentError(
+                f"drop_last must be a bool and needs batch_size=... (the DataLoader's batch "
+                f"size), got drop_last={drop_last!r}, batch_size={batch_size!r}"
+            )
+        self.batch_size = batch_size
+        self.drop_last = drop_last
         self.dataset_len = dataset_len
         self.shuffle = shuffle
         self.seed = seed
@@ -94,24 +115,40 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         g.manual_seed((self.seed * 0x9E3779B97F4A7C15 + epoch) % (2**63))
         return torch.randperm(self.dataset_len, generator=g)
 
+    def _remaining(self) -> int:
+        """How many samples this rank still hands out in the current epoch."""
+        left = max(0, self.dataset_len - self.consumed - self.rank)
+        n = -(-left // self.world_size)
+        if self.drop_last:
+            assert self.batch_size is not None
+            n -= n % self.batch_size  # the loader would drop the partial batch
+        return n
+
     def _mine(self) -> list[int]:
         # Slicing skips consumed samples without iterating them.
-        return self.order(self.epoch)[self.consumed + self.rank :: self.world_size].tolist()
+        order = self.order(self.epoch)[self.consumed + self.rank :: self.world_size]
+        return order[: self._remaining()].tolist()
 
     def __len__(self) -> int:
-        remaining = max(0, self.dataset_len - self.consumed - self.rank)
-        return -(-remaining // self.world_size)
+        return self._remaining()
 
     def __iter__(self) -> Iterator[int]:
-        start_epoch, start = self.epoch, self.consumed
-        for k, idx in enumerate(self._mine(), 1):
-            if not self._tracked:
+        epoch, start = self.epoch, self.consumed
+        mine = self._mine()
+        for k, idx in enumerate(mine, 1):
+            # A position moved by someone else (load_state_dict(), another pass) is theirs.
+            if not self._tracked and (self.epoch, self.consumed) == (epoch, start):
                 # Handed out = consumed (num_workers=0); ranks move in lockstep, so the
-                # global position is this rank's count times the world size.
-                self.consumed = min(self.dataset_len, start + k * self.world_size)
+                # global position is this rank's count times the world size. The last index
+                # ends the epoch right away: a loop that stops after len(loader) batches never
+                # comes back to exhaust this generator.
+                if k == len(mine):
+                    self._next_epoch()
+                else:
+                    self.consumed = start = min(self.dataset_len, start + self.world_size)
             yield idx
-        if not self._tracked and self.epoch == start_epoch:
-            self._next_epoch()
+        if not mine and not self._tracked and (self.epoch, self.consumed) == (epoch, start):
+            self._next_epoch()  # nothing left in this epoch for this rank
 
     def _next_epoch(self) -> None:
         self.epoch += 1
@@ -121,21 +158,35 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def track(self, loader: Iterable[Any], batch_size: int | None = None) -> Iterator[Any]:
         """Iterate ``loader`` (which uses this sampler), advancing the position per delivered batch.
 
-        Exact with prefetching workers: a batch counts only once the training loop has it.
+        Exact with prefetching workers: a batch counts only once the training loop has it. The
+        batch that completes the epoch advances it before it is handed over, so a loop that
+        stops after ``len(loader)`` batches leaves the sampler at the start of the next epoch.
         """
         bs = batch_size if batch_size is not None else getattr(loader, "batch_size", None)
         if type(bs) is not int or bs < 1:
             raise InvalidArgumentError(
                 "track() needs the loader's batch_size (pass batch_size=... explicitly)"
             )
+        if self.batch_size is not None and bs != self.batch_size:
+            raise InvalidArgumentError(
+                f"track(): the loader's batch_size is {bs}, this sampler was built with "
+                f"batch_size={self.batch_size}; pass the same batch size to both"
+            )
+        drop_last = self.drop_last or getattr(loader, "drop_last", False) is True
         self._tracked = True
         try:
-            start_epoch = self.epoch
-            for batch in loader:
-                self.consumed = min(self.dataset_len, self.consumed + bs * self.world_size)
+            left = self._remaining()
+            expected = left // bs if drop_last else -(-left // bs)  # batches in this pass
+            epoch = self.epoch
+            for delivered, batch in enumerate(loader, 1):
+                if self.epoch == epoch:
+                    if delivered >= expected:
+                        self._next_epoch()
+                    else:
+                        self.consumed = min(self.dataset_len, self.consumed + bs * self.world_size)
                 yield batch
-            if self.epoch == start_epoch:
-                self._next_epoch()
+            if self.epoch == epoch:
+                self._next_epoch()  # nothing left in this epoch for this rank
         finally:
             self._tracked = False
 
@@ -148,11 +199,20 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             "shuffle": self.shuffle,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def validate_state_dict(self, state_dict: Any) -> None:
+        """Raise StateMismatchError unless ``state_dict`` is a position this sampler can take.
+
+        ``tg.load(into=...)`` calls it before anything is loaded; ``load_state_dict`` too.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise StateMismatchError(
+                f"ResumableSampler: expected a state dict, got {type(state_dict).__name__}"
+            )
         for key in ("dataset_len", "seed", "shuffle"):
-            if state_dict.get(key) != getattr(self, key):
+            value = state_dict.get(key)
+            if type(value) is not type(getattr(self, key)) or value != getattr(self, key):
                 raise StateMismatchError(
-                    f"ResumableSampler: checkpoint has {key}={state_dict.get(key)!r}, this sampler "
+                    f"ResumableSampler: checkpoint has {key}={value!r}, this sampler "
                     f"has {getattr(self, key)!r}; the data order would differ. Build the sampler "
                     "with the same dataset length, seed and shuffle."
                 )
@@ -166,5 +226,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 f"ResumableSampler: checkpoint has consumed={consumed!r}; expected an int in "
                 f"[0, {self.dataset_len}]"
             )
-        self.epoch, self.consumed = epoch, consumed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.validate_state_dict(state_dict)
+        self.epoch, self.consumed = state_dict["epoch"], state_dict["consumed"]
         self._reseed()

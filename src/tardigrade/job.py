@@ -4,7 +4,8 @@
 epochs, checkpointing after each, until ``stop()`` is true; then the ``download`` phase (e.g.
 gather sharded parameters) and the ``exit`` phase (e.g. export the final model). It returns the
 last epoch. A failed save never stops the job when the manager runs with
-``on_save_error="warn"``.
+``on_save_error="warn"``. A preemption signal (the manager's ``save_on_signals``) stops it after
+the epoch in which it arrived, once that epoch is saved.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class JobRunner:
     an int resumes from exactly that epoch, and the later checkpoints of the abandoned run are
     replaced as the epochs are run again.
 
+    On a preemption signal (SIGTERM by default) the epoch that is running finishes, is saved
+    synchronously, and ``run()`` returns it with ``manager.should_stop`` set; ``download`` and
+    ``exit`` do not run, since the job is not finished: the restarted job resumes after that
+    epoch and runs them at its end.
+
     >>> with tg.CheckpointManager("ckpt", state) as mgr:                    # doctest: +SKIP
     ...     last = tg.JobRunner(job, mgr).run()
     """
@@ -73,21 +79,33 @@ class JobRunner:
         self.resume_from_epoch = resume_from_epoch
 
     def run(self) -> int:
-        """Run to completion; return the last epoch."""
+        """Run to completion, or until preempted; return the last epoch (saved in both cases)."""
         mgr = self.manager
         epoch = mgr.restore(self.resume_from_epoch)
         if epoch is None:
             log.info("tardigrade: job starts from scratch")
             self.job.init()
             epoch = 0
-            mgr.save(0, epoch=0, force=True)
+            mgr.save(0, epoch=0, force=True)  # after a signal: synchronous, sets should_stop
         else:
             log.info("tardigrade: job resumes after epoch %d", epoch)
-        while not self.job.stop():
+        while not mgr.should_stop:
+            finished = self.job.stop()
+            # A signal that arrived during restore, during the async save of the last epoch or
+            # in stop() finds nothing new to save: _stop_on_signal commits what is in flight.
+            if mgr._stop_on_signal() or finished:
+                break
             epoch += 1
             self.job.epoch(epoch)
-            mgr.save(epoch, epoch=epoch)
+            mgr.save(epoch, epoch=epoch)  # after a signal: synchronous, sets should_stop
         mgr.wait()
+        if mgr.should_stop:
+            log.warning(
+                "tardigrade: job preempted: stopped after epoch %d (saved); restart it to "
+                "resume from there",
+                epoch,
+            )
+            return epoch
         if self.job.download is not None:
             self.job.download()
         if self.job.exit is not None:

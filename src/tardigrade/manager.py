@@ -8,6 +8,7 @@ epoch intervals, a maximum kept, automatic restore of the latest), Caffe2's
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -16,7 +17,9 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+import uuid
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -38,11 +41,14 @@ from .errors import (
     UnsupportedFormatError,
     UnsupportedTypeError,
 )
+from .storage.local import fsync_dir, lock_dir
 
 log = logging.getLogger("tardigrade")
 
 _NAME = re.compile(r"^step-(\d{9,})$")
-_REPLACED = re.compile(r"^\.tmp-(step-\d{9,})-replaced-")
+# A committed checkpoint a replace without atomic swap moved aside (storage/local.py).
+# Any id is accepted: a checkpoint is put back, never deleted, whoever named it.
+_REPLACED = re.compile(r"^\.tmp-(.+)-replaced-[^-]+$")
 
 
 @dataclass(frozen=True)
@@ -55,33 +61,57 @@ class Tidied:
 
 
 def tidy(directory: str, *, dry_run: bool = False) -> list[Tidied]:
-    """Clean up after writers that died in ``directory``; the caller must hold its lock.
+    """Clean up after writers that died in ``directory``.
 
-    A ``.tmp-*`` staging directory (a save that never committed, or a retention delete that
-    was interrupted) is removed. A committed checkpoint that a crashed replace had moved aside
-    (``.tmp-step-N-replaced-*``) is put back under its name when that name is free. Committed
-    checkpoints are never touched. ``dry_run`` reports without changing anything.
+    Only ``.tmp-*`` directories are considered, and only those no live process holds: every
+    save holds an flock on its staging directory (and on a checkpoint it moves aside) until it
+    commits or gives up, so a save in flight, by this process or any other, is skipped. A dead
+    save's staging directory (or an interrupted retention delete) is removed. A committed
+    checkpoint that a crashed replace had moved aside (``.tmp-NAME-replaced-*``) is put back
+    under its name when that name is free, whatever the name; if a committed checkpoint holds
+    the name, the replace had finished and the old copy is removed. Committed checkpoints are
+    never touched. ``dry_run`` reports without changing anything.
     """
     done = []
     for n in sorted(os.listdir(directory)):
-        if not n.startswith(".tmp-"):
-            continue
         path = os.path.join(directory, n)
-        m = _REPLACED.match(n)
-        target = os.path.join(directory, m.group(1)) if m else ""
-        committed = os.path.isfile(os.path.join(path, "manifest.json"))
-        if m and committed and not os.path.exists(target):
+        if not n.startswith(".tmp-") or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        fd = lock_dir(path, wait=False)
+        if fd is None:
+            continue  # a live save holds it, or it is already gone
+        try:
+            done.extend(_tidy_one(directory, n, dry_run))
+        finally:
+            os.close(fd)
+    return done
+
+
+def _tidy_one(directory: str, n: str, dry_run: bool) -> list[Tidied]:
+    path = os.path.join(directory, n)
+    m = _REPLACED.match(n)
+    if m and os.path.isfile(os.path.join(path, "manifest.json")):
+        name = m.group(1)
+        target = os.path.join(directory, name)
+        if not os.path.lexists(target):
             if not dry_run:
                 os.rename(path, target)
-                log.warning("tardigrade: recovered %s from an interrupted replace", m.group(1))
-            done.append(Tidied(m.group(1), "recovered", _tree_bytes(path if dry_run else target)))
-            continue
-        nbytes = _tree_bytes(path)
-        if not dry_run:
-            log.info("tardigrade: removing leftover %s from an interrupted save", n)
-            shutil.rmtree(path, ignore_errors=True)
-        done.append(Tidied(n, "removed", nbytes))
-    return done
+                fsync_dir(directory)
+                log.warning("tardigrade: recovered %s from an interrupted replace", name)
+            return [Tidied(name, "recovered", _tree_bytes(path if dry_run else target))]
+        if not os.path.isfile(os.path.join(target, "manifest.json")):
+            log.warning(
+                "tardigrade: %s holds the checkpoint an interrupted replace moved aside, but %s "
+                "is taken by something that is not a checkpoint; leaving both in place",
+                path,
+                target,
+            )
+            return []
+    nbytes = _tree_bytes(path)
+    if not dry_run:
+        log.info("tardigrade: removing leftover %s from an interrupted save", n)
+        shutil.rmtree(path, ignore_errors=True)
+    return [Tidied(n, "removed", nbytes)]
 
 
 def _tree_bytes(path: str) -> int:
@@ -93,6 +123,142 @@ def _tree_bytes(path: str) -> int:
             except OSError:
                 pass
     return total
+
+
+# -- signals ---------------------------------------------------------------------------------
+# One handler per signal for the whole process, relaying it to every open manager that asked
+# for it. Each manager swapping in its own handler and putting back "the one before it" cannot
+# work: closed out of creation order, the signal stays bound to a closed manager. Here managers
+# join and leave in any order; the handler that was there before the first one joined is put
+# back when the last one leaves, unless someone installed another handler over ours meanwhile
+# (theirs then stays: it is newer than anything we could put back).
+_listeners: dict[int, list[weakref.ref[CheckpointManager]]] = {}
+_before: dict[int, Any] = {}
+
+
+def _relay(signum: int, frame: FrameType | None) -> None:
+    live = [m for r in list(_listeners.get(signum, ())) if (m := r()) is not None]
+    for mgr in live:
+        # Only a flag: saving inside a signal handler could interrupt a half-mutated state.
+        mgr._signalled = signum
+    if live:
+        return
+    # Every listener was garbage-collected without close(), or left from another thread that
+    # could not put the old handler back: behave as that handler would.
+    prev = _before.get(signum, signal.SIG_DFL)
+    if callable(prev):
+        prev(signum, frame)
+    elif prev == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        _listeners.pop(signum, None)
+        _before.pop(signum, None)
+        os.kill(os.getpid(), signum)
+
+
+def _listen(mgr: CheckpointManager, sig: int) -> None:
+    """Relay ``sig`` to ``mgr`` (main thread only: ``signal.signal`` requires it)."""
+    if signal.getsignal(sig) is not _relay:
+        prev = signal.signal(sig, _relay)
+        # Either nobody listens yet, or someone replaced our relay while managers listened:
+        # in both cases the handler just displaced is the one to put back at the end.
+        _before[sig] = prev
+    _listeners.setdefault(sig, []).append(weakref.ref(mgr))
+
+
+def _unlisten(mgr: CheckpointManager, sig: int) -> None:
+    refs = [r for r in _listeners.get(sig, ()) if r() is not None and r() is not mgr]
+    if refs:
+        _listeners[sig] = refs
+        return
+    if signal.getsignal(sig) is _relay:
+        # Raises ValueError outside the main thread; the relay then forwards to _before.
+        # None: the old handler was not installed from Python and cannot be put back.
+        prev = _before[sig]
+        signal.signal(sig, signal.SIG_DFL if prev is None else prev)
+    _listeners.pop(sig, None)
+    _before.pop(sig, None)
+
+
+# -- checking the directory ------------------------------------------------------------------
+# Errors that no amount of waiting fixes: a manager on such a directory would run for days with
+# every save failing (and only logged, under on_save_error="warn"), so it refuses to start.
+# A full disk or quota (ENOSPC, EDQUOT) is not among them: space can be freed while training.
+_PERMANENT = {
+    errno.EROFS: "it is on a read-only filesystem; pass a directory on a writable filesystem "
+    "(or remount this one read-write)",
+    errno.EACCES: "permission denied; fix its permissions or pass a directory this process "
+    "(uid {uid}) can write to",
+    errno.EPERM: "operation not permitted; fix its permissions or pass a directory this "
+    "process (uid {uid}) can write to",
+    errno.ENOTDIR: "{blocker} is a regular file, not a directory; move it away or pass "
+    "another directory",
+    errno.EEXIST: "{blocker} is a regular file, not a directory; move it away or pass "
+    "another directory",
+    errno.ELOOP: "too many symbolic links in the path; pass a plain directory",
+    errno.ENAMETOOLONG: "the path is too long; pass a shorter one",
+}
+
+
+# Below this much free space a save of any real model fails: say so when the manager starts.
+_FULL_BYTES = 1 << 20
+
+
+def _first_non_directory(path: str) -> str:
+    """The first component of ``path`` that exists but is not a directory (or ``path``)."""
+    probe = path
+    chain = []
+    while probe and probe != os.path.dirname(probe):
+        chain.append(probe)
+        probe = os.path.dirname(probe)
+    for p in reversed(chain):
+        if os.path.lexists(p) and not os.path.isdir(p):
+            return p
+    return path
+
+
+def _check_directory(directory: str) -> None:
+    """Raise StorageError if ``directory`` can never hold checkpoints; create it if missing.
+
+    The test is what a save does: create the directory, list it, make a subdirectory in it
+    (the staging of a save) and a file in that. A transient failure (a full disk) passes here
+    and is reported by the saves, which may succeed once space is freed.
+    """
+    probe = os.path.join(directory, f".tmp-probe-{uuid.uuid4().hex[:12]}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.listdir(directory)
+        os.mkdir(probe)
+        try:
+            os.close(os.open(os.path.join(probe, "probe"), os.O_WRONLY | os.O_CREAT, 0o600))
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    except OSError as e:
+        why = _PERMANENT.get(e.errno or 0)
+        if why is None:
+            log.warning(
+                "tardigrade: checkpoint directory %s: %s; saves will fail until this is fixed "
+                "(training is not stopped for it)",
+                directory,
+                e,
+            )
+            return
+        why = why.format(uid=os.geteuid(), blocker=_first_non_directory(directory))
+        raise StorageError(
+            e.errno,
+            f"{directory}: cannot be used as a checkpoint directory, no save could ever succeed "
+            f"there ({e.strerror}): {why}.",
+        ) from e
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return
+    if fs.f_bavail * fs.f_frsize < _FULL_BYTES:
+        log.warning(
+            "tardigrade: the filesystem of checkpoint directory %s is full (%d bytes free); "
+            "saves will fail until space is freed (training is not stopped for it)",
+            directory,
+            fs.f_bavail * fs.f_frsize,
+        )
 
 
 def step_name(step: int) -> str:
@@ -161,6 +327,21 @@ def _positive(name: str, v: Any, kind: type = int) -> Any:
     return v
 
 
+def _run_to_end(part: Callable[[], None], errors: list[BaseException], tries: int = 3) -> None:
+    """Run ``part``; on an exception, record it and run it again (each part is idempotent).
+
+    An exception raised asynchronously (by a signal handler) can interrupt any statement of
+    ``part``; a second run completes what the first left undone. A part that fails on its own
+    fails every time and is given up after ``tries``.
+    """
+    for _ in range(tries):
+        try:
+            part()
+            return
+        except BaseException as e:  # re-raised by the caller, after the cleanup
+            errors.append(e)
+
+
 class CheckpointManager:
     """Saves ``state`` into numbered checkpoints under ``directory`` by policy, keeps what the
     retention policy says, and restores the newest complete, verified one.
@@ -180,8 +361,10 @@ class CheckpointManager:
     and the ``keep_best`` best by ``best_metric``; the newest committed checkpoint is always
     kept; with all three None everything is kept. Old checkpoints are deleted only after a new
     one commits. ``on_save_error="warn"`` logs a failed save, counts it in ``stats`` and lets
-    training go on; ``"raise"`` raises it. A signal in ``save_on_signals`` makes the next
-    ``step()`` save synchronously and set ``should_stop``.
+    training go on; ``"raise"`` raises it. A directory that can never hold a checkpoint
+    (read-only filesystem, permission denied, a regular file in the way) raises
+    ``StorageError`` here, in both modes. A signal in ``save_on_signals`` makes the next
+    ``step()`` or ``save()`` save synchronously and set ``should_stop``.
     """
 
     def __init__(
@@ -245,14 +428,19 @@ class CheckpointManager:
         self._loading: set[int] = set()
         self._metric_cache: dict[int, float | None] = {}
         self._signalled: int | None = None
-        self._old_handlers: dict[int, Any] = {}
-        self._async = AsyncCheckpointer(max_staging_bytes=max_staging_bytes) if async_save else None
-        self._lock = DirectoryLock(self.directory, lease_seconds=lock_lease_seconds)
+        self._signals: list[int] = []
+        self._async: AsyncCheckpointer | None = None
         signals = _check_signals(save_on_signals)
+        _check_directory(self.directory)
+        self._lock = DirectoryLock(self.directory, lease_seconds=lock_lease_seconds)
         self._take_lock()
         try:
             self._install_signals(signals)
+            self._async = (
+                AsyncCheckpointer(max_staging_bytes=max_staging_bytes) if async_save else None
+            )
         except BaseException:
+            self._remove_signals()
             self._lock.release()
             raise
 
@@ -284,29 +472,47 @@ class CheckpointManager:
             log.warning("tardigrade: save_on_signals ignored: manager not created in main thread")
             return
         for sig in signals:
-            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            _listen(self, sig)
+            self._signals.append(sig)
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Only a flag: saving inside a signal handler could interrupt a half-mutated state.
-        self._signalled = signum
+    def _remove_signals(self) -> None:
+        while self._signals:
+            sig = self._signals[-1]
+            try:
+                _unlisten(self, sig)
+            except ValueError:
+                log.warning(
+                    "tardigrade: close() outside the main thread cannot restore the handler of "
+                    "signal %s; it now behaves as the handler from before the manager",
+                    sig,
+                )
+            self._signals.pop()
+
+    def _close_async(self) -> None:
+        if self._async is not None:
+            self._async.close()
 
     def close(self) -> None:
         """Wait for in-flight saves, apply retention, release the lock and signal handlers.
 
-        Idempotent; also called on ``with`` exit.
+        Idempotent; also called on ``with`` exit. Every step runs even when an earlier one
+        raises (a failed save in "raise" mode, or an exception delivered asynchronously, such
+        as PyTorch's "DataLoader worker killed" from its SIGCHLD handler): the directory lock
+        is always released. The first error is raised at the end.
         """
         if self._closed:
             return
         self._closed = True
-        try:
-            self._drain(wait=True)
-        finally:
-            if self._async is not None:
-                self._async.close()
-            for sig, handler in self._old_handlers.items():
-                signal.signal(sig, handler)
-            self._old_handlers.clear()
-            self._lock.release()
+        errors: list[BaseException] = []
+        for part in (
+            lambda: self._drain(wait=True),
+            self._close_async,
+            self._remove_signals,
+            self._lock.release,
+        ):
+            _run_to_end(part, errors)
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -362,20 +568,34 @@ class CheckpointManager:
 
     # -- restore ---------------------------------------------------------------------------
 
+    def _still_ours(self, what: str) -> bool:
+        """Fencing: delete nothing unless the directory lock is still this manager's."""
+        try:
+            self._lock.check()
+        except CheckpointLockedError as e:
+            log.error("tardigrade: not %s in %s: %s", what, self.directory, e)
+            return False
+        return True
+
     def _remove_leftovers(self) -> None:
         """Remove tmp dirs of dead writers; put back a checkpoint a crashed replace moved aside."""
-        if self._lock.held:
+        if self._lock.held and self._still_ours("cleaning up leftovers"):
             tidy(self.directory)
 
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest committed checkpoint that verifies into ``state``; return its step.
 
-        A corrupt or incomplete newer checkpoint is skipped with a warning (and kept on disk as
-        evidence). With ``step`` given, restore exactly that one; later checkpoints then belong
-        to an abandoned timeline and are replaced as this run saves those steps again. Returns
-        None when the directory holds no checkpoint.
+        A corrupt, incomplete or unreadable newer checkpoint is skipped with a warning (and
+        kept on disk as evidence). Saves of this manager still in flight are waited for first
+        (a failure among them is reported as ``step`` would). With ``step`` given, restore
+        exactly that one; later checkpoints then belong to an abandoned timeline and are
+        replaced as this run saves those steps again. Returns None when the directory holds
+        no checkpoint.
         """
         self._check_open("restore")
+        # Our own async save still in flight has a .tmp-* staging directory that the cleanup
+        # below would take for a dead writer's leftover: let it commit (or fail) first.
+        self._drain(wait=True)
         if os.path.isdir(self.directory):
             self._remove_leftovers()
         if step is not None:
@@ -392,8 +612,9 @@ class CheckpointManager:
                     os.path.join(self.directory, n, "manifest.json")
                 ):
                     log.warning(
-                        "tardigrade: skipping checkpoint %s: it has no manifest.json (the save "
-                        "never committed); kept on disk for inspection",
+                        "tardigrade: skipping checkpoint %s: it has no manifest.json (a save "
+                        "that never committed, or a copy still in progress); kept on disk for "
+                        "inspection, and moved aside if this run saves that step again",
                         os.path.join(self.directory, n),
                     )
         for s in candidates:
@@ -403,11 +624,24 @@ class CheckpointManager:
                 m = open_manifest(self.path(s))[2]
                 load(self.path(s), into=self.state, verify=False)
             except StateMismatchError:
-                raise
-            except (CorruptCheckpointError, UnsupportedFormatError, CheckpointNotFoundError) as e:
+                raise  # the live state does not fit: an older checkpoint would not fit either
+            except (
+                CorruptCheckpointError,
+                UnsupportedFormatError,
+                CheckpointNotFoundError,
+                StorageError,
+                OSError,
+            ) as e:
+                # Damaged, or unreadable here (permissions, a socket or device in place of a
+                # file, an I/O error): either way this one cannot be restored; an older may.
                 if step is not None:
                     raise
-                log.warning("tardigrade: skipping checkpoint %s: %s", self.path(s), e)
+                log.warning(
+                    "tardigrade: skipping checkpoint %s: %s (kept on disk; trying the next "
+                    "older one)",
+                    self.path(s),
+                    e,
+                )
                 continue
             finally:
                 self._loading.discard(s)
@@ -455,16 +689,39 @@ class CheckpointManager:
                 "increase (did you forget start = mgr.restore() + 1?)"
             )
         self._drain(wait=False)
-        if self._signalled is not None:
-            signum, self._signalled = self._signalled, None
-            log.warning("tardigrade: signal %s received: saving step %d and stopping", signum, step)
-            saved = self._save(step, epoch, metrics, sync=True)
-            self.should_stop = True
+        if self._take_signal(f"saving step {step}"):
+            try:
+                saved = self._save(step, epoch, metrics, sync=True)
+            finally:
+                self.should_stop = True  # even if the save raised: the signal is consumed
             self._advance(step, epoch)
             return saved
         saved = self._due(step, epoch) and self._save(step, epoch, metrics, sync=False)
         self._advance(step, epoch)
         return saved
+
+    def _take_signal(self, doing: str) -> bool:
+        """Consume a pending preemption signal; log what the manager does about it."""
+        signum = self._signalled
+        if signum is None:
+            return False
+        self._signalled = None
+        log.warning("tardigrade: signal %s received: %s and stopping", signum, doing)
+        return True
+
+    def _stop_on_signal(self) -> bool:
+        """After a preemption signal, with nothing new to save: commit what is in flight, stop.
+
+        For a caller at a boundary where the state is already saved (``JobRunner`` between
+        epochs). Returns whether it stopped.
+        """
+        if not self._take_signal(
+            "the latest state is saved already: committing any save in flight"
+        ):
+            return False
+        self._drain(wait=True)
+        self.should_stop = True
+        return True
 
     def _advance(self, step: int, epoch: int | None) -> None:
         self._last_step = step
@@ -485,13 +742,19 @@ class CheckpointManager:
         ``stats``, or raised in "raise" mode) at the next ``step``/``save``/``wait``/``close``;
         retention for a save also runs then.
 
-        ``force=True`` replaces an existing checkpoint for this step.
+        ``force=True`` replaces an existing checkpoint for this step. After a preemption signal
+        this saves synchronously and sets ``should_stop``, as ``step`` does.
         """
         self._check_open("save")
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
         self._drain(wait=False)
-        ok = self._save(step, epoch, metrics, sync=False, force=force)
+        preempted = self._take_signal(f"saving step {step}")
+        try:
+            ok = self._save(step, epoch, metrics, sync=preempted, force=force)
+        finally:
+            if preempted:
+                self.should_stop = True  # even if the save raised: the signal is consumed
         self._advance(max(step, self._last_step or 0), epoch)
         return ok
 
@@ -516,6 +779,14 @@ class CheckpointManager:
                 step,
                 self.best_metric,
             )
+        # A committed checkpoint is replaced only when asked (force) or when it belongs to the
+        # timeline abandoned by restore(step); repeating a step otherwise is a programming error.
+        replace = self.exists(step)
+        if replace and not force and step not in self._abandoned:
+            raise CheckpointExistsError(
+                f"{self.path(step)}: a checkpoint for step {step} already exists; "
+                "steps must not repeat (pass force=True to replace it)."
+            )
         try:
             if not self._lock.held and not self._take_lock():
                 raise SaveError(
@@ -523,15 +794,8 @@ class CheckpointManager:
                     f"{self._lock_error}"
                 )
             self._lock.check()
-            replace = force
-            if self.exists(step) and not force:
-                if step in self._abandoned:
-                    replace = True  # an abandoned future after resuming from an older step
-                else:
-                    raise CheckpointExistsError(
-                        f"{self.path(step)}: a checkpoint for step {step} already exists; "
-                        "steps must not repeat (pass force=True to replace it)."
-                    )
+            if not replace:
+                self._set_aside(step)
             kw = dict(overwrite=replace, step=step, epoch=epoch, metrics=metrics)
             if self._async is not None and not sync:
                 fut = self._async.save(self.path(step), self.state, **kw)  # type: ignore[arg-type]
@@ -543,13 +807,44 @@ class CheckpointManager:
                     self._drain(wait=True)
                 res = save(self.path(step), self.state, **kw)  # type: ignore[arg-type]
                 self._record_ok(step, res)
-        except (InvalidArgumentError, CheckpointExistsError, UnsupportedTypeError):
+        except (InvalidArgumentError, UnsupportedTypeError):
             raise  # a programming error, not a storage failure: never swallowed
         except (SaveError, StorageError, CheckpointLockedError, OSError) as e:
+            # OSError includes CheckpointExistsError here: something else put a checkpoint at
+            # this step's name after the check above (a user copying one in). Nothing was
+            # overwritten; report it like any failed save.
             self._record_failure(step, e, time.perf_counter() - started)
             return False
         self._last_save_time = time.monotonic()
         return True
+
+    def _set_aside(self, step: int) -> None:
+        """Move an uncommitted ``step-N`` (no manifest) out of the way of saving step N.
+
+        It is what a save that died before this format's commit, a foreign tool or a user
+        copying a checkpoint in left there; ``restore()`` skipped it. It is never deleted: it
+        may be the half-copied checkpoint someone is restoring. It is renamed to a visible
+        ``step-N.incomplete-<time>`` that ``steps()`` ignores, and the new path is logged.
+        """
+        path = self.path(step)
+        if not os.path.lexists(path) or self.exists(step):
+            return
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        aside = f"{path}.incomplete-{stamp}"
+        n = 1
+        # rename() would silently replace an empty directory of that name: pick a free one.
+        while os.path.lexists(aside):
+            n += 1
+            aside = f"{path}.incomplete-{stamp}-{n}"
+        os.rename(path, aside)
+        log.warning(
+            "tardigrade: %s had no manifest.json (an uncommitted save, or a copy still in "
+            "progress); moved it aside to %s to save step %d. Nothing was deleted: inspect it "
+            "and remove it yourself when it is not needed.",
+            path,
+            aside,
+            step,
+        )
 
     def _record_ok(self, step: int, res: SaveResult) -> None:
         self._metric_cache.pop(step, None)  # a replaced checkpoint has a new metric
@@ -640,9 +935,13 @@ class CheckpointManager:
     def _retain(self) -> None:
         steps = self.steps()
         keep = self.keep(steps)
-        for s in steps:
-            if s in keep or s in self._loading:
-                continue
+        # A step being loaded, or with a save of ours in flight (a replace: force=True or an
+        # abandoned step), is not deleted under that reader or writer.
+        busy = self._loading | {s for s, _ in self._pending}
+        doomed_steps = [s for s in steps if s not in keep and s not in busy]
+        if not doomed_steps or not self._still_ours("removing old checkpoints"):
+            return
+        for s in doomed_steps:
             # Rename first so a crash mid-delete never leaves a half-deleted "committed" dir.
             doomed = os.path.join(self.directory, f".tmp-deleting-{step_name(s)}")
             try:

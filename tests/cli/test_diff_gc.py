@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,9 @@ def test_diff_of_identical_states_exits_0(
     tg.save(tmp_path / "b", state())
     rc, out, _ = cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
     assert rc == 0, out
-    assert "identical" in out
+    assert "identical" in out and "bit for bit" in out and "both checkpoints verified" in out
+    rc, out, _ = cli(capsys, "diff", "--json", tmp_path / "a", tmp_path / "b")
+    assert rc == 0 and json.loads(out)["verified"] is True
 
 
 def test_diff_lists_every_kind_of_difference(
@@ -117,17 +120,67 @@ def test_diff_reads_bytes_when_the_layouts_differ(
     assert rc == 1 and "state['t']" in out and "bytes differ" in out
     assert any(".safetensors" in r for r in reads)  # the bytes were compared
 
-    # Same layout on both sides: the checksums decide, no tensor byte is read.
+    # Same layout on both sides: the checksums decide, once the bytes are verified against
+    # them (both sides read in full) ...
     reads.clear()
     rc, out, _ = cli(capsys, "diff", tmp_path / "split", tmp_path / "changed")
-    assert rc == 1 and "bytes differ" in out
+    assert rc == 1 and "bytes differ" in out and "both checkpoints verified" in out
+    files = {r for r in reads if r.endswith(".safetensors")}
+    assert len(files) == 2 * len(list((tmp_path / "split").glob("data-*"))), reads
+
+    # ... or, with --checksums-only, as recorded: no tensor byte is read, and the output says so.
+    reads.clear()
+    rc, out, _ = cli(capsys, "diff", "--checksums-only", tmp_path / "split", tmp_path / "changed")
+    assert rc == 1 and "bytes differ" in out and "not verified" in out
     assert not [r for r in reads if r.endswith(".safetensors")]
+
+
+def _damage(ckpt: Path) -> None:
+    (data,) = ckpt.glob("data-*.safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0x01  # one bit of the last tensor's bytes
+    data.write_bytes(bytes(raw))
+
+
+def test_diff_of_a_damaged_copy_is_an_error_not_identical(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tg.save(tmp_path / "a", state())
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    _damage(tmp_path / "copy")
+    for a, b in ((tmp_path / "a", tmp_path / "copy"), (tmp_path / "copy", tmp_path / "a")):
+        rc, out, err = cli(capsys, "diff", a, b)
+        assert rc == 2, (out, err)
+        assert "identical" not in out
+        assert "copy" in err and "fails its checksum" in err, err
+        rc, out, err = cli(capsys, "diff", "--json", a, b)
+        assert rc == 2 and out == "", out
+
+    # --checksums-only compares what the manifests recorded, and says that is all it did.
+    rc, out, _ = cli(capsys, "diff", "--checksums-only", tmp_path / "a", tmp_path / "copy")
+    assert rc == 0
+    assert "bit for bit" not in out and "recorded checksums" in out and "not verified" in out
+    rc, out, _ = cli(
+        capsys, "diff", "--json", "--checksums-only", tmp_path / "a", tmp_path / "copy"
+    )
+    report = json.loads(out)
+    assert rc == 0 and report["identical"] and report["verified"] is False
+
+
+def test_diff_help_describes_verification_and_exit_status(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc, out, _ = cli(capsys, "diff", "--help")
+    assert rc == 0
+    text = " ".join(out.split())
+    assert "--checksums-only" in text and "verified first" in text
+    assert "0 when the states are identical, 1 when they differ, 2 on errors" in text
 
 
 def test_diff_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tg.save(tmp_path / "a", state())
     rc, _, err = cli(capsys, "diff", tmp_path / "a", tmp_path / "missing")
-    assert rc == 1 and "missing" in err
+    assert rc == 2 and "missing" in err  # an error, not "the states differ" (1)
     rc, _, err = cli(capsys, "diff", tmp_path / "a")
     assert rc == 2
 

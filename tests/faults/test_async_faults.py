@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import tardigrade as tg
-from tardigrade import _async
+from tardigrade import _async, _save
 from tardigrade.errors import CheckpointNotFoundError, SaveError, TardigradeError
 from tardigrade.storage.local import LocalStorage, LocalWriter
 
@@ -644,3 +644,85 @@ def test_failure_while_staging_returns_staging_buffers(
     fut.result(timeout=60)
     assert ckpt.pool.in_use_bytes == 0
     assert_same(tg.load(tmp_path / "after"), state)
+
+
+# ----------------------------------------------------------------------------------------------
+# staged bytes that disagree with the file's header fail the save; nothing is committed
+
+
+def _staged_header(how: str) -> Callable[[Any, Any], bytes]:
+    """A stand-in for the stager's ``file_header``: the image it stages then no longer matches
+    the header the writer records (longer, or the same length with other bytes)."""
+    real = _async.file_header
+
+    def fake(job: Any, fp: Any) -> bytes:
+        head = real(job, fp)
+        if how == "longer":
+            return head + b"        "
+        assert b'"pt"' in head
+        return head.replace(b'"pt"', b'"PT"')
+
+    return fake
+
+
+def assert_layout_error(exc: BaseException, path: Path) -> None:
+    msg = str(exc)
+    assert isinstance(exc, SaveError), repr(exc)
+    assert str(path / "data-00000-of-00001.safetensors") in msg, msg
+    assert "would not match its own header" in msg and "nothing was committed" in msg, msg
+    assert "bug in Tardigrade" in msg, msg
+
+
+@pytest.mark.parametrize("how", ["longer", "altered"])
+@pytest.mark.parametrize("budget", [None, 4 * MiB], ids=["unbounded", "budget"])
+def test_async_image_that_disagrees_with_its_header_fails_the_save(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: tuple[Path, dict[str, Any]],
+    checkpointers: Callable[..., tg.AsyncCheckpointer],
+    how: str,
+    budget: int | None,
+) -> None:
+    """Whatever goes wrong in staging, a file whose bytes contradict its own header (which no
+    reader could load) is never committed: the writer checks every staged run against the
+    header's layout and fails the save instead."""
+    ckpt = checkpointers(max_staging_bytes=budget)
+    state = make_state(seed=11, mib=6)
+    monkeypatch.setattr(_async, "file_header", _staged_header(how))
+    fut = ckpt.save(tmp_path / "bad", state)
+    assert fut is not None
+    with pytest.raises(SaveError) as info:
+        fut.result(timeout=60)
+    assert_layout_error(info.value, tmp_path / "bad")
+    only_entries(tmp_path, "prev")
+    assert ckpt.pool.in_use_bytes == 0, "the failed save kept slabs out of the pool"
+    assert_intact(committed)
+    monkeypatch.undo()
+    fut = ckpt.save(tmp_path / "after", state)
+    assert fut is not None
+    fut.result(timeout=60)
+    assert_same(tg.load(tmp_path / "after"), state)
+
+
+def test_sync_stream_with_extra_bytes_fails_the_save(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: tuple[Path, dict[str, Any]],
+) -> None:
+    """The synchronous path gets the same check: an item handed more bytes than the header
+    gives it (here a stray segment at the end of the stream) fails the save."""
+    real = _save.stream_borrowed
+
+    def with_stray_segment(job: Any) -> list[list[Any]]:
+        streams = real(job)
+        end = streams[0].pop()
+        streams[0] += [_save.Segment(0, memoryview(b"stray bytes")), end]
+        return streams
+
+    monkeypatch.setattr(_save, "stream_borrowed", with_stray_segment)
+    with pytest.raises(SaveError) as info:
+        tg.save(tmp_path / "bad", make_state(seed=12, mib=2))
+    assert_layout_error(info.value, tmp_path / "bad")
+    assert "item 0" in str(info.value)
+    only_entries(tmp_path, "prev")
+    assert_intact(committed)

@@ -79,17 +79,17 @@ CHILD = textwrap.dedent(
         elif point == "mid_data":
             orig_write = local.LocalWriter.write
 
-            def write(self, data):
+            def write(self, data, **kw):
                 # Once a data file holds 1 MiB (the big tensor is being streamed), write half
                 # of the next piece and die: the file ends in the middle of a tensor.
                 view = memoryview(data).cast("B")
                 done = getattr(self, "_crash_written", 0)
                 if self.path.endswith(".safetensors") and done + view.nbytes >= 1024 * 1024:
                     half = max(1, view.nbytes // 2)
-                    orig_write(self, view[:half])
+                    orig_write(self, view[:half], **kw)
                     die(f"mid_data {self.path} after {done + half} bytes")
                 self._crash_written = done + view.nbytes
-                orig_write(self, data)
+                orig_write(self, data, **kw)
 
             local.LocalWriter.write = write
         elif point == "manifest_open":

@@ -37,6 +37,9 @@ from tardigrade.errors import (
     UnsupportedFormatError,
 )
 from tardigrade.format import limits
+from tardigrade.format.checksum import checksum
+from tardigrade.format.jsonio import dumps
+from tardigrade.format.manifest import seal
 
 MANIFEST = "manifest.json"
 
@@ -131,7 +134,16 @@ def read_manifest_doc(ckpt: Path) -> dict[str, Any]:
 
 
 def write_manifest_doc(ckpt: Path, doc: Any) -> None:
-    (ckpt / MANIFEST).write_text(json.dumps(doc))
+    """Write ``doc`` as the manifest, re-sealed with a fresh checksum.
+
+    These tests forge checkpoints the way an attacker would (consistent checksums), so that
+    the rule under test fires, not the checksum that catches accidental damage.
+    """
+    if isinstance(doc, dict):
+        doc = {k: v for k, v in doc.items() if k != "manifest_checksum"}
+        (ckpt / MANIFEST).write_bytes(seal(dumps(doc)))
+    else:
+        (ckpt / MANIFEST).write_text(json.dumps(doc))
 
 
 def edit_manifest(ckpt: Path, edit: Callable[[dict[str, Any]], None]) -> None:
@@ -141,13 +153,16 @@ def edit_manifest(ckpt: Path, edit: Callable[[dict[str, Any]], None]) -> None:
 
 
 def sync_sizes(ckpt: Path) -> None:
-    """Record the current size of every (regular) data file in the manifest."""
+    """Record the current size and header checksum of every (regular) data file."""
 
     def edit(doc: dict[str, Any]) -> None:
         for f in doc["files"]:
             p = ckpt / f["name"]
             if p.is_file() and not p.is_symlink():
                 f["size"] = p.stat().st_size
+                blob = p.read_bytes()
+                n = struct.unpack("<Q", blob[:8])[0] if len(blob) >= 8 else 0
+                f["header_checksum"] = checksum(blob[: 8 + n])
 
     edit_manifest(ckpt, edit)
 
@@ -567,7 +582,7 @@ def assert_manifest_rejected(ckpt: Path, cls: type[BaseException], pattern: str)
             fn(ckpt)
 
 
-@pytest.mark.parametrize("version", [2, 999], ids=["next", "far-future"])
+@pytest.mark.parametrize("version", [3, 999], ids=["next", "far-future"])
 def test_manifest_future_format_version(ckpt: Path, version: int) -> None:
     edit_manifest(ckpt, lambda d: d.update(format_version=version))
     assert_manifest_rejected(
@@ -610,9 +625,15 @@ def test_manifest_tree_missing(ckpt: Path, tree: Any) -> None:
     assert_manifest_rejected(ckpt, CorruptCheckpointError, "'tree' is missing")
 
 
+def write_manifest_raw(ckpt: Path, raw: bytes) -> None:
+    """Write manifest bytes, re-sealed (see write_manifest_doc)."""
+    body = raw[: raw.rindex(b',"manifest_checksum"')] + b"}"
+    (ckpt / MANIFEST).write_bytes(seal(body))
+
+
 def test_manifest_invalid_utf8(ckpt: Path) -> None:
     raw = (ckpt / MANIFEST).read_bytes()
-    (ckpt / MANIFEST).write_bytes(raw.replace(b'"tardigrade"', b'"tardigr\xe9de"', 1))
+    write_manifest_raw(ckpt, raw.replace(b'"tardigrade"', b'"tardigr\xe9de"', 1))
     assert_manifest_rejected(ckpt, CorruptCheckpointError, "header is not valid UTF-8")
 
 
@@ -626,15 +647,15 @@ def test_manifest_invalid_json(ckpt: Path, cut: float) -> None:
 @pytest.mark.parametrize(
     ("old", "new", "key"),
     [
-        ('"format_version": 1,', '"format_version": 1, "format_version": 2,', "format_version"),
-        ('"dtype": "F32",', '"dtype": "F32", "dtype": "I64",', "dtype"),
+        ('"format_version":2,', '"format_version":2,"format_version":3,', "format_version"),
+        ('"dtype":"F32",', '"dtype":"F32","dtype":"I64",', "dtype"),
     ],
     ids=["top-level", "nested"],
 )
 def test_manifest_duplicate_keys(ckpt: Path, old: str, new: str, key: str) -> None:
-    text = json.dumps(read_manifest_doc(ckpt))
-    assert old in text
-    (ckpt / MANIFEST).write_text(text.replace(old, new, 1))
+    raw = (ckpt / MANIFEST).read_bytes()
+    assert old.encode() in raw
+    write_manifest_raw(ckpt, raw.replace(old.encode(), new.encode(), 1))
     assert_manifest_rejected(ckpt, CorruptCheckpointError, f"duplicate JSON key '{key}'")
 
 

@@ -4,11 +4,14 @@ disk, and preemption of a real training process by SIGTERM.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
 import shutil
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -24,7 +27,9 @@ import torch
 from torch import nn
 
 import tardigrade as tg
-from tardigrade.errors import CorruptCheckpointError, SaveError
+import tardigrade.manager as manager_mod
+from tardigrade.errors import CorruptCheckpointError, SaveError, StorageError
+from tardigrade.storage import local
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -198,7 +203,132 @@ def test_restore_falls_back_past_several_bad_checkpoints(
     ]
 
 
-# -- 5. save failures: a directory that cannot even be created --------------------------------
+# -- restore() falls back past a checkpoint it cannot read (issue 8, item 17) -------------------
+
+
+def only_data_file(ckpt: Path) -> Path:
+    (data,) = sorted(ckpt.glob("data-*.safetensors"))
+    return data
+
+
+def test_restore_falls_back_past_a_socket_in_place_of_a_data_file(
+    three_checkpoints: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
+    d = three_checkpoints
+    data = only_data_file(d / "step-000000030")
+    data.unlink()
+    # A real UNIX socket bound at the data file's path: open() on it fails with ENXIO. Bound by
+    # relative name from inside the checkpoint, since socket paths are limited to 108 bytes.
+    monkeypatch.chdir(data.parent)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(data.name)
+        monkeypatch.undo()
+        assert stat.S_ISSOCK(os.lstat(data).st_mode)
+        caplog.set_level(logging.WARNING, logger="tardigrade")
+        state = make_state(seed=5)
+        with tg.CheckpointManager(d, state) as mgr:
+            assert mgr.restore() == 20
+            assert torch.equal(state["model"].weight.detach(), torch.full((3, 4), 20.0))
+            (msg,) = warnings_about(caplog, "step-000000030")
+            assert "skipping" in msg and data.name in msg
+            assert os.strerror(errno.ENXIO) in msg, msg
+            with pytest.raises(StorageError, match=data.name):
+                mgr.restore(step=30)  # asked for exactly this one: no fallback
+        assert stat.S_ISSOCK(os.lstat(data).st_mode)  # left as evidence
+    finally:
+        sock.close()
+
+
+def test_restore_falls_back_past_a_data_file_it_may_not_read(
+    three_checkpoints: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
+    d = three_checkpoints
+    data = only_data_file(d / "step-000000030")
+    # The tests run as root, for whom chmod 000 changes nothing: simulate what the kernel
+    # gives an unprivileged reader (EACCES from open) for exactly this one file.
+    real_open = os.open
+
+    def guarded_open(path: Any, flags: int, *a: Any, **kw: Any) -> int:
+        if os.fspath(path) == str(data):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", guarded_open)
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    state = make_state(seed=5)
+    with tg.CheckpointManager(d, state) as mgr:
+        assert mgr.restore() == 20
+        assert torch.equal(state["extra"]["hist"], torch.full((5,), 20.0))
+        (msg,) = warnings_about(caplog, "step-000000030")
+        assert "Permission denied" in msg and data.name in msg
+    assert data.is_file()
+
+
+def test_restore_still_raises_when_the_state_does_not_fit(three_checkpoints: Path):
+    # A StateMismatchError is about the live state, not the checkpoint: an older checkpoint
+    # would not fit either, so it is raised, never skipped.
+    state = make_state()
+    state["model"] = nn.Linear(5, 3)
+    with (
+        tg.CheckpointManager(three_checkpoints, state) as mgr,
+        pytest.raises(tg.StateMismatchError),
+    ):
+        mgr.restore()
+
+
+# -- restore() never cleans up under our own save in flight (issue 8, item 4) -------------------
+
+
+def test_restore_waits_for_our_own_async_save_before_cleaning_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    writing = threading.Event()
+    release = threading.Event()
+    real_write = local.LocalWriter.write
+
+    def held_write(self: local.LocalWriter, data: Any) -> None:
+        if "step-000000002" in self.path:
+            writing.set()
+            release.wait(CHILD_TIMEOUT)  # held until the save is waited for (or cleaned up)
+        real_write(self, data)
+
+    def releasing(real: Any) -> Any:
+        def wait(self: tg.SaveFuture, timeout: float | None = None) -> Any:
+            if self.path.endswith("step-000000002"):
+                release.set()  # someone waits for the held save: let it finish
+            return real(self, timeout)
+
+        return wait
+
+    monkeypatch.setattr(local.LocalWriter, "write", held_write)
+    monkeypatch.setattr(tg.SaveFuture, "exception", releasing(tg.SaveFuture.exception))
+    monkeypatch.setattr(tg.SaveFuture, "result", releasing(tg.SaveFuture.result))
+    staging_at_cleanup: list[list[str]] = []
+    real_tidy = manager_mod.tidy
+
+    def watched_tidy(directory: str, **kw: Any) -> Any:
+        staging_at_cleanup.append([n for n in os.listdir(directory) if "step-000000002" in n])
+        release.set()
+        return real_tidy(directory, **kw)
+
+    monkeypatch.setattr(manager_mod, "tidy", watched_tidy)
+    state = make_state()
+    with tg.CheckpointManager(tmp_path, state, async_save=True) as mgr:
+        save_steps(mgr, [1])
+        mark(state, 2)
+        assert mgr.save(2) is True
+        assert writing.wait(CHILD_TIMEOUT)
+        assert mgr.restore() == 2
+        # The cleanup ran only after our save of step 2 had committed: what it saw of step 2
+        # was the committed checkpoint, not a staging directory it would take for a leftover.
+        assert staging_at_cleanup == [["step-000000002"]]
+        assert [(s.step, s.ok) for s in mgr.stats] == [(1, True), (2, True)]
+        tg.verify(mgr.path(2))
+        assert float(mgr.load(2)["model"]["weight"][0, 0]) == 2.0
+
+
+# -- 5. a directory that can never work fails at construction (issue 8, item 14) ---------------
 
 
 def error_records(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -209,59 +339,191 @@ def error_records(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
-@ASYNC
-def test_unusable_directory_warn_mode_keeps_training(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, async_save: bool
+def assert_refused(
+    info: pytest.ExceptionInfo[StorageError], directory: Path, code: int, *needles: str
+) -> None:
+    e = info.value
+    assert isinstance(e, tg.TardigradeError) and isinstance(e, OSError)
+    assert e.errno == code, e
+    msg = str(e)
+    assert str(directory) in msg and "no save could ever succeed" in msg, msg
+    for needle in needles:
+        assert needle in msg, msg
+
+
+@pytest.mark.parametrize("on_save_error", ["warn", "raise"])
+@pytest.mark.parametrize("where", ["under-the-file", "the-file-itself"])
+def test_a_file_in_the_way_fails_at_construction(tmp_path: Path, on_save_error: str, where: str):
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory")
+    d = blocker / "ckpt" if where == "under-the-file" else blocker
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(StorageError) as info:
+        tg.CheckpointManager(d, make_state(), on_save_error=on_save_error)
+    code = errno.ENOTDIR if where == "under-the-file" else errno.EEXIST
+    assert_refused(info, d, code, f"{blocker} is a regular file", "move it away")
+    assert blocker.read_text() == "not a directory"
+    assert os.listdir(tmp_path) == ["afile"]
+    assert signal.getsignal(signal.SIGTERM) is before  # nothing left installed
+
+
+@pytest.fixture
+def read_only_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real read-only filesystem: an empty tmpfs mounted with -o ro."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    mount(["-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)])
+    try:
+        yield mnt
+    finally:
+        umount(mnt)
+
+
+def mount(args: list[str]) -> None:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a filesystem needs root")
+    r = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount here: {r.stderr.strip()}")
+
+
+def umount(mnt: Path) -> None:
+    r = subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
+    if r.returncode != 0:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("on_save_error", ["warn", "raise"])
+@pytest.mark.parametrize("sub", ["", "ckpt"], ids=["mount-point", "missing-subdir"])
+def test_a_read_only_filesystem_fails_at_construction(
+    read_only_fs: Path, on_save_error: str, sub: str
 ):
-    (tmp_path / "afile").write_text("not a directory")
-    where = tmp_path / "afile" / "ckpt"
+    d = read_only_fs / sub if sub else read_only_fs
+    with pytest.raises(StorageError) as info:
+        tg.CheckpointManager(d, make_state(), on_save_error=on_save_error)
+    assert_refused(info, d, errno.EROFS, "read-only filesystem", "writable filesystem")
+
+
+def test_permission_denied_fails_at_construction(tmp_path: Path):
+    # Root ignores permission bits, so the child drops the capabilities that let it
+    # (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH): a real EACCES from the kernel.
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop CAP_DAC_OVERRIDE")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)  # someone else's directory, not writable by us
+    caps = "-dac_override,-dac_read_search"
+    child = textwrap.dedent(
+        """
+        import sys
+        import tardigrade as tg
+        try:
+            tg.CheckpointManager(sys.argv[1], {})
+        except tg.StorageError as e:
+            print("REFUSED", e.errno, e)
+        else:
+            print("CONSTRUCTED")
+        """
+    )
+    for d in (theirs, theirs / "ckpt"):
+        setpriv = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", "--"]
+        r = subprocess.run(
+            [*setpriv, sys.executable, "-c", child, str(d)],
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT,
+        )
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith(f"REFUSED {errno.EACCES} "), r.stdout + r.stderr
+        assert str(d) in r.stdout and "permission denied" in r.stdout
+        assert "uid 0" in r.stdout  # says who could not write
+    assert os.listdir(theirs) == []
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
+def test_a_full_disk_at_construction_is_not_fatal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int
+):
+    # Space can be freed while training runs: only the saves are refused (and reported).
+    real_mkdir = os.mkdir
+
+    def mkdir(path: Any, *a: Any, **kw: Any) -> None:
+        if ".tmp-probe-" in os.fspath(path):
+            raise OSError(code, os.strerror(code), os.fspath(path))
+        real_mkdir(path, *a, **kw)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        (warning,) = [r.getMessage() for r in caplog.records if os.strerror(code) in r.getMessage()]
+        assert str(tmp_path) in warning and "saves will fail" in warning
+        monkeypatch.undo()  # space freed
+        assert mgr.save(1) is True
+        mgr.wait()
+        assert mgr.steps() == [1]
+
+
+def test_a_really_full_disk_at_construction_constructs_and_warns(
+    small_tmpfs: Path, caplog: pytest.LogCaptureFixture
+):
+    d = small_tmpfs / "ckpt"
+    d.mkdir()
+    with open(small_tmpfs / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    mgr = tg.CheckpointManager(d, make_state())  # does not raise
+    try:
+        logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        (full,) = [m for m in logged if "is full" in m]
+        assert str(d) in full and "saves will fail until space is freed" in full
+    finally:
+        mgr.close()
+
+
+@ASYNC
+def test_a_directory_turning_read_only_mid_run_does_not_stop_training(
+    small_tmpfs: Path, caplog: pytest.LogCaptureFixture, async_save: bool
+):
+    # What still fails in the background after construction (an ext4 error remounting the
+    # disk read-only) is reported and training goes on; the saves succeed again once fixed.
+    d = small_tmpfs / "ckpt"
     caplog.set_level(logging.INFO, logger="tardigrade")
-    mgr = tg.CheckpointManager(where, make_state(), every_steps=2, async_save=async_save)
-    assert any("Not a directory" in m for m in error_records(caplog))
-    assert mgr.restore() is None
-    assert mgr.steps() == [] and mgr.latest() is None
-    caplog.clear()
-    assert mgr.save(1) is False
-    for s in range(2, 7):
-        mgr.step(s)
-    mgr.wait()
-    assert [(s.step, s.ok) for s in mgr.stats] == [(1, False), (2, False), (4, False), (6, False)]
-    assert mgr.stats.failed == 4 and mgr.stats.succeeded == 0
-    errors = error_records(caplog)
-    for step in (1, 2, 4, 6):
-        assert any(f"SAVE FAILED for step {step} " in m for m in errors), errors
-    assert any("Not a directory" in m for m in errors)
-    mgr.close()
-    assert (tmp_path / "afile").read_text() == "not a directory"
-
-
-@ASYNC
-def test_step_returns_false_when_its_save_failed(tmp_path: Path, async_save: bool):
-    (tmp_path / "afile").write_text("")
-    with tg.CheckpointManager(
-        tmp_path / "afile" / "ckpt", make_state(), every_steps=1, async_save=async_save
-    ) as mgr:
-        assert mgr.step(1) is False
-        assert mgr.stats.failed == 1
-
-
-def test_unusable_directory_failure_names_the_cause(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-):
-    (tmp_path / "afile").write_text("")
-    caplog.set_level(logging.ERROR, logger="tardigrade")
-    with tg.CheckpointManager(tmp_path / "afile" / "ckpt", make_state()) as mgr:
-        assert mgr.save(7) is False
-    (failed,) = [m for m in error_records(caplog) if "SAVE FAILED for step 7" in m]
-    assert "Not a directory" in failed
-    assert "Not a directory" in (mgr.stats[0].error or "")
-
-
-def test_unusable_directory_raise_mode(tmp_path: Path):
-    (tmp_path / "afile").write_text("")
-    with pytest.raises(SaveError, match="Not a directory"):
-        tg.CheckpointManager(tmp_path / "afile" / "ckpt", make_state(), on_save_error="raise")
-    assert (tmp_path / "afile").is_file()
+    mgr = tg.CheckpointManager(d, make_state(), every_steps=2, async_save=async_save)
+    try:
+        assert mgr.save(1) is True
+        mgr.wait()
+        mount(["-o", "remount,ro", str(small_tmpfs)])
+        try:
+            caplog.clear()
+            assert mgr.save(3) is async_save  # async: the failure surfaces later
+            for s in range(4, 7):
+                mgr.step(s)
+            mgr.wait()
+        finally:
+            mount(["-o", "remount,rw", str(small_tmpfs)])
+        mgr.step(8)
+        mgr.wait()
+        assert [(s.step, s.ok) for s in mgr.stats] == [
+            (1, True),
+            (3, False),
+            (4, False),
+            (6, False),
+            (8, True),
+        ]
+        errors = error_records(caplog)
+        for step in (3, 4, 6):
+            (msg,) = [m for m in errors if f"SAVE FAILED for step {step} " in m]
+            assert "Read-only file system" in msg
+        assert mgr.steps() == [1, 8]
+        assert tmp_entries(d) == []
+    finally:
+        mgr.close()
+    assert not (d / ".lock").exists()
 
 
 # -- 5. a really full disk --------------------------------------------------------------------
@@ -499,3 +761,31 @@ def test_sigterm_saves_stops_and_resumes_bit_exactly(tmp_path: Path):
     assert len(got["momentum"]) == len(want["momentum"]) == 4
     for a, b in zip(got["momentum"], want["momentum"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_manager_that_lost_its_lock_deletes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Fencing: retention and leftover cleanup check the lock is still ours before deleting.
+    state = {"w": torch.zeros(2)}
+    mgr = tg.CheckpointManager(tmp_path, state, async_save=False, keep_last=None)
+    try:
+        for s in (1, 2, 3):
+            mgr.save(s)
+        (tmp_path / ".tmp-step-000000009-dead").mkdir()
+
+        def lost() -> None:
+            raise tg.CheckpointLockedError(f"{tmp_path}: taken over (injected)")
+
+        monkeypatch.setattr(mgr._lock, "check", lost)
+        mgr.keep_last = 1
+        caplog.set_level(logging.ERROR, logger="tardigrade")
+        mgr._retain()
+        mgr._remove_leftovers()
+        assert mgr.steps() == [1, 2, 3]
+        assert (tmp_path / ".tmp-step-000000009-dead").is_dir()
+        assert any("not removing old checkpoints" in r.getMessage() for r in caplog.records)
+        assert any("not cleaning up leftovers" in r.getMessage() for r in caplog.records)
+    finally:
+        monkeypatch.undo()
+        mgr.close()

@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,13 +36,13 @@ def stall_save_of(step: int) -> None:
     real_write = local.LocalWriter.write
     marker = f"step-{step:09d}"
 
-    def write(self: local.LocalWriter, data: memoryview | bytes) -> None:
+    def write(self: local.LocalWriter, data: memoryview | bytes, **kw: Any) -> None:
         if marker in self.path:
             # One write call: the training thread prints too.
             sys.stdout.write(f"SAVE_STARTED {step} {self.path}\n")
             sys.stdout.flush()
             time.sleep(600)  # the parent kills us here
-        real_write(self, data)
+        real_write(self, data, **kw)
 
     local.LocalWriter.write = write  # type: ignore[method-assign]
 

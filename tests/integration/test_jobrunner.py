@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import shutil
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,6 @@ import tardigrade as tg
 from tardigrade.errors import (
     CheckpointNotFoundError,
     InvalidArgumentError,
-    SaveError,
     StorageError,
 )
 from tardigrade.storage import local
@@ -67,7 +69,9 @@ class Accumulator:
 class Run:
     """One process's view of the job: its live state, its job and the calls it saw."""
 
-    def __init__(self, epochs: int = EPOCHS, crash_at: int | None = None) -> None:
+    def __init__(
+        self, epochs: int = EPOCHS, crash_at: int | None = None, sigterm_in: Any = None
+    ) -> None:
         self.acc = Accumulator()
         self.model = torch.nn.Linear(3, 2, bias=False)
         with torch.no_grad():
@@ -76,13 +80,26 @@ class Run:
         self.calls: list[Any] = []
         self.epochs = epochs
         self.crash_at = crash_at
+        # Where a SIGTERM arrives: "init", ("epoch", e) or ("stop", e) (after epoch e's save).
+        self.sigterm_in = sigterm_in
         self.mgr: tg.CheckpointManager | None = None
         self.job = tg.Job(
             init=self.init, epoch=self.epoch, stop=self.stop, download=self.download, exit=self.exit
         )
 
+    def preempt(self, where: Any) -> None:
+        if where != self.sigterm_in:
+            return
+        assert self.mgr is not None
+        os.kill(os.getpid(), signal.SIGTERM)  # what a cluster sends before the SIGKILL
+        deadline = time.monotonic() + 5  # the handler runs at the next bytecode boundary
+        while self.mgr._signalled is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert self.mgr._signalled == signal.SIGTERM
+
     def init(self) -> None:
         self.calls.append("init")
+        self.preempt("init")
         self.acc.total, self.acc.epoch = 1, 0
         self.acc.hist.zero_()
         self.acc.hist[0] = 1
@@ -99,8 +116,10 @@ class Run:
         self.acc.hist[e] = float(self.acc.total % 1000)
         with torch.no_grad():
             self.model.weight.mul_(0.5).add_(e)
+        self.preempt(("epoch", e))
 
     def stop(self) -> bool:
+        self.preempt(("stop", self.acc.epoch))
         return self.acc.epoch >= self.epochs
 
     def download(self) -> None:
@@ -227,43 +246,25 @@ def test_without_download_and_exit(tmp_path: Path) -> None:
     assert run.calls == ["init", *[("epoch", e) for e in range(1, EPOCHS + 1)]]
 
 
+@pytest.mark.parametrize("on_save_error", ["warn", "raise"])
 @ASYNC
-def test_unwritable_directory_does_not_stop_the_job(
-    tmp_path: Path, async_save: bool, caplog: pytest.LogCaptureFixture
+def test_unwritable_directory_fails_before_the_job_starts(
+    tmp_path: Path, async_save: bool, on_save_error: str
 ) -> None:
+    # A directory that can never hold a checkpoint: with the old "warn and go on" a job ran for
+    # days saving nothing. It now fails at once, before init; failures that can pass (a full
+    # disk, test_failing_writes_do_not_stop_the_job) still never stop the job.
     blocker = tmp_path / "a-file"
     blocker.write_bytes(b"not a directory")
     d = blocker / "ckpt"  # every mkdir/open under a regular file fails (even for root)
-    caplog.set_level(logging.ERROR, logger="tardigrade")
     run = Run()
-    last = run.run(d, async_save=async_save, on_save_error="warn")
-    assert last == EPOCHS
-    final = expected_total(EPOCHS)
-    assert run.calls == [
-        "init",
-        *[("epoch", e) for e in range(1, EPOCHS + 1)],
-        ("download", final, False),
-        ("exit", final),
-    ]
-    assert run.acc.total == final
-    assert run.mgr is not None
-    assert run.mgr.stats.failed == EPOCHS + 1
-    assert run.mgr.stats.succeeded == 0
-    assert [s.step for s in run.mgr.stats] == list(range(EPOCHS + 1))
-    failures = [r.getMessage() for r in caplog.records if "SAVE FAILED" in r.getMessage()]
-    assert len(failures) == EPOCHS + 1, failures
-    for e, msg in enumerate(failures):
-        assert f"step {e} " in msg and str(d) in msg, msg
+    with pytest.raises(StorageError, match="a-file is a regular file") as info:
+        run.run(d, async_save=async_save, on_save_error=on_save_error)
+    assert isinstance(info.value, OSError)  # StorageError: a TardigradeError and an OSError
+    assert info.value.errno == errno.ENOTDIR
+    assert str(d) in str(info.value)
+    assert run.calls == []
     assert blocker.read_bytes() == b"not a directory"
-
-
-@ASYNC
-def test_unwritable_directory_raises_in_raise_mode(tmp_path: Path, async_save: bool) -> None:
-    blocker = tmp_path / "a-file"
-    blocker.write_bytes(b"")
-    run = Run()
-    with pytest.raises(SaveError, match="a-file"):
-        run.run(blocker / "ckpt", async_save=async_save, on_save_error="raise")
 
 
 @ASYNC
@@ -277,10 +278,10 @@ def test_failing_writes_do_not_stop_the_job(
     # async saves the error happens in the background writer and must still only be reported.
     real_write = local.LocalWriter.write
 
-    def write(self: local.LocalWriter, data: Any) -> None:
+    def write(self: local.LocalWriter, data: Any, **kw: Any) -> None:
         if "step-000000002" in self.path or "step-000000003" in self.path:
             raise StorageError(errno.ENOSPC, f"writing {self.path}: No space left (injected)")
-        real_write(self, data)
+        real_write(self, data, **kw)
 
     monkeypatch.setattr(local.LocalWriter, "write", write)
     caplog.set_level(logging.ERROR, logger="tardigrade")
@@ -323,3 +324,69 @@ def test_invalid_arguments(tmp_path: Path) -> None:
         with pytest.raises(CheckpointNotFoundError, match="step 3"):
             tg.JobRunner(run.job, mgr, resume_from_epoch=3).run()
     assert run.calls == [], "a rejected resume must not start the job"
+
+
+# -- preemption (issue 8, item 11) --------------------------------------------------------------
+
+
+@pytest.fixture
+def sigterm_restored() -> Any:
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize(
+    "where, stopped",
+    [("init", 0), (("epoch", 1), 1), (("epoch", 3), 3), (("stop", 2), 2), (("stop", 0), 0)],
+    ids=["init", "epoch-1", "epoch-3", "after-save-2", "after-save-0"],
+)
+@ASYNC
+def test_sigterm_stops_after_the_epoch_it_arrived_in_and_resumes(
+    tmp_path: Path, sigterm_restored: None, async_save: bool, where: Any, stopped: int
+) -> None:
+    d = tmp_path / "ckpt"
+    run = Run(sigterm_in=where)
+    assert run.run(d, async_save=async_save) == stopped
+    assert run.mgr is not None and run.mgr.should_stop
+    # The epoch in which the signal arrived ran to its end and was saved; no later epoch ran,
+    # and neither did download/exit: the job is not finished.
+    assert run.calls == ["init", *[("epoch", e) for e in range(1, stopped + 1)]]
+    assert run.mgr.stats.failed == 0
+    with tg.CheckpointManager(d, {}, save_on_signals=()) as mgr:
+        assert mgr.steps() == list(range(stopped + 1))
+    for e in range(stopped + 1):
+        check_checkpoint(d, e)
+
+    resumed = Run()
+    assert resumed.run(d, async_save=async_save) == EPOCHS
+    assert resumed.calls == [
+        *[("epoch", e) for e in range(stopped + 1, EPOCHS + 1)],
+        *done_calls(expected_total(EPOCHS)),
+    ]
+    assert resumed.acc.total == expected_total(EPOCHS)
+    for e in range(EPOCHS + 1):
+        check_checkpoint(d, e)
+
+
+@ASYNC
+def test_sigterm_while_resuming_stops_without_running_an_epoch(
+    tmp_path: Path, sigterm_restored: None, async_save: bool
+) -> None:
+    d = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        Run(crash_at=3).run(d, async_save=async_save)
+    run = Run()
+    with tg.CheckpointManager(d, run.state, async_save=async_save) as mgr:
+        run.mgr = mgr
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while mgr._signalled is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert tg.JobRunner(run.job, mgr).run() == 2
+        assert mgr.should_stop
+        assert mgr.steps() == [0, 1, 2]
+    assert run.calls == []
+    assert run.acc.total == expected_total(2)

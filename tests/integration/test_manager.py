@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -788,3 +791,261 @@ def test_raise_mode_raises_each_failure_once(
         mgr.close()
     assert mgr.steps() == [2]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-")]
+
+
+# -- an uncommitted step-N directory in the way (issue 8, item 6) ------------------------------
+
+
+def moved_aside(d: Path, step: int) -> list[Path]:
+    return sorted(d.glob(f"step-{step:09d}.incomplete-*"))
+
+
+@pytest.mark.parametrize("on_save_error", ["warn", "raise"])
+@ASYNC
+def test_a_step_dir_without_manifest_is_moved_aside_and_training_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, async_save: bool, on_save_error: str
+):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        save_steps(mgr, [1, 2])
+    # What a save that died before the commit of another tool, or a user half-way through
+    # copying a checkpoint back, leaves: a step directory with data but no manifest.
+    half = tmp_path / "step-000000003"
+    half.mkdir()
+    (half / "data-00000-of-00001.safetensors").write_bytes(b"half a copy")
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    with tg.CheckpointManager(
+        tmp_path, make_state(), every_steps=1, async_save=async_save, on_save_error=on_save_error
+    ) as mgr:
+        assert mgr.restore() == 2  # skipped, with a warning
+        for s in (3, 4):
+            mark(mgr.state, s)
+            assert mgr.step(s) is True
+        mgr.wait()
+        assert [(s.step, s.ok) for s in mgr.stats] == [(3, True), (4, True)]
+        assert mgr.steps() == [1, 2, 3, 4]
+        assert saved_value(mgr, 3) == 3.0
+    (aside,) = moved_aside(tmp_path, 3)
+    # Kept, byte for byte, under a visible name that steps() ignores; the warning names it.
+    assert (aside / "data-00000-of-00001.safetensors").read_bytes() == b"half a copy"
+    assert not aside.name.startswith(".")
+    (warning,) = [r.getMessage() for r in caplog.records if str(aside) in r.getMessage()]
+    assert "no manifest.json" in warning and "Nothing was deleted" in warning
+    assert str(half) in warning
+
+
+@ASYNC
+def test_a_regular_file_named_like_a_step_is_moved_aside(tmp_path: Path, async_save: bool):
+    (tmp_path / "step-000000005").write_text("someone's notes")
+    with tg.CheckpointManager(tmp_path, make_state(), async_save=async_save) as mgr:
+        assert mgr.restore() is None
+        mark(mgr.state, 5)
+        assert mgr.save(5) is True
+        mgr.wait()
+        assert mgr.steps() == [5] and saved_value(mgr, 5) == 5.0
+    (aside,) = moved_aside(tmp_path, 5)
+    assert aside.read_text() == "someone's notes"
+
+
+def test_moving_aside_never_replaces_an_earlier_leftover(tmp_path: Path):
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        for round_ in range(3):
+            # The same step, uncommitted again each time (force=True replaces a committed one;
+            # here each leftover has no manifest, so each is moved aside).
+            shutil.rmtree(mgr.path(7), ignore_errors=True)
+            (tmp_path / "step-000000007").mkdir()
+            (tmp_path / "step-000000007" / "n").write_text(str(round_))
+            assert mgr.save(7, force=True) is True
+            mgr.wait()
+    kept = sorted(p.joinpath("n").read_text() for p in moved_aside(tmp_path, 7))
+    assert kept == ["0", "1", "2"]
+
+
+def test_a_step_dir_that_cannot_be_moved_aside_is_a_failed_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    (tmp_path / "step-000000002").mkdir()
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
+        if ".incomplete-" in os.fspath(dst):
+            raise PermissionError(13, "Permission denied (injected)", os.fspath(src))
+        real_rename(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "rename", rename)
+    caplog.set_level(logging.ERROR, logger="tardigrade")
+    with tg.CheckpointManager(tmp_path, make_state(), every_steps=1) as mgr:
+        assert mgr.step(2) is False  # reported, counted, training goes on
+        assert mgr.step(3) is True
+        mgr.wait()
+        assert [(s.step, s.ok) for s in mgr.stats] == [(2, False), (3, True)]
+    assert any("SAVE FAILED for step 2" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "step-000000002").is_dir()  # left where it was, not deleted
+
+
+# -- signal handlers: many managers, any order (issue 8, item 12) -------------------------------
+
+
+def original_handler(signum: int, frame: Any) -> None:  # pragma: no cover - never delivered
+    pass
+
+
+@pytest.fixture
+def sigterm_original() -> Any:
+    before = signal.signal(signal.SIGTERM, original_handler)
+    try:
+        yield original_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 0, 2), (0, 2, 1)])
+def test_signal_handler_restored_whatever_the_close_order(
+    tmp_path: Path, sigterm_original: Any, order: tuple[int, ...]
+):
+    mgrs = [tg.CheckpointManager(tmp_path / str(i), make_state()) for i in range(3)]
+    for i in order:
+        assert signal.getsignal(signal.SIGTERM) is not sigterm_original
+        mgrs[i].close()
+    assert signal.getsignal(signal.SIGTERM) is sigterm_original
+
+
+def wait_signalled(mgr: tg.CheckpointManager) -> None:
+    # The Python-level handler runs in the main thread at the next bytecode boundary; give
+    # it a few chances (a signal sent to ourselves is pending at once).
+    deadline = time.monotonic() + 5
+    while mgr._signalled is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_signal_reaches_every_open_manager_after_others_closed(
+    tmp_path: Path, sigterm_original: Any
+):
+    first = tg.CheckpointManager(tmp_path / "a", make_state(), every_steps=1000)
+    second = tg.CheckpointManager(tmp_path / "b", make_state(), every_steps=1000)
+    third = tg.CheckpointManager(tmp_path / "c", make_state(), every_steps=1000)
+    try:
+        first.close()  # creation order: the old code left SIGTERM bound to `first`
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_signalled(second)
+        wait_signalled(third)
+        for mgr in (second, third):
+            assert mgr.step(5) is True and mgr.should_stop
+            assert mgr.exists(5)
+        assert not first.should_stop and first.steps() == []
+    finally:
+        second.close()
+        third.close()
+    assert signal.getsignal(signal.SIGTERM) is sigterm_original
+
+
+def test_a_handler_installed_after_the_manager_is_not_clobbered(
+    tmp_path: Path, sigterm_original: Any
+):
+    def users_own(signum: int, frame: Any) -> None:  # pragma: no cover - never delivered
+        pass
+
+    mgr = tg.CheckpointManager(tmp_path, make_state())
+    signal.signal(signal.SIGTERM, users_own)
+    mgr.close()
+    assert signal.getsignal(signal.SIGTERM) is users_own
+    # A manager created now saves on the signal again; closing it puts the user's back.
+    with tg.CheckpointManager(tmp_path, make_state()):
+        assert signal.getsignal(signal.SIGTERM) is not users_own
+    assert signal.getsignal(signal.SIGTERM) is users_own
+
+
+def test_a_manager_dropped_without_close_does_not_swallow_the_signal(
+    tmp_path: Path, sigterm_original: Any
+):
+    got: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    mgr = tg.CheckpointManager(tmp_path, make_state(), save_on_signals=(signal.SIGTERM,))
+    mgr._lock.release()  # what the lock's own cleanup would do; the handler is the point
+    del mgr
+    import gc
+
+    gc.collect()
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == [signal.SIGTERM]  # forwarded to the handler from before the manager
+
+
+# -- close() always releases the lock (issue 8, item 13) ----------------------------------------
+
+
+@ASYNC
+def test_close_releases_everything_when_a_step_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sigterm_original: Any, async_save: bool
+):
+    def boom(self: Any, *, wait: bool) -> None:
+        raise RuntimeError("injected failure while draining")
+
+    mgr = tg.CheckpointManager(tmp_path, make_state(), async_save=async_save)
+    monkeypatch.setattr(manager_mod.CheckpointManager, "_drain", boom)
+    with pytest.raises(RuntimeError, match="injected failure while draining"):
+        mgr.close()
+    assert not (tmp_path / ".lock").exists()
+    assert signal.getsignal(signal.SIGTERM) is sigterm_original
+    if async_save:
+        assert mgr._async is not None and mgr._async._closed
+    mgr.close()  # idempotent, raises nothing more
+    monkeypatch.undo()
+    tg.CheckpointManager(tmp_path, make_state(), save_on_signals=()).close()
+
+
+def test_close_survives_an_exception_raised_by_a_signal_handler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sigterm_original: Any
+):
+    """PyTorch's SIGCHLD handler raises "DataLoader worker ... is killed by signal" in the main
+    thread, at whatever statement it is running; here a real child exits while close() runs."""
+
+    class WorkerDied(RuntimeError):
+        pass
+
+    def sigchld(signum: int, frame: Any) -> None:
+        raise WorkerDied("DataLoader worker (pid 1234) is killed by signal: Terminated.")
+
+    mgr = tg.CheckpointManager(tmp_path, make_state(), async_save=True)
+    mark(mgr.state, 1)
+    mgr.save(1)
+    assert mgr._async is not None
+    real_close = mgr._async.close
+
+    def close_while_a_child_dies() -> None:
+        real_close()
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        try:
+            time.sleep(30)  # interrupted by the handler's exception when the child exits
+        finally:
+            child.wait(30)
+
+    monkeypatch.setattr(mgr._async, "close", close_while_a_child_dies)
+    before = signal.signal(signal.SIGCHLD, sigchld)
+    try:
+        with pytest.raises(WorkerDied):
+            mgr.close()
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+    assert mgr.exists(1) and mgr.stats.succeeded == 1
+    assert not (tmp_path / ".lock").exists()
+    assert signal.getsignal(signal.SIGTERM) is sigterm_original
+    tg.CheckpointManager(tmp_path, make_state(), save_on_signals=()).close()
+
+
+@ASYNC
+def test_save_honours_a_pending_signal_like_step(
+    tmp_path: Path, sigterm_original: Any, async_save: bool
+):
+    with tg.CheckpointManager(tmp_path, make_state(), async_save=async_save) as mgr:
+        save_steps(mgr, [1])
+        mark(mgr.state, 2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_signalled(mgr)
+        assert mgr.save(2) is True
+        assert mgr.should_stop
+        # Saved synchronously: committed before save() returned, nothing left in flight.
+        assert mgr.exists(2) and mgr._pending == []
+        assert saved_value(mgr, 2) == 2.0
+        assert mgr._signalled is None

@@ -14,11 +14,14 @@ fast the disk happens to be.
 from __future__ import annotations
 
 import copy
+import json
 import os
+import queue
 import re
 import shutil
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -32,7 +35,7 @@ from torch import nn
 import tardigrade as tg
 from tardigrade import _async
 from tardigrade.errors import InvalidArgumentError, TardigradeError
-from tardigrade.storage.local import LocalWriter
+from tardigrade.storage.local import LocalStorage, LocalWriter
 
 MiB = 1024 * 1024
 
@@ -461,6 +464,89 @@ def test_invalid_staging_budget_is_rejected(budget: Any) -> None:
 def test_invalid_if_busy_is_rejected() -> None:
     with pytest.raises(InvalidArgumentError, match="if_busy"):
         tg.AsyncCheckpointer(if_busy="drop")
+
+
+def _file_sizes_match_headers(path: Path) -> None:
+    """Every data file is exactly its header plus the tensors its header lists."""
+    for f in tg.read_manifest(path)["files"]:
+        raw = (path / f["name"]).read_bytes()
+        head_len = 8 + int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:head_len])
+        end = max(
+            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+        )
+        assert len(raw) == head_len + end == f["size"], (f["name"], len(raw), head_len, end)
+
+
+def test_writers_started_before_staging_write_each_file_image_once(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    checkpointers: Callable[..., tg.AsyncCheckpointer],
+) -> None:
+    """Under a budget the writers start before staging, and the stager fills their streams
+    while they run. Here staging is held until every writer waits on its stream: the
+    interleaving that a loaded machine produced about one run in three. The writers used to
+    decide whether to write the header themselves from a flag the stager set only once it
+    began; a writer that looked first wrote the header a second time in front of the staged
+    image (header included), and the save committed files that no reader can load."""
+    waiting = threading.Semaphore(0)
+
+    class WatchedQueue(queue.SimpleQueue):  # type: ignore[type-arg]
+        def get(self, *args: Any, **kwargs: Any) -> Any:
+            waiting.release()  # a writer asks for its next block
+            return super().get(*args, **kwargs)
+
+    original = _async.stage_copy
+
+    def stage_once_writers_wait(job: Any, pool: Any, streams: list[Any]) -> None:
+        for _ in streams:
+            assert waiting.acquire(timeout=30), "a writer never started reading its stream"
+        original(job, pool, streams)
+
+    monkeypatch.setattr(_async, "queue", types.SimpleNamespace(SimpleQueue=WatchedQueue))
+    monkeypatch.setattr(_async, "stage_copy", stage_once_writers_wait)
+    torch.manual_seed(2)
+    state = {f"t{i}": torch.randn(MiB // 2 + 17 * i) for i in range(6)}  # ~12 MiB
+    expected = snapshot(state)
+    ckpt = checkpointers(max_staging_bytes=4 * MiB)
+    fut = ckpt.save(tmp_path / "ckpt", state, step=1)
+    assert fut is not None
+    fut.result(timeout=60)
+    _file_sizes_match_headers(tmp_path / "ckpt")
+    tg.verify(tmp_path / "ckpt")
+    assert_same(tg.load(tmp_path / "ckpt"), expected)
+    assert ckpt.staging.allocations >= 2, "the state should span several staging slabs"
+
+
+def test_blocking_time_is_the_callers_even_when_the_writer_commits_first(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    checkpointers: Callable[..., tg.AsyncCheckpointer],
+) -> None:
+    """Under a budget the writers may commit before ``save`` has stopped the caller's clock
+    (forced here: staging returns only after the commit). The result must still report the
+    time the caller was blocked, not fall back to the save's total time."""
+    committed = threading.Event()
+    original_commit = LocalStorage.commit
+
+    def commit(self: LocalStorage, *args: Any, **kwargs: Any) -> None:
+        original_commit(self, *args, **kwargs)
+        committed.set()
+
+    original_stage = _async.stage_copy
+
+    def stage_then_wait_for_the_commit(job: Any, pool: Any, streams: list[Any]) -> None:
+        original_stage(job, pool, streams)
+        assert committed.wait(30), "the writer never committed"
+
+    monkeypatch.setattr(LocalStorage, "commit", commit)
+    monkeypatch.setattr(_async, "stage_copy", stage_then_wait_for_the_commit)
+    ckpt = checkpointers(max_staging_bytes=4 * MiB)
+    fut = ckpt.save(tmp_path / "ckpt", small_state(3))
+    assert fut is not None
+    result = fut.result(timeout=60)
+    assert result.blocking_seconds == fut.blocking_seconds
+    assert 0 < result.blocking_seconds <= result.total_seconds
 
 
 # ----------------------------------------------------------------------------------------------

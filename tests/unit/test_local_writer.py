@@ -156,3 +156,23 @@ def test_aligned_data_goes_direct_without_a_bounce_copy(
     w.close()
     assert bounced and max(bounced) == DIRECT_BLOCK  # the tail alone, one block
     assert path.read_bytes() == block.tobytes() + tail
+
+
+def test_a_file_whose_size_is_not_what_was_written_fails_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A direct write pads the last block and truncates the padding off again. If the file
+    does not end up exactly as long as what was written (here the truncate is lost), close()
+    must fail rather than let a save commit a file with stray bytes at its end."""
+    monkeypatch.setattr(local.os, "ftruncate", lambda fd, length: None)
+    data = _payload(DIRECT_MIN_BYTES + 1)
+    w = LocalWriter(str(tmp_path / "f"), size_hint=len(data))
+    assert w.direct
+    w.write(data)
+    with pytest.raises(StorageError) as info:
+        w.close()
+    msg = str(info.value)
+    assert str(tmp_path / "f") in msg, msg
+    assert f"holds {DIRECT_MIN_BYTES + DIRECT_BLOCK} bytes" in msg, msg
+    assert f"but {len(data)} were written" in msg, msg
+    assert info.value.errno == errno.EIO

@@ -342,7 +342,11 @@ def test_saved_at_world_n_resumes_at_world_m(world: int, m: int, n: int) -> None
         before = flat(lockstep([iter(lo) for lo in old_loaders], k))
         states = [s.state_dict() for s in old]
         assert all(sd == states[0] for sd in states), "ranks disagree about the position"
-        assert states[0]["consumed"] == k * bs * world
+        # Taking the epoch's last batch ends the epoch at once (not when the loader is drained).
+        done = k * bs * world == n
+        assert (states[0]["epoch"], states[0]["consumed"]) == (
+            (1, 0) if done else (0, k * bs * world)
+        )
 
         new = [tg.ResumableSampler(n, seed=11, rank=r, world_size=m) for r in range(m)]
         for s in new:
@@ -350,15 +354,20 @@ def test_saved_at_world_n_resumes_at_world_m(world: int, m: int, n: int) -> None
         loaders = [make_loader(n, s, bs) for s in new]
         after = flat(lockstep([iter(lo) for lo in loaders], None))
         where = f"N={world} M={m} n={n} saved after {k} lockstep batches"
-        assert len(before) + len(after) == n, f"{where}: {len(before) + len(after)} samples"
-        assert sorted(before + after) == list(range(n)), f"{where}: skipped or repeated"
-        assert not set(before) & set(after), f"{where}: consumed samples seen again"
+        if done:
+            assert sorted(before) == list(range(n)), f"{where}: skipped or repeated"
+            assert sorted(after) == list(range(n)), f"{where}: the next epoch is not whole"
+        else:
+            assert len(before) + len(after) == n, f"{where}: {len(before) + len(after)} samples"
+            assert sorted(before + after) == list(range(n)), f"{where}: skipped or repeated"
+            assert not set(before) & set(after), f"{where}: consumed samples seen again"
 
         # The epoch rolled over on every new rank: the next epoch is whole and fresh.
-        assert all((s.epoch, s.consumed) == (1, 0) for s in new), where
+        next_epoch = 2 if done else 1
+        assert all((s.epoch, s.consumed) == (next_epoch, 0) for s in new), where
         nxt = flat(lockstep([iter(lo) for lo in loaders], None))
         assert sorted(nxt) == list(range(n)), where
-        assert sorted(nxt) == sorted(new[0].order(1).tolist())
+        assert sorted(nxt) == sorted(new[0].order(next_epoch).tolist())
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,9 +443,10 @@ def test_exact_position_with_workers_through_track(k: int) -> None:
     full = batches(ref, make_loader(n, ref, bs, num_workers=2), total, tracked=True)
     assert flat(full[:13]) == ref.order(0).tolist()
     assert flat(full[13:]) == ref.order(1).tolist()
-    assert (ref.epoch, ref.consumed) == (1, n), "the second pass was stopped at its last batch"
+    # The second pass was stopped at its last batch, which ended that epoch all the same.
+    assert (ref.epoch, ref.consumed) == (2, 0)
     first, rest, saved = interrupted(n, bs, k, total, num_workers=2, tracked=True, seed=8)
-    assert saved["consumed"] == min(n, (k if k <= 13 else k - 13) * bs), saved
+    assert (saved["epoch"], saved["consumed"]) == (k // 13, k % 13 * bs), saved
     assert first + rest == full, f"saved after {k} delivered batches ({saved})"
 
 
@@ -524,3 +534,121 @@ def test_without_a_loader_generator_resume_draws_differ() -> None:
     """Why the generator is documented: the loader otherwise draws from the global RNG."""
     full = _uninterrupted_draws(20, 3, 16)
     assert any(_draws_with_resume(20, 3, k, 16) != full for k in (2, 5, 7, 10))
+
+
+# --------------------------------------------------------------------------------------------
+# loops that stop after len(loader) batches (PyTorch Lightning, any loop that counts batches)
+
+
+def _per_rank_epoch(s: tg.ResumableSampler, epoch: int, bs: int, drop_last: bool) -> list[int]:
+    mine = s.order(epoch).tolist()[s.rank :: s.world_size]
+    return mine[: len(mine) // bs * bs] if drop_last else mine
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_loop_that_takes_exactly_len_loader_batches_gets_every_epoch_whole(
+    world: int, drop_last: bool
+) -> None:
+    # Lightning's loop: a fresh iter(loader) per epoch, exactly len(loader) batches taken with
+    # next(), the iterator never drained (it is kept alive until the next epoch replaces it).
+    # Without drop_last, the epoch's last batch is full on every rank (24 = 4 * 3 * 2): the
+    # loader hands it over before asking the sampler for more, so nothing drains the sampler.
+    n, bs, epochs = (26 if drop_last else 24), 4, 4
+    kw: dict[str, Any] = {"batch_size": bs, "drop_last": True} if drop_last else {}
+    samplers = [
+        tg.ResumableSampler(n, seed=3, rank=r, world_size=world, **kw) for r in range(world)
+    ]
+    loaders = [
+        DataLoader(TensorDataset(torch.arange(n)), batch_size=bs, sampler=s, drop_last=drop_last)
+        for s in samplers
+    ]
+    lengths = [len(lo) for lo in loaders]
+    kept: list[Iterator[Any]] = []
+    for epoch in range(epochs):
+        union: list[int] = []
+        kept.clear()
+        for s, lo, length in zip(samplers, loaders, lengths, strict=True):
+            assert len(lo) == length, f"epoch {epoch}: len(loader) changed"
+            it = iter(lo)
+            kept.append(it)
+            got = flat(next(it)[0].tolist() for _ in range(length))
+            assert got == _per_rank_epoch(s, epoch, bs, drop_last), f"epoch {epoch}, rank {s.rank}"
+            assert (s.epoch, s.consumed) == (epoch + 1, 0), f"epoch {epoch} did not advance"
+            union += got
+        assert len(union) == len(set(union)), f"epoch {epoch}: a sample came twice"
+        if not drop_last:
+            assert sorted(union) == list(range(n)), f"epoch {epoch}: samples skipped"
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_len_loader_loop_saved_at_the_epoch_end_resumes_with_the_next_epoch(
+    tmp_path: Path, drop_last: bool
+) -> None:
+    n, bs = (23 if drop_last else 24), 4
+    kw: dict[str, Any] = {"batch_size": bs, "drop_last": True} if drop_last else {}
+    s = tg.ResumableSampler(n, seed=5, **kw)
+    loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=bs, sampler=s)
+    it = iter(loader)
+    first = [next(it)[0].tolist() for _ in range(len(loader))]
+    tg.save(tmp_path / "ck", {"data": s})
+    fresh = tg.ResumableSampler(n, seed=5, **kw)
+    tg.load(tmp_path / "ck", into={"data": fresh})
+    assert (fresh.epoch, fresh.consumed) == (1, 0)
+    loader2 = DataLoader(TensorDataset(torch.arange(n)), batch_size=bs, sampler=fresh)
+    assert len(loader2) == len(loader)
+    it2 = iter(loader2)
+    second = flat(next(it2)[0].tolist() for _ in range(len(loader2)))
+    assert flat(first) == _per_rank_epoch(s, 0, bs, drop_last)
+    assert second == _per_rank_epoch(s, 1, bs, drop_last)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "drop_last"), [(1, False), (1, True), (2, False), (2, True)])
+def test_track_with_workers_advances_the_epoch_with_its_last_batch(
+    world: int, drop_last: bool
+) -> None:
+    # Prefetching workers, track(), a loop that stops after len(loader) batches per epoch.
+    # drop_last comes from the loader: track() reads it there. Without drop_last every rank's
+    # last batch is full, so nothing but track() can end the epoch.
+    n, bs, epochs = (30 if drop_last else 32), 4, 3
+    for rank in range(world):
+        s = tg.ResumableSampler(n, seed=4, rank=rank, world_size=world)
+        loader = DataLoader(
+            TensorDataset(torch.arange(n)),
+            batch_size=bs,
+            sampler=s,
+            num_workers=2,
+            drop_last=drop_last,
+            generator=s.generator,
+        )
+        length = len(loader)
+        for epoch in range(epochs):
+            got: list[list[int]] = []
+            for (batch,) in s.track(loader):
+                got.append(batch.tolist())
+                if len(got) == length:
+                    break
+            assert flat(got) == _per_rank_epoch(s, epoch, bs, drop_last), (rank, epoch)
+            assert (s.epoch, s.consumed) == (epoch + 1, 0), f"rank {rank} epoch {epoch} stuck"
+            assert len(loader) == length
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"drop_last": True},  # needs the batch size
+        {"batch_size": 0},
+        {"batch_size": 2.0},
+        {"batch_size": 2, "drop_last": 1},
+    ],
+)
+def test_drop_last_needs_a_valid_batch_size(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"batch_size|drop_last"):
+        tg.ResumableSampler(10, **kwargs)
+
+
+def test_track_refuses_a_loader_with_another_batch_size() -> None:
+    s = tg.ResumableSampler(10, batch_size=3, drop_last=True)
+    with pytest.raises(InvalidArgumentError, match="batch_size=3"):
+        next(iter(s.track(make_loader(10, s, 2))))

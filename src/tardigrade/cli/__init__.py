@@ -9,6 +9,7 @@
     tardigrade gc DIR                       remove leftovers of interrupted saves
 
 Exit status: 0 success, 1 failure (corrupt checkpoint, missing path, ...), 2 bad usage.
+``diff`` follows ``diff(1)``/``cmp(1)``: 0 identical, 1 different, 2 trouble (an error).
 """
 
 from __future__ import annotations

@@ -197,8 +197,8 @@ def install_hang(hang_at: int | None, ckpt_dir: str) -> None:
     marker = f"{os.sep}.tmp-{checkpoint_name(hang_at)}-"
     once = threading.Lock()  # several files may be written in parallel: announce only one
 
-    def write(self: LocalWriter, data: memoryview | bytes) -> None:
-        original(self, data)
+    def write(self: LocalWriter, data: memoryview | bytes, **kw: Any) -> None:
+        original(self, data, **kw)
         if marker in self.path and not self.path.endswith(MANIFEST) and once.acquire(False):
             emit("saving", step=hang_at, file=os.path.relpath(self.path, ckpt_dir))
             time.sleep(HANG_SECONDS)

@@ -1,10 +1,15 @@
 """``tardigrade diff A B``: what differs between two checkpoints, leaf by leaf.
 
-Structure, small values, dtypes and shapes come from the two manifests. Tensor contents are
-compared by their chunk checksums when both checkpoints split the tensor the same way (the
+Structure, small values, dtypes and shapes come from the two manifests. By default both
+checkpoints are verified first (every byte against its checksum, as ``tardigrade verify``
+does), so that a recorded checksum stands for the bytes really on disk. Tensor contents are
+then compared by their chunk checksums when both checkpoints split the tensor the same way (the
 usual case: same model, same machine); otherwise the two tensors are read, one at a time, and
-compared byte for byte. So a diff of two large checkpoints reads tensor data only where it has
-to, and holds at most one tensor of each in memory.
+compared byte for byte. ``--checksums-only`` skips the verification: fast, but a copy damaged
+after its save compares as whatever its manifest recorded, and the output says so.
+
+Exit status: 0 identical, 1 different, 2 on errors (a checkpoint missing, unreadable or failing
+verification) and bad usage.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from typing import Any
 
 import torch
 
-from .._load import _check_refs, _read_entries, open_manifest
+from .._load import _check_refs, _read_entries, open_manifest, verify
 from .._tree import decode, path_str
+from ..errors import TardigradeError
 from ..format.dtypes import TORCH_DTYPES
 from ..format.manifest import Manifest
 from ._listing import require_single
@@ -32,13 +38,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Compare the state saved in checkpoints A and B: keys only in one of them, values "
             "and container types that changed, tensors whose dtype, shape or bytes differ "
-            "(bit for bit: NaNs with the same bits are equal, 0.0 and -0.0 are not). Exit "
-            "status 0 when the states are identical, 1 when they differ or on error."
+            "(bit for bit: NaNs with the same bits are equal, 0.0 and -0.0 are not). Both "
+            "checkpoints are verified first (every byte against its checksum), so a damaged "
+            "copy is reported, not compared. Exit status: 0 when the states are identical, 1 "
+            "when they differ, 2 on errors (missing, unreadable or damaged checkpoint) and bad "
+            "usage."
         ),
     )
     p.add_argument("a", metavar="A", help="a checkpoint directory")
     p.add_argument("b", metavar="B", help="another checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the differences as JSON")
+    p.add_argument(
+        "--checksums-only",
+        action="store_true",
+        help=(
+            "do not verify the bytes: compare tensors by the checksums the manifests recorded "
+            "(fast; bytes are read only where the two split a tensor differently). A copy "
+            "damaged after its save is not detected"
+        ),
+    )
     p.set_defaults(run=run)
 
 
@@ -136,9 +154,16 @@ def _same_tensor(a: _Side, ta: _Tensor, b: _Side, tb: _Tensor) -> bool:
     return torch.equal(_bits(xa), _bits(xb))
 
 
-def compare(path_a: str, path_b: str) -> list[dict[str, str]]:
-    """Every difference between the states of two checkpoints, in path order."""
+def compare(path_a: str, path_b: str, *, verified: bool = True) -> list[dict[str, str]]:
+    """Every difference between the states of two checkpoints, in path order.
+
+    With ``verified`` (the default) both checkpoints pass a full checksum pass first
+    (CorruptCheckpointError otherwise), so equal recorded checksums mean equal bytes on disk.
+    """
     a, b = _Side(path_a), _Side(path_b)
+    if verified:
+        verify(path_a)
+        verify(path_b)
     out: list[dict[str, str]] = []
 
     def add(kind: str, path: tuple[Any, ...], detail: str) -> None:
@@ -176,16 +201,45 @@ def compare(path_a: str, path_b: str) -> list[dict[str, str]]:
     return out
 
 
+EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
+
+
 def run(args: argparse.Namespace) -> int:
-    diffs = compare(args.a, args.b)
+    verified = not args.checksums_only
+    try:
+        diffs = compare(args.a, args.b, verified=verified)
+    except (TardigradeError, OSError) as e:
+        from . import error  # the package imports this module first
+
+        # Not "different": the comparison could not be made (like cmp(1), errors exit 2).
+        where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
+        error(f"{where}{e}")
+        return EXIT_ERROR
+    note = (
+        "both checkpoints verified: every byte matches its checksum"
+        if verified
+        else "bytes not verified (--checksums-only): tensors compared by their recorded "
+        "checksums; run without --checksums-only to detect damage since the save"
+    )
     if args.json:
-        print(json.dumps({"a": args.a, "b": args.b, "identical": not diffs, "diffs": diffs}))
-        return 1 if diffs else 0
+        print(
+            json.dumps(
+                {
+                    "a": args.a,
+                    "b": args.b,
+                    "identical": not diffs,
+                    "verified": verified,
+                    "diffs": diffs,
+                }
+            )
+        )
+        return EXIT_DIFFERENT if diffs else EXIT_SAME
     if not diffs:
-        print(f"identical: the states saved in {args.a} and {args.b} are bit for bit the same")
-        return 0
+        same = "bit for bit the same" if verified else "the same by their recorded checksums"
+        print(f"identical: the states saved in {args.a} and {args.b} are {same} ({note})")
+        return EXIT_SAME
     width = max(len(d["kind"]) for d in diffs)
     for d in diffs:
         print(f"{d['kind']:<{width}}  {d['path']}  {d['detail']}")
-    print(f"{len(diffs)} difference(s) between {args.a} (A) and {args.b} (B)")
-    return 1
+    print(f"{len(diffs)} difference(s) between {args.a} (A) and {args.b} (B) ({note})")
+    return EXIT_DIFFERENT

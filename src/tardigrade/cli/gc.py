@@ -40,11 +40,14 @@ def run(args: argparse.Namespace) -> int:
         what = "is not a directory" if os.path.exists(directory) else "does not exist"
         raise CheckpointNotFoundError(f"{args.dir}: {what}; pass a checkpoint directory")
     lock = DirectoryLock(directory)
-    lock.acquire()  # CheckpointLockedError names the live owner
     try:
+        # CheckpointLockedError names the live owner. A full disk does not stop us: the lock is
+        # held without its record, and removing leftovers is what frees the space.
+        lock.acquire()
+        lock.check()  # fencing: still ours right before anything is removed
         done = tidy(directory, dry_run=args.dry_run)
     finally:
-        lock.release()
+        lock.release()  # never raises; the lock is free however tidy ended
     verb = {"removed": "would remove", "recovered": "would recover"} if args.dry_run else {}
     for t in done:
         print(f"{verb.get(t.action, t.action):<13} {t.name}  ({human_bytes(t.nbytes)})")

@@ -3,21 +3,54 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedFormatError
+from ..storage.base import MANIFEST as MANIFEST
 from ..storage.base import check_name
 from . import limits
-from .checksum import ALGORITHM
+from .checksum import ALGORITHM, checksum
 from .dtypes import ITEMSIZE
 from .jsonio import gc_paused, loads_strict
 from .tiling import TilingError, check_exact_tiling
 
-MANIFEST = "manifest.json"
 FORMAT_NAME = "tardigrade"
-FORMAT_VERSION = 1
-READABLE_VERSIONS = (1,)
+# v2: the manifest carries its own checksum and every data file's header checksum, so every
+# byte of a checkpoint is covered. v1 (no manifest or header checksum) is still read.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+SEALED_SINCE = 2  # the first version whose manifests must carry a checksum
+
+# A sealed manifest ends with this member, its checksum over the manifest without it. Putting
+# it last, in a fixed spelling, lets a reader check the bytes before it parses a single one.
+_SEAL_KEY = b',"manifest_checksum":"'
+_SEAL = re.compile(rb',"manifest_checksum":"([0-9a-f]{16})"\}\Z')
+_SEAL_LEN = len(_SEAL_KEY) + 16 + 2
+
+
+def seal(body: bytes) -> bytes:
+    """Append the manifest's checksum to ``body`` (compact JSON of one object)."""
+    if not body.endswith(b"}") or body == b"{}":
+        raise ValueError("seal() takes the compact JSON of a non-empty object")
+    return body[:-1] + _SEAL_KEY + checksum(body).encode() + b'"}'
+
+
+def _unseal(raw: bytes, where: str) -> bool:
+    """Check a sealed manifest's checksum; return whether ``raw`` carries one at all."""
+    m = _SEAL.search(raw, max(0, len(raw) - _SEAL_LEN))
+    if m is None:
+        return False
+    body = raw[: m.start()] + b"}"
+    if checksum(body) != m.group(1).decode():
+        raise ChecksumMismatchError(
+            f"{where}: manifest fails its checksum (expected {m.group(1).decode()}, got "
+            f"{checksum(body)}); it was modified or damaged after the save. Delete this "
+            "checkpoint or restore it from a backup (CheckpointManager.restore() falls back to "
+            "the newest checkpoint that verifies)."
+        )
+    return True
 
 
 @dataclass(frozen=True)
@@ -52,6 +85,8 @@ class Manifest:
     raw: dict[str, Any]
     tensors: tuple[TensorInfo, ...]
     files: dict[str, int]  # name -> size in bytes
+    # name -> checksum of the file's safetensors header (length prefix, JSON, padding); v2 on
+    header_checksums: dict[str, str]
 
     @property
     def step(self) -> int | None:
@@ -90,6 +125,7 @@ def _int_list(v: Any) -> bool:
 
 def parse(raw_bytes: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes; raise a TardigradeError naming ``where``."""
+    sealed = _unseal(raw_bytes, where)
     doc = loads_strict(raw_bytes, where)
     if not isinstance(doc, dict):
         raise _fail(where, "manifest is not a JSON object")
@@ -103,6 +139,12 @@ def parse(raw_bytes: bytes, where: str) -> Manifest:
             f"{where}: format_version {version} is not supported by this version of Tardigrade "
             f"(it reads versions {list(READABLE_VERSIONS)}). Upgrade Tardigrade to read it."
         )
+    if version >= SEALED_SINCE and not sealed:
+        raise _fail(
+            where,
+            f"format_version {version} manifests end with their checksum, and this one does not "
+            "(truncated, or edited by hand)",
+        )
     if doc.get("checksum_algorithm") != ALGORITHM:
         raise UnsupportedFormatError(
             f"{where}: checksum algorithm {doc.get('checksum_algorithm')!r} is unknown "
@@ -113,15 +155,27 @@ def parse(raw_bytes: bytes, where: str) -> Manifest:
             raise _fail(where, f"{field!r} must be an integer or null")
     if not isinstance(doc.get("tree"), dict):
         raise _fail(where, "'tree' is missing")
-    files = _files(doc.get("files"), where)
+    files, header_sums = _files(doc.get("files"), where, sealed=version >= SEALED_SINCE)
     tensors = _tensors(doc.get("tensors"), files, where)
-    return Manifest(doc, tensors, files)
+    _check_keys_unique(tensors, where)
+    return Manifest(doc, tensors, files, header_sums)
 
 
-def _files(v: Any, where: str) -> dict[str, int]:
+def _check_keys_unique(tensors: tuple[TensorInfo, ...], where: str) -> None:
+    """Two chunks naming one (file, key) would read the same bytes twice."""
+    seen: set[tuple[str, str]] = set()
+    for i, t in enumerate(tensors):
+        for c in t.chunks:
+            if (c.file, c.key) in seen:
+                raise _fail(where, f"tensor #{i}: key {c.key!r} of {c.file!r} is used twice")
+            seen.add((c.file, c.key))
+
+
+def _files(v: Any, where: str, *, sealed: bool) -> tuple[dict[str, int], dict[str, str]]:
     if not isinstance(v, list) or len(v) > limits.MAX_FILES:
         raise _fail(where, f"'files' must be a list of at most {limits.MAX_FILES} entries")
     out: dict[str, int] = {}
+    sums: dict[str, str] = {}
     for f in v:
         if not isinstance(f, dict) or type(f.get("size")) is not int or f["size"] < 0:
             raise _fail(where, f"file entry {f!r} must have a name and a non-negative size")
@@ -129,7 +183,11 @@ def _files(v: Any, where: str) -> dict[str, int]:
         if name in out:
             raise _fail(where, f"data file {name!r} is listed twice")
         out[name] = f["size"]
-    return out
+        if sealed:
+            if not isinstance(f.get("header_checksum"), str):
+                raise _fail(where, f"data file {name!r} has no header_checksum")
+            sums[name] = f["header_checksum"]
+    return out, sums
 
 
 def _tensors(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...]:

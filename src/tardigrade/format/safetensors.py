@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedFormatError
 from . import limits
 from .checksum import Hasher
 from .dtypes import ITEMSIZE
@@ -64,6 +64,9 @@ def encode_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) 
         header["__metadata__"] = metadata
     offset = 0
     for t in specs:
+        if t.key in header:
+            # A JSON object keeps only the last of two equal keys: the file would be corrupt.
+            raise ValueError(f"safetensors key {t.key!r} appears twice in one file")
         header[t.key] = {
             "dtype": t.dtype,
             "shape": list(t.shape),
@@ -82,8 +85,13 @@ def _corrupt(src: ByteSource, what: str) -> CorruptCheckpointError:
     )
 
 
-def read_header(src: ByteSource) -> dict[str, HeaderEntry]:
-    """Read and validate a data file's header; return its entries by key."""
+def read_header(src: ByteSource, expected_checksum: str | None = None) -> dict[str, HeaderEntry]:
+    """Read and validate a data file's header; return its entries by key.
+
+    With ``expected_checksum`` (what the manifest recorded), the header's bytes, length prefix
+    and padding included, must match it: a damaged header can otherwise still parse (a space
+    in the padding, an edited metadata value) or point keys at other bytes.
+    """
     if src.size < 8:
         raise _corrupt(src, f"file is {src.size} bytes, too short to hold a safetensors header")
     buf = bytearray(8)
@@ -95,6 +103,16 @@ def read_header(src: ByteSource) -> dict[str, HeaderEntry]:
         raise _corrupt(src, f"header length {n} runs past the end of the {src.size}-byte file")
     raw = bytearray(n)
     src.readinto(8, memoryview(raw))
+    if expected_checksum is not None:
+        h = Hasher()
+        h.update(buf)
+        h.update(raw)
+        if h.hexdigest() != expected_checksum:
+            raise ChecksumMismatchError(
+                f"{src.name}: safetensors header fails its checksum (expected "
+                f"{expected_checksum}, got {h.hexdigest()}); it was damaged after the save. "
+                "Delete this checkpoint or restore it from a backup."
+            )
     header = loads_strict(bytes(raw), src.name)
     if not isinstance(header, dict):
         raise _corrupt(src, "header is not a JSON object")

@@ -10,14 +10,25 @@ from __future__ import annotations
 
 import abc
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, TardigradeError
+from ..format.checksum import Hasher
+
+# The commit record of a checkpoint, and how every manifest Tardigrade writes begins.
+MANIFEST = "manifest.json"
+MANIFEST_START = b'{"format":"tardigrade"'
 
 
 class Writer(abc.ABC):
     """A file being written. ``close()`` makes its bytes durable."""
 
     @abc.abstractmethod
-    def write(self, data: memoryview | bytes) -> None: ...
+    def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
+        """Append ``data``.
+
+        With ``hasher``, the writer updates it with exactly the bytes it writes, taken from its
+        own copy of ``data``: the caller's memory may change during the call (a synchronous
+        save of live tensors) and the checksum still describes the file.
+        """
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -77,6 +88,25 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def commit(self, staging: str, name: str, *, replace: bool) -> None:
         """Make ``staging`` visible as ``name``, durably. ``replace`` swaps out an existing one."""
+
+    def describe(self, name: str) -> str | None:
+        """What is at ``name``: None (nothing), ``"checkpoint"`` (a directory whose commit
+        record is a Tardigrade manifest), ``"directory"`` or ``"file"`` (anything else)."""
+        if not self.exists(name):
+            return None
+        try:
+            with self.open_reader(f"{name}/{MANIFEST}") as r:
+                head = bytearray(min(r.size, len(MANIFEST_START)))
+                r.readinto(0, memoryview(head))
+            if bytes(head) == MANIFEST_START:
+                return "checkpoint"
+        except (OSError, TardigradeError):
+            pass
+        return "directory" if self.list(name) or self.is_dir(name) else "file"
+
+    def is_dir(self, name: str) -> bool:
+        """Whether ``name`` is a directory (object stores: a prefix with entries)."""
+        return bool(self.list(name))
 
     def read_bytes(self, name: str, limit: int) -> bytes:
         """Read a whole small file, refusing ones larger than ``limit``."""

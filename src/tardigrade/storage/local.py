@@ -8,12 +8,14 @@ import fcntl
 import os
 import shutil
 import stat
+import uuid
 from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError, StorageError
-from .base import Reader, Storage, Writer
+from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError
+from ..format.checksum import Hasher
+from .base import MANIFEST, Reader, Storage, Writer
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -53,6 +55,7 @@ DIRECT_MIN_BYTES = 4 * 1024 * 1024
 DIRECT_IO_ENV = "TARDIGRADE_DIRECT_IO"
 DIRECT_BLOCK = 4096  # offsets, lengths and buffer addresses of direct I/O are multiples of this
 BOUNCE_BYTES = 8 * 1024 * 1024
+SCRATCH_BYTES = 1024 * 1024
 
 
 class LocalWriter(Writer):
@@ -75,6 +78,7 @@ class LocalWriter(Writer):
         self._bounce: np.ndarray[Any, Any] | None = None  # allocated on first use
         self._bounce_cap = 0
         self._fill = 0
+        self._scratch: bytearray | None = None  # private copies for hashed buffered writes
         self.direct = False  # whether the bytes go to disk with O_DIRECT
         if (
             size_hint is not None
@@ -86,13 +90,16 @@ class LocalWriter(Writer):
             self._bounce_cap = min(BOUNCE_BYTES, -(-size_hint // DIRECT_BLOCK) * DIRECT_BLOCK)
             self.direct = True
 
-    def write(self, data: memoryview | bytes) -> None:
+    def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         self._size += view.nbytes
         if not self._bounce_cap:
-            self._write_all(view)
+            if hasher is None:
+                self._write_all(view)
+            else:
+                self._write_private(view, hasher)
             return
-        if self.direct and self._fill == 0 and view.nbytes >= DIRECT_BLOCK:
+        if hasher is None and self.direct and self._fill == 0 and view.nbytes >= DIRECT_BLOCK:
             # Block-aligned memory at a block boundary of the file: no copy needed.
             whole = view.nbytes - view.nbytes % DIRECT_BLOCK
             if np.frombuffer(view, dtype=np.uint8).ctypes.data % DIRECT_BLOCK == 0:
@@ -103,10 +110,24 @@ class LocalWriter(Writer):
             n = min(view.nbytes, len(bounce) - self._fill)
             # numpy copies without holding the GIL, so parallel writers overlap their copies.
             bounce[self._fill : self._fill + n] = np.frombuffer(view[:n], dtype=np.uint8)
+            if hasher is not None:
+                hasher.update(memoryview(bounce[self._fill : self._fill + n]))
             self._fill += n
             view = view[n:]
             if self._fill == len(bounce):
                 self._flush_bounce(self._fill)
+
+    def _write_private(self, view: memoryview, hasher: Hasher) -> None:
+        """Copy, hash the copy, write the copy: the source may change under a buffered write."""
+        while view.nbytes:
+            n = min(view.nbytes, SCRATCH_BYTES)
+            if self._scratch is None:
+                self._scratch = bytearray(SCRATCH_BYTES)
+            piece = memoryview(self._scratch)[:n]
+            piece[:] = view[:n]
+            hasher.update(piece)
+            self._write_all(piece)
+            view = view[n:]
 
     def _bounce_for(self, nbytes: int) -> np.ndarray[Any, Any]:
         """The bounce buffer, sized to take ``nbytes`` more: one block while everything fits
@@ -150,6 +171,18 @@ class LocalWriter(Writer):
                 self._flush_bounce(padded)
                 os.ftruncate(self._fd, self._size)
             os.fsync(self._fd)
+            # Direct writes pad the last block and truncate it off again: one fstat proves the
+            # file holds exactly the bytes accepted, no padding left and none lost.
+            actual = os.fstat(self._fd).st_size
+            if actual != self._size:
+                raise StorageError(
+                    errno.EIO,
+                    f"{self.path}: the file holds {actual} bytes after writing, but {self._size} "
+                    "were written to it; the file is not what was written. This is a bug in "
+                    "Tardigrade or a filesystem fault; please report it.",
+                )
+        except StorageError:
+            raise
         except OSError as e:
             raise StorageError(e.errno, f"finishing {self.path}: {e.strerror}") from e
         finally:
@@ -164,6 +197,7 @@ class LocalWriter(Writer):
     def _release(self) -> None:
         fd, self._fd = self._fd, -1
         self._bounce = None
+        self._scratch = None
         if fd >= 0:
             os.close(fd)
 
@@ -238,6 +272,7 @@ class LocalStorage(Storage):
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
+        self._held: dict[str, int] = {}  # staging name -> fd holding its flock
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, name) if name else self.root
@@ -258,26 +293,53 @@ class LocalStorage(Storage):
         return os.path.lexists(self._path(name))
 
     def is_dir(self, name: str) -> bool:
-        return os.path.isdir(self._path(name))
+        path = self._path(name)
+        return os.path.isdir(path) and not os.path.islink(path)
+
+    def begin(self, name: str, save_id: str) -> str:
+        """Create ``.tmp-NAME-ID`` and hold an ``flock`` on it until commit or delete.
+
+        A save needs no directory lock (``tg.save`` takes none), so cleanup (``tardigrade gc``,
+        a manager's tidy-up) tells a live save's staging from a dead one's by this flock: the
+        kernel drops it when the saving process dies, whatever killed it.
+        """
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot create {self.root}: {e.strerror}") from e
+        for attempt in range(8):
+            staging = f".tmp-{name}-{save_id if attempt == 0 else uuid.uuid4().hex}"
+            path = self._path(staging)
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise StorageError(e.errno, f"cannot create {path}: {e.strerror}") from e
+            fd = lock_dir(path, wait=True)
+            if fd is not None:
+                self._held[staging] = fd
+                return staging
+            # A cleanup judged the fresh, not yet locked directory dead and removed it.
+        raise StorageError(errno.EAGAIN, f"cannot create a staging directory for {name}")
+
+    def _unlock(self, name: str) -> None:
+        fd = self._held.pop(name, None)
+        if fd is not None:
+            os.close(fd)
 
     def delete(self, name: str) -> None:
         path = self._path(name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-    def begin(self, name: str, save_id: str) -> str:
-        staging = f".tmp-{name}-{save_id}"
         try:
-            os.makedirs(self.root, exist_ok=True)
-            os.mkdir(self._path(staging))
-        except OSError as e:
-            raise StorageError(e.errno, f"cannot create {self._path(staging)}: {e.strerror}") from e
-        return staging
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        finally:
+            self._unlock(name)
 
     def commit(self, staging: str, name: str, *, replace: bool) -> None:
         src, dst = self._path(staging), self._path(name)
@@ -287,18 +349,76 @@ class LocalStorage(Storage):
                 # rename() cannot replace a non-empty directory. Swap the two atomically, so at
                 # every instant the name holds a complete checkpoint (old, then new).
                 if _exchange(src, dst):
+                    if not _is_checkpoint(src):
+                        # Something else took the name since the caller checked: put it back.
+                        _exchange(src, dst)
+                        raise CheckpointExistsError(
+                            f"{dst}: something that is not a checkpoint appeared here during "
+                            "the save; it was left in place and nothing was committed."
+                        )
                     fsync_dir(self.root)
                     shutil.rmtree(src, ignore_errors=True)
                 else:
-                    # No atomic swap here: move the old one aside first. A crash in between
-                    # leaves it as ".tmp-NAME-replaced-ID", which recover() puts back.
-                    old = self._path(f".tmp-{name}-replaced-{staging.rsplit('-', 1)[-1]}")
-                    os.rename(dst, old)
-                    os.rename(src, dst)
-                    fsync_dir(self.root)
-                    shutil.rmtree(old, ignore_errors=True)
+                    self._replace_by_renames(src, dst, name)
             else:
                 os.rename(src, dst)
             fsync_dir(self.root)
+        except CheckpointExistsError:
+            raise
         except OSError as e:
             raise StorageError(e.errno, f"cannot commit {dst}: {e.strerror}") from e
+        finally:
+            self._unlock(staging)
+
+    def _replace_by_renames(self, src: str, dst: str, name: str) -> None:
+        """Replace without an atomic swap: move the old checkpoint aside, then rename.
+
+        A crash in between leaves it as ``.tmp-NAME-replaced-ID``, which cleanup puts back. It
+        is locked while aside, so a concurrent cleanup does not "recover" it mid-replace.
+        """
+        if not _is_checkpoint(dst):
+            raise CheckpointExistsError(
+                f"{dst}: something that is not a checkpoint appeared here during the save; it "
+                "was left in place and nothing was committed."
+            )
+        fd = lock_dir(dst, wait=True)
+        try:
+            old = self._path(f".tmp-{name}-replaced-{uuid.uuid4().hex}")
+            os.rename(dst, old)
+            os.rename(src, dst)
+            fsync_dir(self.root)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def _is_checkpoint(path: str) -> bool:
+    manifest = os.path.join(path, MANIFEST)
+    return (
+        os.path.isdir(path)
+        and not os.path.islink(path)
+        and os.path.isfile(manifest)
+        and not os.path.islink(manifest)
+    )
+
+
+def lock_dir(path: str, *, wait: bool) -> int | None:
+    """An fd of directory ``path`` holding an exclusive flock on it, or None.
+
+    None when ``path`` is gone or is no longer the directory that was locked (someone removed
+    or replaced it meanwhile), or, with ``wait=False``, when another process holds the lock.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        now, held = os.stat(path, follow_symlinks=False), os.fstat(fd)
+        if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None

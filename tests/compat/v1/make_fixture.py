@@ -3,7 +3,7 @@
     .venv/bin/python tests/compat/v1/make_fixture.py
 
 The checkpoint is committed to the repository and must keep loading with every later version
-of Tardigrade (``tests/compat/test_v1_golden.py``). This script refuses to overwrite it
+of Tardigrade (``tests/compat/test_golden.py``). This script refuses to overwrite it
 (``tg.save`` without ``overwrite=True``). It prints the random draws that follow the saved RNG
 state and the manifest's ``save_id``; the golden test hard-codes both.
 """

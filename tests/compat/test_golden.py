@@ -1,8 +1,9 @@
-"""The golden format-v1 checkpoint (``v1/ckpt``, made once by ``v1/make_fixture.py``) keeps loading.
+"""The golden checkpoints of every format version keep loading (``v1/ckpt``, ``v2/ckpt``).
 
-Every value is checked against literals or against a deterministic re-creation written out here
-(not imported from the script, so editing the script cannot silently change the expectations).
-The fixture is only read; its bytes are pinned by hash.
+Each was made once by its ``vN/make_fixture.py`` from the same state and seeds, so every value
+is checked against the same literals or deterministic re-creation written out here (not
+imported from the scripts, so editing a script cannot silently change the expectations).
+The fixtures are only read; their bytes are pinned by hash.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import random
 import struct
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,32 +23,69 @@ import torch
 
 import tardigrade as tg
 
-CKPT = Path(__file__).resolve().parent / "v1" / "ckpt"
+HERE = Path(__file__).resolve().parent
 
-# What make_fixture.py printed when it made the fixture.
-SAVE_ID = "01f318a082864caabbfacd306ff8d73e"
+# What the make_fixture.py scripts printed (the draws are the same for every version).
 NEXT_RANDOM = 0.4407325991753527
 NEXT_NP_RAND = 0.5188654396289326
 NEXT_TORCH_RAND3 = [0.7301741242408752, 0.859134316444397, 0.2593020796775818]
 TORCH_RNG_SHA256 = "a67b8cc9ea0ec3c78fda15a772ada60599ee90df980648a9e901e8dcf87084b1"
-FILE_SHA256 = {
-    "data-00000-of-00001.safetensors": (
-        "b97059a68e3c2c095079b2caa094b6ea004f67ec48ec104e043cb7b95aefe343"
+DATA_SHA256 = "b97059a68e3c2c095079b2caa094b6ea004f67ec48ec104e043cb7b95aefe343"
+
+
+@dataclass(frozen=True)
+class Golden:
+    version: int
+    save_id: str
+    manifest_sha256: str
+    files: list[dict[str, Any]]  # the manifest's "files" list
+
+    @property
+    def ckpt(self) -> Path:
+        return HERE / f"v{self.version}" / "ckpt"
+
+
+GOLDEN = [
+    Golden(
+        1,
+        "01f318a082864caabbfacd306ff8d73e",
+        "2d6ea9af4094a2eb5ebd18375185b0cd024af86a940e79cf10c87b8e19ef5646",
+        [{"name": "data-00000-of-00001.safetensors", "size": 9711}],
     ),
-    "manifest.json": "2d6ea9af4094a2eb5ebd18375185b0cd024af86a940e79cf10c87b8e19ef5646",
-}
+    Golden(
+        2,
+        "01b09f6f658d4de79a8ee46b0434806b",
+        "f0319a41238e50589a416d81156ecee2b75068efc927478a533c329bdb3048bd",
+        [
+            {
+                "name": "data-00000-of-00001.safetensors",
+                "size": 9711,
+                "header_checksum": "e8f83aebee0ca6bd",
+            }
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=GOLDEN, ids=[f"v{g.version}" for g in GOLDEN])
+def golden(request: pytest.FixtureRequest) -> Golden:
+    return request.param
 
 
 @pytest.fixture(autouse=True)
-def _fixture_is_never_rewritten():
+def _fixture_is_never_rewritten(golden: Golden):
     """The fixture's bytes are pinned, before and after every test here."""
+    pinned = {
+        "data-00000-of-00001.safetensors": DATA_SHA256,
+        "manifest.json": golden.manifest_sha256,
+    }
 
     def digests() -> dict[str, str]:
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in CKPT.iterdir()}
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in golden.ckpt.iterdir()}
 
-    assert digests() == FILE_SHA256
+    assert digests() == pinned
     yield
-    assert digests() == FILE_SHA256
+    assert digests() == pinned
 
 
 @pytest.fixture(autouse=True)
@@ -107,29 +146,29 @@ def expected_tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def test_manifest_fields() -> None:
-    m = tg.read_manifest(CKPT)
+def test_manifest_fields(golden: Golden) -> None:
+    m = tg.read_manifest(golden.ckpt)
     assert m["format"] == "tardigrade"
-    assert m["format_version"] == 1
-    assert m["save_id"] == SAVE_ID
+    assert m["format_version"] == golden.version
+    assert m["save_id"] == golden.save_id
     assert m["step"] == 7 and m["epoch"] == 2
     assert m["world_size"] == 1
-    assert m["metadata"] == {"purpose": "golden v1"}
+    assert m["metadata"] == {"purpose": f"golden v{golden.version}"}
     assert m["metrics"] == {"loss": 0.125}
     assert m["versions"]["tardigrade"] == "0.1.0"
     assert m["checksum_algorithm"] == "xxh3-64"
-    assert m["files"] == [{"name": "data-00000-of-00001.safetensors", "size": 9711}]
+    assert m["files"] == golden.files
 
 
-def test_verify() -> None:
-    report = tg.verify(CKPT)
+def test_verify(golden: Golden) -> None:
+    report = tg.verify(golden.ckpt)
     assert report.step == 7
     assert report.files == 1
     assert report.nbytes == 9711
 
 
-def test_every_value() -> None:
-    state = tg.load(CKPT)
+def test_every_value(golden: Golden) -> None:
+    state = tg.load(golden.ckpt)
     assert list(state) == [
         "tensors",
         "shared",
@@ -248,8 +287,8 @@ def test_every_value() -> None:
     assert len(ptrs) == 1
 
 
-def test_rng_state_values() -> None:
-    rng = tg.load(CKPT, keys=["rng"])["rng"]
+def test_rng_state_values(golden: Golden) -> None:
+    rng = tg.load(golden.ckpt, keys=["rng"])["rng"]
     assert list(rng) == ["python", "numpy", "torch", "cuda"]
     assert rng["cuda"] == []
 
@@ -272,18 +311,18 @@ def test_rng_state_values() -> None:
     assert hashlib.sha256(bits(rng["torch"])).hexdigest() == TORCH_RNG_SHA256
 
 
-def test_rng_restore_continues_the_recorded_streams() -> None:
+def test_rng_restore_continues_the_recorded_streams(golden: Golden) -> None:
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
     live = {"rng": tg.RNGState()}
-    tg.load(CKPT, keys=["rng"], into=live)
+    tg.load(golden.ckpt, keys=["rng"], into=live)
     assert random.random() == NEXT_RANDOM
     assert float(np.random.rand()) == NEXT_NP_RAND
     assert torch.equal(torch.rand(3), torch.tensor(NEXT_TORCH_RAND3, dtype=torch.float32))
 
 
-def test_restore_into_live_objects() -> None:
+def test_restore_into_live_objects(golden: Golden) -> None:
     class Counter:
         def __init__(self) -> None:
             self.calls, self.history = 0, [0.0, 0.0]
@@ -298,7 +337,7 @@ def test_restore_into_live_objects() -> None:
     user = Counter()
     live = {"model": model, "user": user, "rng": tg.RNGState(), "step": 0}
     ptr = model.weight.data_ptr()
-    tg.load(CKPT, keys=["model", "user", "rng", "step"], into=live)
+    tg.load(golden.ckpt, keys=["model", "user", "rng", "step"], into=live)
     assert model.weight.data_ptr() == ptr
     assert_tensor(model.weight.detach(), torch.tensor([[-0.25, -0.125, 0.0], [0.125, 0.25, 0.375]]))
     assert_tensor(model.bias.detach(), torch.tensor([0.5, -1.5]))
@@ -307,8 +346,8 @@ def test_restore_into_live_objects() -> None:
     assert random.random() == NEXT_RANDOM
 
 
-def test_partial_load_of_nested_key() -> None:
-    out = tg.load(CKPT, keys=[("tensors", "bf16"), ("tree", "huge")])
+def test_partial_load_of_nested_key(golden: Golden) -> None:
+    out = tg.load(golden.ckpt, keys=[("tensors", "bf16"), ("tree", "huge")])
     assert list(out) == ["tensors", "tree"]
     assert list(out["tensors"]) == ["bf16"] and list(out["tree"]) == ["huge"]
     assert_tensor(out["tensors"]["bf16"], expected_tensors()["bf16"])

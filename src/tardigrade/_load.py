@@ -20,6 +20,7 @@ from .errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    InsufficientMemoryError,
     InvalidArgumentError,
     StateMismatchError,
     TardigradeError,
@@ -50,8 +51,31 @@ def open_manifest(path: Any) -> tuple[Storage, str, Manifest]:
             "CheckpointManager.restore() to pick the newest complete checkpoint."
         )
     where = storage.url(f"{name}/{MANIFEST}")
-    raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
-    return storage, name, parse(raw, where)
+    try:
+        raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+        return storage, name, parse(raw, where)
+    except MemoryError as e:
+        if isinstance(e, TardigradeError):
+            raise
+        raise InsufficientMemoryError(
+            f"{where}: ran out of memory reading the manifest. Free memory (or raise this "
+            "process's memory limit) and load again."
+        ) from None
+
+
+def _empty(shape: Sequence[int], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """torch.empty, with running out of memory as a TardigradeError (torch raises RuntimeError)."""
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError) as e:
+        if isinstance(e, RuntimeError) and "can't allocate memory" not in str(e):
+            raise
+        nbytes = math.prod(shape) * dtype.itemsize
+        raise InsufficientMemoryError(
+            f"{what}: cannot allocate {nbytes} bytes for a tensor of shape {list(shape)} "
+            f"{dtype}. Free memory, load fewer keys at once (keys=...), or load into "
+            "preallocated live tensors (into=...)."
+        ) from None
 
 
 def read_manifest(path: Any) -> dict[str, Any]:
@@ -544,7 +568,7 @@ def _read_file(
                 )
             region = _region(dest[task.entry], c)
             direct = region.is_contiguous()
-            target = region if direct else torch.empty(c.shape, dtype=region.dtype)
+            target = region if direct else _empty(c.shape, region.dtype, f"{src.name}: {c.key!r}")
             hasher = Hasher() if verify else None
             if target.numel():
                 st.read_range(src, h.begin, _bytes_of(target), hasher)
@@ -688,7 +712,7 @@ def load(
     for e in needed:
         if e not in dest:
             info = m.tensors[e]
-            dest[e] = torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
+            dest[e] = _empty(info.shape, TORCH_DTYPES[info.dtype], f"{where}: tensor #{e}")
     try:
         _read_entries(storage, name, m, needed, dest, verify, workers, _entry_paths(tree))
     except TardigradeError as e:

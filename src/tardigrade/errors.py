@@ -16,6 +16,7 @@ subclass also inherits the built-in exception a caller would naturally catch, so
           ├── CheckpointLockedError     (+ BlockingIOError)    another live writer owns the directory
           ├── InvalidArgumentError      (+ ValueError)         a bad argument to a public function
           ├── SaveError                 (+ RuntimeError)       a save failed (often in the background)
+          ├── InsufficientMemoryError   (+ MemoryError)        not enough memory to read a checkpoint
           └── StorageError              (+ OSError)            the storage backend failed
 
 Messages name the checkpoint, the key or file, what is wrong and what to do about it.
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
+    "InsufficientMemoryError",
     "InvalidArgumentError",
     "SaveError",
     "StateMismatchError",
@@ -77,6 +79,10 @@ class CheckpointLockedError(TardigradeError, BlockingIOError):
 
 class InvalidArgumentError(TardigradeError, ValueError):
     """A public function was called with an invalid argument."""
+
+
+class InsufficientMemoryError(TardigradeError, MemoryError):
+    """Reading a checkpoint needed more memory than could be had (free some, or raise limits)."""
 
 
 class SaveError(TardigradeError, RuntimeError):

@@ -239,3 +239,126 @@ def _random_layout(
             boxes[i] = ((*lo[:k], lo[k] + 1, *lo[k + 1 :]), (*hi[:k], hi[k] + 1, *hi[k + 1 :]))
     rng.shuffle(boxes)
     return boxes
+
+
+# ----------------------------------------------------------------------------------------------
+# memory: parsing a hostile manifest or header costs a bounded multiple of its size
+
+_MEASURE = r"""
+import json, resource, sys
+from tardigrade.errors import TardigradeError
+kind, path = sys.argv[1], sys.argv[2]
+raw = open(path, "rb").read()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    if kind == "manifest":
+        from tardigrade.format.manifest import parse
+        parse(raw, path)
+    else:
+        from tardigrade.format.safetensors import read_header
+        class Src:
+            name, size = path, len(raw)
+            def readinto(self, offset, buf):
+                buf[:] = raw[offset : offset + len(buf)]
+        read_header(Src())
+    verdict = "ok"
+except TardigradeError as e:
+    verdict = type(e).__name__ + ": " + str(e)[:200]
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"grew": (peak - base) * 1024, "verdict": verdict}))
+"""
+
+_MANIFEST_HEAD = (
+    b'{"format":"tardigrade","format_version":1,"checksum_algorithm":"xxh3-64",'
+    b'"tree":{"t":"dict","v":[]},"files":[],"tensors":[],"extra":['
+)
+SIZE = 40_000_000
+
+
+def _dense(unit: bytes, head: bytes = _MANIFEST_HEAD, tail: bytes = b"]}") -> bytes:
+    body = unit * (SIZE // len(unit))
+    return head + body[:-1] + tail
+
+
+def _header(body: bytes) -> bytes:
+    return len(body).to_bytes(8, "little") + body
+
+
+def _tiny_entries() -> bytes:
+    entries = b",".join(
+        b'"%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}' % i for i in range(1_000_000)
+    )
+    return b"{" + entries + b"}"
+
+
+def _realistic_manifest() -> bytes:
+    entry = (
+        b'{"dtype":"F32","shape":[4096,4096],"numpy":false,"chunks":[{"file":"d",'
+        b'"key":"model/model.layers.%d.mlp.up_proj.weight","offsets":[0,0],"shape":[4096,4096],'
+        b'"checksum":"c77b3abb6f87acd9"}]}'
+    )
+    n = SIZE // len(entry)
+    tensors = b",".join(entry % i for i in range(n))
+    return (
+        b'{"format":"tardigrade","format_version":1,"checksum_algorithm":"xxh3-64",'
+        b'"tree":{"t":"dict","v":[]},"files":[{"name":"d","size":%d}],"tensors":[%s]}'
+        % (n * 4096 * 4096 * 4, tensors)
+    )
+
+
+# (what is parsed, how it is built, accepted?, bound on growth as a multiple of the input)
+MEMORY_CASES: dict[str, tuple[str, Any, bool, float]] = {
+    # the densest content the estimate lets through (floats: ~12x)
+    "manifest-floats": ("manifest", lambda: _dense(b"1.5,"), True, 16),
+    "manifest-realistic-tensors": ("manifest", _realistic_manifest, True, 16),
+    # 25-40x when parsed: refused before parsing, over 1 GiB estimated
+    "manifest-empty-lists": ("manifest", lambda: _dense(b"[],"), False, 2),
+    "manifest-nested-lists": ("manifest", lambda: _dense(b"[[]],"), False, 2),
+    # state-tree nodes of plain ints (~14x): what a big Python list in a state becomes
+    "manifest-tree-nodes": ("manifest", lambda: _dense(b'{"t":"int","v":"5"},'), True, 16),
+    "header-metadata-dicts": (
+        "header",
+        lambda: _header(_dense(b"{},", b'{"__metadata__":[', b"]}")),
+        False,
+        2,
+    ),
+    # a million empty tensors with short names: the most entries a header may list
+    "header-tiny-entries": ("header", lambda: _header(_tiny_entries()), True, 16),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", list(MEMORY_CASES))
+def test_parse_memory_is_bounded(case: str, tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import tardigrade as tg
+
+    kind, build, accepted, multiple = MEMORY_CASES[case]
+    raw = build()
+    path = tmp_path / "input"
+    path.write_bytes(raw)
+    del raw
+    env = dict(os.environ, PYTHONPATH=str(Path(tg.__file__).parent.parent))
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, kind, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    size = path.stat().st_size
+    bound = multiple * size + (64 << 20)
+    assert got["grew"] <= bound, (
+        f"{case}: parsing {size >> 20} MiB grew the process by {got['grew'] >> 20} MiB "
+        f"(> {bound >> 20} MiB); {got['verdict']}"
+    )
+    if accepted:
+        assert got["verdict"] == "ok", got["verdict"]
+    else:
+        assert "so dense in objects and lists" in got["verdict"], got["verdict"]

@@ -16,6 +16,7 @@ BUILTIN = {
     tg.CheckpointLockedError: BlockingIOError,
     tg.InvalidArgumentError: ValueError,
     tg.SaveError: RuntimeError,
+    tg.InsufficientMemoryError: MemoryError,
     tg.StorageError: OSError,
 }
 

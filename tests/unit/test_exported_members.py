@@ -10,6 +10,7 @@ EXPECTED = {
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
+    "InsufficientMemoryError",
     "InvalidArgumentError",
     "Job",
     "JobRunner",

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, InsufficientMemoryError
+from . import limits
 
 
 @contextmanager
@@ -63,6 +64,7 @@ def loads_strict(raw: bytes, where: str) -> Any:
             f"{where}: header is not valid UTF-8 ({e}); the file is damaged. "
             "Delete this checkpoint or restore it from a backup."
         ) from None
+    _check_parse_cost(raw, where)
     try:
         with gc_paused():
             doc = json.loads(text, parse_constant=_reject_constant)
@@ -73,6 +75,11 @@ def loads_strict(raw: bytes, where: str) -> Any:
                 text, object_pairs_hook=_no_duplicates(where), parse_constant=_reject_constant
             )
         return doc
+    except MemoryError:
+        raise InsufficientMemoryError(
+            f"{where}: ran out of memory parsing {len(raw)} bytes of JSON. Free memory (or "
+            "raise this process's memory limit) and load again."
+        ) from None
     except RecursionError:
         raise CorruptCheckpointError(
             f"{where}: JSON is nested too deeply to be a checkpoint header; refusing to parse it."
@@ -84,6 +91,28 @@ def loads_strict(raw: bytes, where: str) -> Any:
             f"{where}: header is not valid JSON ({e}); the file is damaged or truncated. "
             "Delete this checkpoint or restore it from a backup."
         ) from None
+
+
+def parse_cost(raw: bytes) -> int:
+    """An upper estimate of the bytes of Python objects ``json.loads(raw)`` builds (counting
+    ',' ':' '{' '[' inside strings too, which only errs high)."""
+    return (
+        256 * raw.count(b"{")
+        + 96 * raw.count(b"[")
+        + 48 * (raw.count(b",") + raw.count(b":"))
+        + 3 * len(raw)  # the decoded text, the re-encoding that checks for duplicates
+    )
+
+
+def _check_parse_cost(raw: bytes, where: str) -> None:
+    cost = parse_cost(raw)
+    if cost > limits.PARSE_AMPLIFICATION * len(raw) and cost > limits.MAX_PARSE_BYTES:
+        raise CorruptCheckpointError(
+            f"{where}: {len(raw)} bytes of JSON so dense in objects and lists that parsing them "
+            f"would take about {cost >> 20} MiB (over {limits.PARSE_AMPLIFICATION}x their size "
+            f"and over {limits.MAX_PARSE_BYTES >> 20} MiB); no checkpoint writer makes such a "
+            "file. Refusing to parse it; delete this checkpoint or restore it from a backup."
+        )
 
 
 def _may_have_duplicates(raw: bytes, doc: Any) -> bool:

@@ -7,7 +7,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedFormatError
+from ..errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    InsufficientMemoryError,
+    TardigradeError,
+    UnsupportedFormatError,
+)
 from ..storage.base import MANIFEST as MANIFEST
 from ..storage.base import check_name
 from . import limits
@@ -191,8 +197,16 @@ def _files(v: Any, where: str, *, sealed: bool) -> tuple[dict[str, int], dict[st
 
 
 def _tensors(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...]:
-    with gc_paused():
-        return _tensors_unpaused(v, files, where)
+    try:
+        with gc_paused():
+            return _tensors_unpaused(v, files, where)
+    except MemoryError as e:
+        if isinstance(e, TardigradeError):
+            raise
+        raise InsufficientMemoryError(
+            f"{where}: ran out of memory validating {len(v)} tensors. Free memory (or raise "
+            "this process's memory limit) and load again."
+        ) from None
 
 
 def _tensors_unpaused(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...]:

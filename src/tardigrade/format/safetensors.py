@@ -14,7 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedFormatError
+from ..errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    InsufficientMemoryError,
+    UnsupportedFormatError,
+)
 from . import limits
 from .checksum import Hasher
 from .dtypes import ITEMSIZE
@@ -101,7 +106,13 @@ def read_header(src: ByteSource, expected_checksum: str | None = None) -> dict[s
         raise _corrupt(src, f"header length {n} exceeds the cap of {limits.MAX_HEADER_BYTES} bytes")
     if 8 + n > src.size:
         raise _corrupt(src, f"header length {n} runs past the end of the {src.size}-byte file")
-    raw = bytearray(n)
+    try:
+        raw = bytearray(n)
+    except MemoryError:
+        raise InsufficientMemoryError(
+            f"{src.name}: cannot allocate {n} bytes for the safetensors header. Free memory "
+            "(or raise this process's memory limit) and load again."
+        ) from None
     src.readinto(8, memoryview(raw))
     if expected_checksum is not None:
         h = Hasher()

@@ -16,7 +16,6 @@ import pytest
 
 from tardigrade.errors import CorruptCheckpointError
 from tardigrade.format import manifest
-from tardigrade.format.tiling import TilingError, check_exact_tiling
 
 TARGET_BYTES = 10_000_000
 # The goal is ~1 s per 10 MB on this machine; the machine is shared, so allow 3x that.
@@ -136,7 +135,7 @@ def test_worst_case_manifest_validates_in_bounded_time(case: str) -> None:
 
 def test_pinwheel_3d_is_not_separable_but_valid() -> None:
     """The stuck case really is stuck (so the pairwise fallback is what the timing covers)."""
-    from tardigrade.format.tiling import _cut
+    from tardigrade.format.tiling import _cut, check_exact_tiling
 
     t = pinwheel_3d()
     boxes = [
@@ -171,6 +170,8 @@ def test_pinwheel_3d_is_not_separable_but_valid() -> None:
 def test_exact_tiling_verdicts(
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...], valid: bool
 ) -> None:
+    from tardigrade.format.tiling import TilingError, check_exact_tiling
+
     if valid:
         check_exact_tiling(boxes, shape, 64)
     else:
@@ -184,6 +185,8 @@ def test_exact_tiling_agrees_with_counting_cells() -> None:
     import random
 
     import numpy as np
+
+    from tardigrade.format.tiling import TilingError, check_exact_tiling
 
     rng = random.Random(20)
     checked = refused = 0

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import tardigrade as tg
-from tardigrade import _async, _write
+from tardigrade import _async, _save, _write
 from tardigrade.errors import CheckpointNotFoundError, SaveError, TardigradeError
 from tardigrade.storage.local import LocalStorage, LocalWriter
 
@@ -719,7 +719,7 @@ def test_sync_stream_with_extra_bytes_fails_the_save(
         streams[0] += [_write.Segment(0, memoryview(b"stray bytes")), end]
         return streams
 
-    monkeypatch.setattr(_write, "stream_borrowed", with_stray_segment)
+    monkeypatch.setattr(_save, "stream_borrowed", with_stray_segment)
     with pytest.raises(SaveError) as info:
         tg.save(tmp_path / "bad", make_state(seed=12, mib=2))
     assert_layout_error(info.value, tmp_path / "bad")

@@ -94,7 +94,6 @@ class Entry:
 class Flat:
     tree: dict[str, Any]
     entries: list[Entry]
-    stateful_calls: int = 0
 
 
 class _Flattener:
@@ -358,7 +357,3 @@ def decode(
     except (ValueError, TypeError, OverflowError) as e:
         raise _bad(where, path, f"bad {tag!r} value ({e})") from None
     raise _bad(where, path, f"unknown or malformed node of type {tag!r}")
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    return NUMPY_DTYPES[name]

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint format clean
+.PHONY: demo test bench fuzz lint format clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,12 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/python -m pytest tests
+
+# Long fuzz runs: `make fuzz FUZZ_N=20000 FUZZ_SEED=7`. `make test` runs 2,000 cases.
+FUZZ_N ?= 20000
+FUZZ_SEED ?= 1
+fuzz: $(STAMP)
+	$(BIN)/python tests/fuzz/fuzz.py --n $(FUZZ_N) --seed $(FUZZ_SEED)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)

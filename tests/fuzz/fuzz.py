@@ -13,6 +13,7 @@ FIFOs, directories) and runs ``read_manifest``, ``verify``, ``load(verify=True)`
 
 The oracle, per target:
 - an exception that is not a TardigradeError is a finding ("exception");
+- a module imported while reading a checkpoint is a finding ("import": the file chose it);
 - a call over ``SLOW_S`` seconds is a finding ("slow"), a worker that does not answer within
   ``HANG_S`` is killed and respawned ("hang"), one that dies is respawned ("crash");
 - an InsufficientMemoryError, or a MemoryError, under the worker's address-space limit is a
@@ -64,7 +65,7 @@ HANG_S = 30.0  # a whole case (all targets) in the parent's eyes
 MEM_BUDGET = 1 << 30  # address space a worker may add on top of what torch's import took
 # Cases write and delete files all the time: on tmpfs where there is one.
 _SCRATCH = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-BAD = ("exception", "slow", "hang", "crash", "memory", "silent", "harness")
+BAD = ("exception", "slow", "hang", "crash", "memory", "silent", "import", "harness")
 
 HOSTILE_STRINGS = [
     "../manifest.json",
@@ -138,7 +139,8 @@ def build_corpora(root: Path) -> dict[str, Path]:
         tg.save(fresh / name, live_state(step), step=step, metrics={"loss": 0.25})
     out["fresh"] = fresh
     v1 = root / "v1"
-    tg.save(v1 / OLDER_DIR, live_state(5), step=5)
+    # Both v1 checkpoints are the golden one (so a v1 fixture replays on a v1-only reader).
+    shutil.copytree(V1_CKPT, v1 / OLDER_DIR)
     shutil.copytree(V1_CKPT, v1 / STEP_DIR)
     out["v1"] = v1
     return out
@@ -469,15 +471,15 @@ def apply_ops(ckpt: Path, ops: list[dict[str, Any]], outside: Path) -> None:
 
 def _reseal(ckpt: Path) -> None:
     """Recompute every checksum that covers metadata: data files' headers, then the manifest."""
-    from tardigrade.format.checksum import checksum
-    from tardigrade.format.manifest import seal
-
     try:
         doc = json.loads((ckpt / MANIFEST).read_bytes())
     except ValueError:
         return
     if not isinstance(doc, dict) or "manifest_checksum" not in doc:
         return  # an unsealed (v1) manifest: nothing to reseal
+    from tardigrade.format.checksum import checksum
+    from tardigrade.format.manifest import seal
+
     for f in doc.get("files") or []:
         name = f.get("name") if isinstance(f, dict) else None
         if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
@@ -624,6 +626,7 @@ class Worker:
             ):
                 continue
             start = time.perf_counter()
+            modules = len(sys.modules)
             outcome, detail = "ok", ""
             try:
                 if target == "read_manifest":
@@ -648,6 +651,10 @@ class Worker:
                 elif outcome == "memory" and type(e).__name__ != "MemoryError":
                     detail = f"{detail} (a tiny checkpoint made the loader ask for that much)"
             elapsed = time.perf_counter() - start
+            if len(sys.modules) > modules and outcome not in BAD:
+                # The checkpoint made the loader import something (a name looked up on torch).
+                new = len(sys.modules) - modules
+                outcome, detail = "import", f"{new} modules imported while reading it"
             if outcome == "silent" and resealed and self.checksummed_manifest:
                 outcome = "different-resealed"  # an edit with valid checksums is the file
             elif outcome == "silent" and unguarded:

@@ -1,0 +1,65 @@
+"""The fuzz harness in the test suite: a bounded run, and every past finding replayed.
+
+``make fuzz`` runs the same harness for as long as asked (``make fuzz FUZZ_N=20000``); see
+tests/fuzz/fuzz.py for the mutations and the oracle.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HARNESS = Path(__file__).resolve().parents[1] / "fuzz" / "fuzz.py"
+FIXTURES = Path(__file__).resolve().parent / "fuzz_fixtures"
+BOUNDED_CASES = 2000
+
+
+def _harness() -> Any:
+    spec = importlib.util.spec_from_file_location("tardigrade_fuzz", HARNESS)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses and pickling-free helpers look themselves up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.timeout(400)
+def test_bounded_fuzz_run_finds_nothing() -> None:
+    """>= 2,000 mutations of a fresh and the golden v1 checkpoint: every outcome is a correct
+    load or a TardigradeError; nothing slow, hung, crashed, out of memory or silently different
+    (except edits to the v1 manifest, which has no checksum: counted apart)."""
+    fuzz = _harness()
+    seed = int(os.environ.get("FUZZ_SEED", "1"))
+    summary = fuzz.run_fuzz(BOUNDED_CASES, seed, workers=2, corpora=["fresh", "v1"])
+    findings = summary["findings"]
+    assert not findings, "\n".join(
+        f"{f['what']} [{f['desc']}] replay: python {HARNESS} --replay {f['seed']}:{f['index']} "
+        f"--corpus {f['corpus']}\n  {f['detail']}"
+        for f in findings[:20]
+    )
+    tally = summary["tally"]
+    assert summary["cases"] >= 2000
+    # The newest format seals its manifest: no edit anywhere may load a different value.
+    assert "silent-unchecksummed-manifest" not in tally["fresh"], tally
+    # The harness reaches deep: many cases load, many are refused.
+    for corpus in ("fresh", "v1"):
+        assert tally[corpus].get("ok", 0) > 500, tally
+        assert tally[corpus].get("rejected", 0) > 500, tally
+    # Generous: ~20-45 s on the 2-core machine, shared; a hang would be killed per case anyway.
+    assert summary["seconds"] < 180, summary
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()))
+def test_fuzz_finding_stays_fixed(name: str, tmp_path: Path) -> None:
+    fuzz = _harness()
+    results = fuzz.replay_fixture(FIXTURES / name, tmp_path)
+    bad = {t: r for t, r in results.items() if r["outcome"] in fuzz.BAD}
+    assert not bad, f"{name}: {bad}"
+    # What the finding was about is now refused, not loaded.
+    assert results["load_verified"]["outcome"] == "rejected", results

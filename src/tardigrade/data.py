@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import operator
 import random
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -99,14 +100,15 @@ class SampleIndex(int):
 
 
 def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
-    if (
-        not isinstance(value, int)
-        or isinstance(value, bool)
-        or (minimum is not None and value < minimum)
-    ):
+    # Any integer (NumPy's, a 0-d tensor's) is an index; bools and floats would be silent bugs.
+    try:
+        number = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or (minimum is not None and number < minimum):
         bound = f" >= {minimum}" if minimum is not None else ""
         raise InvalidArgumentError(f"seed_sample(): {name} must be an int{bound}, got {value!r}")
-    return int(value)
+    return number
 
 
 def _sample_seeds(seed: int, epoch: int, index: int) -> tuple[int, int, int, int]:
@@ -133,8 +135,9 @@ def seed_sample(index: int, *, seed: int | None = None, epoch: int | None = None
     64-bit seed of that sample for generators of your own (``np.random.default_rng(s)``,
     ``torch.Generator().manual_seed(s)``). On exit the three global RNG states are restored,
     so with ``num_workers=0`` the main process's streams (dropout, ...) do not move. CUDA RNGs
-    are not touched. Use it in a ``__getitem__`` of your own, or wrap the dataset in
-    :class:`SeededDataset`, which does this for you::
+    are not touched. The global RNGs are process-wide: another thread drawing from them during
+    the block would draw from the sample's stream. Use it in a ``__getitem__`` of your own, or
+    wrap the dataset in :class:`SeededDataset`, which does this for you::
 
         >>> class Augmented(torch.utils.data.Dataset):
         ...     def __getitem__(self, i):

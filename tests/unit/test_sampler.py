@@ -782,6 +782,28 @@ def test_seed_sample_leaves_the_global_rngs_where_they_were() -> None:
     assert_same_global_rng(global_rng_states(), before)
 
 
+def test_seed_sample_takes_any_integer_index() -> None:
+    def under(index: Any) -> tuple[float, float, float]:
+        with tg.seed_sample(index, seed=0, epoch=1):
+            return draws()
+
+    assert under(np.int64(5)) == under(torch.tensor(5)) == under(5)
+
+
+def test_seed_sample_leaves_cuda_rngs_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.manual_seed would reseed every CUDA device (lazily, even where none is visible);
+    # their states are training state that the block does not restore.
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append("cuda"))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: calls.append("cuda"))
+    with tg.seed_sample(tg.SampleIndex(1, epoch=0, seed=0)):
+        draws()
+    tg.SeededDataset(Augmented(3))[tg.SampleIndex(2, epoch=0, seed=0)]
+    assert calls == []
+    torch.manual_seed(0)
+    assert calls == ["cuda"], "the probe must see what torch.manual_seed does"
+
+
 @pytest.mark.parametrize(
     ("index", "kw", "match"),
     [
@@ -792,6 +814,8 @@ def test_seed_sample_leaves_the_global_rngs_where_they_were() -> None:
         (3, {"seed": "0", "epoch": 0}, "seed must be an int"),
         (3, {"seed": 0, "epoch": True}, "epoch must be an int"),
         (2.0, {"seed": 0, "epoch": 0}, "index must be an int"),
+        (True, {"seed": 0, "epoch": 0}, "index must be an int"),
+        (np.bool_(True), {"seed": 0, "epoch": 0}, "index must be an int"),
     ],
 )
 def test_seed_sample_rejects_what_does_not_fix_the_stream(

@@ -786,7 +786,7 @@ def test_seed_sample_streams_are_pinned() -> None:
     # A run resumed by a newer Tardigrade, on another machine, must augment as the original
     # did: the derivation (seed, epoch, index) -> streams is part of the contract.
     with tg.seed_sample(tg.SampleIndex(5, epoch=1, seed=0)) as seed:
-        got = (random.random(), float(np.random.rand()), torch.rand((), dtype=torch.float64))
+        got = (random.random(), float(np.random.rand()), torch.rand((), dtype=torch.float64).item())
     assert seed == 17602806766147250078
     assert got == (0.28178753148696467, 0.5958349511592989, 0.4205685575847494)
 

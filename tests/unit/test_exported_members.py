@@ -16,10 +16,12 @@ EXPECTED = {
     "JobRunner",
     "RNGState",
     "ResumableSampler",
+    "SampleIndex",
     "SaveError",
     "SaveFuture",
     "SaveResult",
     "SaveStats",
+    "SeededDataset",
     "StateMismatchError",
     "Stateful",
     "StorageError",
@@ -31,6 +33,7 @@ EXPECTED = {
     "load",
     "read_manifest",
     "save",
+    "seed_sample",
     "verify",
 }
 

@@ -33,10 +33,14 @@ def doc(tensors: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+_KEYS = itertools.count()
+
+
 def chunk(offsets: tuple[int, ...], shape: tuple[int, ...]) -> dict[str, Any]:
+    """A chunk entry as short as the format allows (keys must be unique per data file)."""
     return {
         "file": "d",
-        "key": "k",
+        "key": f"{next(_KEYS):x}",
         "offsets": list(offsets),
         "shape": list(shape),
         "checksum": "0",

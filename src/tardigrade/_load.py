@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ._plan import DEFAULT_WORKERS
-from ._tree import decode, is_stateful, path_str
+from ._tree import SPARSE_LAYOUTS, decode, is_stateful, path_str
 from ._validate import class_name, same_class, standin, validate_state
 from .errors import (
     CheckpointNotFoundError,
@@ -27,7 +27,7 @@ from .errors import (
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher
-from .format.dtypes import TORCH_DTYPES
+from .format.dtypes import COMPLEX_DTYPES, TORCH_DTYPES
 from .format.manifest import MANIFEST, Chunk, Manifest, TensorInfo, parse
 from .storage import Storage, storage_for
 
@@ -219,6 +219,8 @@ class _Matcher:
                 self.match(child, lv, (*path, i), lenient)
         elif tag in ("tensor", "ndarray"):
             self.match_tensor(node, live, path)
+        elif tag == "sparse" and isinstance(live, torch.Tensor):
+            self.match_sparse(node, live, p)
         else:
             self.replaced(tag, live, p)
 
@@ -266,15 +268,35 @@ class _Matcher:
             and not live_t.is_conj()
             and not live_t.is_neg()
         ):
-            self.dest[node["e"]] = live_t.detach()
+            live_t = live_t.detach()
+            # A complex tensor is stored as its real view: read into the live one's.
+            self.dest[node["e"]] = torch.view_as_real(live_t) if live_t.is_complex() else live_t
             self.in_place.setdefault(self._owner, []).append(p)
+
+    def match_sparse(self, node: dict[str, Any], live: torch.Tensor, p: str) -> None:
+        """A sparse tensor is replaced whole (its number of values may differ), if it fits."""
+        layout = SPARSE_LAYOUTS[node["layout"]][0]
+        values = node["v"][-1]
+        _, dtype = _leaf_shape_dtype(values, self.m.tensors[values["e"]])
+        if live.layout != layout or list(live.shape) != node["size"] or live.dtype != dtype:
+            self.diffs.append(
+                f"{p}: checkpoint has a {layout} tensor of shape {node['size']} {dtype}, live "
+                f"tensor is {live.layout} of shape {list(live.shape)} {live.dtype}"
+            )
+
+
+def _stored_shape(node: dict[str, Any], info: TensorInfo) -> tuple[int, ...]:
+    view = node.get("view")
+    return tuple(view["shape"]) if view else info.shape
 
 
 def _leaf_shape_dtype(
     node: dict[str, Any], info: TensorInfo
 ) -> tuple[tuple[int, ...], torch.dtype]:
-    view = node.get("view")
-    shape = tuple(view["shape"]) if view else info.shape
+    """The shape and dtype the leaf loads as (a complex tensor is stored as its real view)."""
+    shape = _stored_shape(node, info)
+    if node.get("complex") in COMPLEX_DTYPES:
+        return shape[:-1], COMPLEX_DTYPES[node["complex"]][0]
     return shape, TORCH_DTYPES[info.dtype]
 
 
@@ -575,6 +597,9 @@ def _entry_paths(tree: dict[str, Any]) -> dict[int, str]:
                     stack.append((item[1], (*path, k)))
         elif t == "stateful":
             stack.append((node.get("v"), path))
+        elif t == "sparse" and node.get("layout") in SPARSE_LAYOUTS:
+            names = SPARSE_LAYOUTS[node["layout"]][1]
+            stack.extend((c, (*path, n)) for c, n in zip(node.get("v") or (), names, strict=False))
     return out
 
 
@@ -667,7 +692,7 @@ def load(
 
         def standin_leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
             info = m.tensors[node["e"]]
-            return standin(node, _leaf_shape_dtype(node, info)[0], info.dtype, where)
+            return standin(node, _stored_shape(node, info), info.dtype, where)
 
         rejected = applier.validate(tree, into, decode(tree, standin_leaf, where))
         _refuse(where, matcher.diffs if strict else [], rejected)

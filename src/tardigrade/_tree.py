@@ -418,7 +418,7 @@ def _type_name(t: type) -> str:
 
 
 def _short_repr(obj: Any) -> str:
-    text = repr(obj)
+    text = " ".join(repr(obj).split())  # one line, also for tensors
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -5,13 +5,13 @@
 >>> tg.load("ckpt/step-100", into=state)                                               # doctest: +SKIP
 """
 
-__version__ = "0.1.0"
-
 from ._async import AsyncCheckpointer, SaveFuture
+from ._job import SaveResult
 from ._load import VerifyReport, load, read_manifest, verify
 from ._rng import RNGState
-from ._save import SaveResult, save
+from ._save import save
 from ._tree import Stateful
+from ._version import __version__
 from .data import ResumableSampler
 from .errors import (
     CheckpointExistsError,

@@ -26,19 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._save import (
-    ABORT,
-    END,
-    Block,
-    SaveJob,
-    SaveResult,
-    as_bytes,
-    file_header,
-    item_source,
-    plan,
-    write_and_commit,
-)
+from ._job import SaveJob, SaveResult, as_bytes, file_header, item_source, make_job
 from ._staging import Slab, SlabPool, StagingStats
+from ._write import ABORT, END, Block, write_and_commit
 from .errors import InvalidArgumentError, SaveError, TardigradeError
 
 log = logging.getLogger("tardigrade")
@@ -284,7 +274,11 @@ class AsyncCheckpointer:
     >>> ckpt.close()                                            # also waits; idempotent
 
     ``if_busy="wait"`` (default) makes a new save wait for the one in flight; ``"skip"`` skips
-    the new save with a warning instead (``save`` then returns None).
+    the new save with a warning instead (``save`` then returns None). ``max_staging_bytes``
+    caps the host memory that staging holds (None: room for the whole state, kept between
+    saves so later saves copy into memory that is already faulted in); under a cap, the
+    writers drain staged slabs while the copy goes on, and ``save`` returns once the last
+    byte is staged.
     """
 
     def __init__(self, *, max_staging_bytes: int | None = None, if_busy: str = "wait") -> None:
@@ -341,7 +335,7 @@ class AsyncCheckpointer:
                     return None
                 last.exception()  # wait; its error, if any, is raised just below
             self._raise_unobserved()
-            job = plan(
+            job = make_job(
                 path,
                 state,
                 overwrite=overwrite,

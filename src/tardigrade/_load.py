@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -13,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._plan import DEFAULT_WORKERS
 from ._tree import SPARSE_LAYOUTS, decode, is_stateful, path_str
+from ._units import gbps
 from ._validate import class_name, same_class, standin, validate_state
 from .errors import (
     CheckpointNotFoundError,
@@ -32,6 +33,9 @@ from .format.manifest import MANIFEST, Chunk, Manifest, TensorInfo, parse
 from .storage import Storage, storage_for
 
 Key = str | tuple[Any, ...]
+
+# Data files read side by side by a load or a verify.
+DEFAULT_READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 Path = tuple[Any, ...]
 
 log = logging.getLogger("tardigrade")
@@ -56,6 +60,9 @@ def open_manifest(path: Any) -> tuple[Storage, str, Manifest]:
 
 def read_manifest(path: Any) -> dict[str, Any]:
     """Read and validate a checkpoint's manifest without touching any tensor bytes.
+
+    ``path`` is the checkpoint directory. Returns the manifest as a dict (format version, step,
+    epoch, files, tensors, the state tree, metrics, metadata); its checksum is verified.
 
     >>> info = tg.read_manifest("ckpt/step-100")   # doctest: +SKIP
     >>> info["step"], len(info["tensors"])           # doctest: +SKIP
@@ -658,7 +665,7 @@ def load(
     keys: Sequence[Key] | None = None,
     strict: bool = True,
     verify: bool = True,
-    workers: int = DEFAULT_WORKERS,
+    workers: int = DEFAULT_READ_THREADS,
 ) -> Any:
     """Load a checkpoint as a plain tree, or restore it in place into live state with ``into=``.
 
@@ -672,6 +679,22 @@ def load(
     live tensors, and ``load_state_dict()`` is called on each object before plain values are
     replaced; an object that still rejects its state raises a StateMismatchError that lists
     what was restored and what was not.
+
+    Parameters:
+        ``path``: the checkpoint directory (``str`` or ``os.PathLike``).
+        ``into``: live state to restore in place (the same tree you saved: modules, optimizers,
+            tensors, plain values); ``None`` (default) returns a new plain tree instead, with
+            CPU tensors, numpy arrays and the saved Python values.
+        ``keys``: load only these top-level keys or key paths (tuples, e.g.
+            ``("model", "fc.weight")``); only their bytes are read. ``None`` loads everything.
+        ``strict``: with ``into``, refuse (``StateMismatchError``) any difference between the
+            checkpoint and the live state; ``False`` loads what matches.
+        ``verify``: check the manifest, the headers and every chunk read against their checksums
+            (default ``True``); ``False`` skips the checksums of the bytes read (the manifest
+            checksum and all structural validation still apply).
+        ``workers``: data files read side by side (threads).
+
+    Returns the loaded tree (with ``into``, the tree that was applied).
 
     >>> tg.load("ckpt/step-100", into=state)          # doctest: +SKIP
     >>> weights = tg.load("ckpt/step-100", keys=["model"])["model"]  # doctest: +SKIP
@@ -809,11 +832,16 @@ class VerifyReport:
 
     @property
     def throughput_gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+        return gbps(self.nbytes, self.seconds)
 
 
-def verify(path: Any, *, workers: int = DEFAULT_WORKERS) -> VerifyReport:
+def verify(path: Any, *, workers: int = DEFAULT_READ_THREADS) -> VerifyReport:
     """Check every byte of a checkpoint against its checksums; raise CorruptCheckpointError if any fail.
+
+    ``path`` is the checkpoint directory; ``workers`` data files are checked side by side
+    (threads). Returns a :class:`VerifyReport` (files, tensors, bytes, seconds, GB/s). Damage
+    raises ``ChecksumMismatchError`` (changed bytes) or ``CorruptCheckpointError`` (anything
+    else), naming every damaged file.
 
     >>> report = tg.verify("ckpt/step-100")     # doctest: +SKIP
     >>> print(report.nbytes, report.throughput_gbps)  # doctest: +SKIP

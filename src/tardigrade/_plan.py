@@ -15,7 +15,8 @@ from .format.dtypes import ITEMSIZE
 
 # A file smaller than this is not worth a thread of its own.
 MIN_FILE_BYTES = 64 * 1024 * 1024
-DEFAULT_WORKERS = max(2, min(8, os.cpu_count() or 2))
+# Data files of one save; each is written by its own thread.
+DEFAULT_MAX_FILES = max(2, min(8, os.cpu_count() or 2))
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,10 @@ class KeyMaker:
         return key
 
 
-def plan_files(entries: list[Entry], *, workers: int = DEFAULT_WORKERS) -> SavePlan:
+def plan_files(entries: list[Entry], *, max_files: int = DEFAULT_MAX_FILES) -> SavePlan:
     """Spread entries over files of similar size, splitting large tensors by rows."""
     total = sum(e.tensor.numel() * ITEMSIZE[e.dtype] for e in entries)
-    n_files = max(1, min(workers, math.ceil(total / MIN_FILE_BYTES)))
+    n_files = max(1, min(max_files, math.ceil(total / MIN_FILE_BYTES)))
     target = max(1, math.ceil(total / n_files))
     unique = KeyMaker()
     items: list[WriteItem] = []

@@ -139,7 +139,6 @@ class Entry:
 class Flat:
     tree: dict[str, Any]
     entries: list[Entry]
-    stateful_calls: int = 0
 
 
 # What a dict key or a set element may be: values that are hashable by their contents, so the
@@ -527,10 +526,6 @@ def decode(
     except (ValueError, TypeError, OverflowError, RuntimeError) as e:
         raise _bad(where, path, f"bad {tag!r} value ({e})") from None
     raise _bad(where, path, f"unknown or malformed node of type {tag!r}")
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    return NUMPY_DTYPES[name]
 
 
 def _check_hashable(k: Any, what: str, where: str, path: tuple[Any, ...]) -> None:

@@ -12,7 +12,6 @@ import errno
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import threading
@@ -25,9 +24,12 @@ from types import FrameType
 from typing import Any
 
 from ._async import AsyncCheckpointer, SaveFuture
+from ._job import SaveResult
+from ._layout import STEP_NAME, deleting_name, is_committed, step_name, tidy
 from ._load import Key, load, open_manifest, verify
 from ._lock import DirectoryLock
-from ._save import SaveResult, save
+from ._save import save
+from ._units import gbps
 from .errors import (
     CheckpointExistsError,
     CheckpointLockedError,
@@ -41,89 +43,9 @@ from .errors import (
     UnsupportedFormatError,
     UnsupportedTypeError,
 )
-from .storage.local import fsync_dir, lock_dir
+from .storage.local import LocalStorage
 
 log = logging.getLogger("tardigrade")
-
-_NAME = re.compile(r"^step-(\d{9,})$")
-# A committed checkpoint a replace without atomic swap moved aside (storage/local.py).
-# Any id is accepted: a checkpoint is put back, never deleted, whoever named it.
-_REPLACED = re.compile(r"^\.tmp-(.+)-replaced-[^-]+$")
-
-
-@dataclass(frozen=True)
-class Tidied:
-    """One leftover that :func:`tidy` dealt with."""
-
-    name: str
-    action: str  # "removed" or "recovered"
-    nbytes: int
-
-
-def tidy(directory: str, *, dry_run: bool = False) -> list[Tidied]:
-    """Clean up after writers that died in ``directory``.
-
-    Only ``.tmp-*`` directories are considered, and only those no live process holds: every
-    save holds an flock on its staging directory (and on a checkpoint it moves aside) until it
-    commits or gives up, so a save in flight, by this process or any other, is skipped. A dead
-    save's staging directory (or an interrupted retention delete) is removed. A committed
-    checkpoint that a crashed replace had moved aside (``.tmp-NAME-replaced-*``) is put back
-    under its name when that name is free, whatever the name; if a committed checkpoint holds
-    the name, the replace had finished and the old copy is removed. Committed checkpoints are
-    never touched. ``dry_run`` reports without changing anything.
-    """
-    done = []
-    for n in sorted(os.listdir(directory)):
-        path = os.path.join(directory, n)
-        if not n.startswith(".tmp-") or os.path.islink(path) or not os.path.isdir(path):
-            continue
-        fd = lock_dir(path, wait=False)
-        if fd is None:
-            continue  # a live save holds it, or it is already gone
-        try:
-            done.extend(_tidy_one(directory, n, dry_run))
-        finally:
-            os.close(fd)
-    return done
-
-
-def _tidy_one(directory: str, n: str, dry_run: bool) -> list[Tidied]:
-    path = os.path.join(directory, n)
-    m = _REPLACED.match(n)
-    if m and os.path.isfile(os.path.join(path, "manifest.json")):
-        name = m.group(1)
-        target = os.path.join(directory, name)
-        if not os.path.lexists(target):
-            if not dry_run:
-                os.rename(path, target)
-                fsync_dir(directory)
-                log.warning("tardigrade: recovered %s from an interrupted replace", name)
-            return [Tidied(name, "recovered", _tree_bytes(path if dry_run else target))]
-        if not os.path.isfile(os.path.join(target, "manifest.json")):
-            log.warning(
-                "tardigrade: %s holds the checkpoint an interrupted replace moved aside, but %s "
-                "is taken by something that is not a checkpoint; leaving both in place",
-                path,
-                target,
-            )
-            return []
-    nbytes = _tree_bytes(path)
-    if not dry_run:
-        log.info("tardigrade: removing leftover %s from an interrupted save", n)
-        shutil.rmtree(path, ignore_errors=True)
-    return [Tidied(n, "removed", nbytes)]
-
-
-def _tree_bytes(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
-    return total
-
 
 # -- signals ---------------------------------------------------------------------------------
 # One handler per signal for the whole process, relaying it to every open manager that asked
@@ -223,15 +145,16 @@ def _check_directory(directory: str) -> None:
     (the staging of a save) and a file in that. A transient failure (a full disk) passes here
     and is reported by the saves, which may succeed once space is freed.
     """
-    probe = os.path.join(directory, f".tmp-probe-{uuid.uuid4().hex[:12]}")
+    storage = LocalStorage(directory)
     try:
         os.makedirs(directory, exist_ok=True)
         os.listdir(directory)
-        os.mkdir(probe)
+        # A staging directory like a save's (locked, so a concurrent cleanup leaves it alone).
+        probe = storage.begin("probe", uuid.uuid4().hex)
         try:
-            os.close(os.open(os.path.join(probe, "probe"), os.O_WRONLY | os.O_CREAT, 0o600))
+            storage.open_writer(f"{probe}/probe").close()
         finally:
-            shutil.rmtree(probe, ignore_errors=True)
+            storage.delete(probe)
     except OSError as e:
         why = _PERMANENT.get(e.errno or 0)
         if why is None:
@@ -261,10 +184,6 @@ def _check_directory(directory: str) -> None:
         )
 
 
-def step_name(step: int) -> str:
-    return f"step-{step:09d}"
-
-
 @dataclass(frozen=True)
 class SaveStats:
     """One save attempt: step, bytes, seconds blocked in the caller, total seconds, outcome."""
@@ -278,7 +197,7 @@ class SaveStats:
 
     @property
     def throughput_gbps(self) -> float:
-        return self.nbytes / self.total_seconds / 1e9 if self.total_seconds > 0 else 0.0
+        return gbps(self.nbytes, self.total_seconds)
 
 
 class ManagerStats(list[SaveStats]):
@@ -365,6 +284,27 @@ class CheckpointManager:
     (read-only filesystem, permission denied, a regular file in the way) raises
     ``StorageError`` here, in both modes. A signal in ``save_on_signals`` makes the next
     ``step()`` or ``save()`` save synchronously and set ``should_stop``.
+
+    Parameters:
+        ``directory``: where the numbered checkpoints (``step-NNNNNNNNN``) live; created if
+            missing; one job per directory (a lock; a second job gets CheckpointLockedError).
+        ``state``: the live training state, saved by ``step``/``save`` and restored in place
+            by ``restore`` (see ``tg.save`` for what it may hold).
+        ``every_steps``, ``every_epochs``, ``every_seconds``: save policies (None: off).
+        ``keep_last``, ``keep_every_steps``, ``keep_best``: retention (None everywhere: keep
+            every checkpoint, the default).
+        ``best_metric``: the metric (passed to ``step``/``save``) that ``keep_best`` ranks by;
+            ``best_mode``: ``"min"`` (default) or ``"max"``.
+        ``async_save``: write checkpoints in the background (default ``True``); training
+            blocks only for a copy of the state to host memory.
+        ``on_save_error``: ``"warn"`` (default) logs a failed save and keeps training;
+            ``"raise"`` raises it.
+        ``save_on_signals``: signals that request a final save at the next step boundary and
+            set ``should_stop`` (default SIGTERM, what schedulers send before a kill).
+        ``max_staging_bytes``: cap on host memory used to stage async saves (None: enough
+            for the whole state, kept for reuse).
+        ``lock_lease_seconds``: how long a lock whose holder runs on another machine stays
+            valid without a heartbeat (a holder on this machine frees it when it dies).
     """
 
     def __init__(
@@ -534,8 +474,8 @@ class CheckpointManager:
             return []
         out = []
         for n in names:
-            m = _NAME.match(n)
-            if m and os.path.isfile(os.path.join(self.directory, n, "manifest.json")):
+            m = STEP_NAME.match(n)
+            if m and is_committed(os.path.join(self.directory, n)):
                 out.append(int(m.group(1)))
         return sorted(out)
 
@@ -546,7 +486,7 @@ class CheckpointManager:
 
     def exists(self, step: int) -> bool:
         """Whether a committed checkpoint for ``step`` exists."""
-        return os.path.isfile(os.path.join(self.path(step), "manifest.json"))
+        return is_committed(self.path(step))
 
     def path(self, step: int) -> str:
         """The directory of the checkpoint for ``step``."""
@@ -608,9 +548,7 @@ class CheckpointManager:
         else:
             candidates = list(reversed(self.steps()))
             for n in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else ():
-                if _NAME.match(n) and not os.path.isfile(
-                    os.path.join(self.directory, n, "manifest.json")
-                ):
+                if STEP_NAME.match(n) and not is_committed(os.path.join(self.directory, n)):
                     log.warning(
                         "tardigrade: skipping checkpoint %s: it has no manifest.json (a save "
                         "that never committed, or a copy still in progress); kept on disk for "
@@ -943,7 +881,7 @@ class CheckpointManager:
             return
         for s in doomed_steps:
             # Rename first so a crash mid-delete never leaves a half-deleted "committed" dir.
-            doomed = os.path.join(self.directory, f".tmp-deleting-{step_name(s)}")
+            doomed = os.path.join(self.directory, deleting_name(step_name(s)))
             try:
                 os.rename(self.path(s), doomed)
             except OSError as e:

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import tardigrade as tg
-from tardigrade import _async, _save
+from tardigrade import _async, _save, _write
 from tardigrade.errors import CheckpointNotFoundError, SaveError, TardigradeError
 from tardigrade.storage.local import LocalStorage, LocalWriter
 
@@ -711,12 +711,12 @@ def test_sync_stream_with_extra_bytes_fails_the_save(
 ) -> None:
     """The synchronous path gets the same check: an item handed more bytes than the header
     gives it (here a stray segment at the end of the stream) fails the save."""
-    real = _save.stream_borrowed
+    real = _write.stream_borrowed
 
     def with_stray_segment(job: Any) -> list[list[Any]]:
         streams = real(job)
         end = streams[0].pop()
-        streams[0] += [_save.Segment(0, memoryview(b"stray bytes")), end]
+        streams[0] += [_write.Segment(0, memoryview(b"stray bytes")), end]
         return streams
 
     monkeypatch.setattr(_save, "stream_borrowed", with_stray_segment)

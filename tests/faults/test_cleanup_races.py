@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import tardigrade as tg
-from tardigrade import _save
+from tardigrade import _write
+from tardigrade._layout import tidy
 from tardigrade.errors import CheckpointExistsError
-from tardigrade.manager import tidy
 from tardigrade.storage import local
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -222,7 +222,7 @@ def test_something_appearing_at_the_path_during_an_overwrite_is_not_replaced(
     if not swap:
         monkeypatch.setattr(local, "_exchange", lambda a, b: False)
     tg.save(tmp_path / "ckpt", state(1))
-    real_check = _save.check_target
+    real_check = _write.check_target
 
     def check_then_race(storage, name, overwrite, *, racing=False):  # type: ignore[no-untyped-def]
         real_check(storage, name, overwrite, racing=racing)
@@ -230,7 +230,7 @@ def test_something_appearing_at_the_path_during_an_overwrite_is_not_replaced(
             os.rename(tmp_path / "ckpt", tmp_path / "moved")
             (tmp_path / "ckpt").write_text("precious")
 
-    monkeypatch.setattr(_save, "check_target", check_then_race)
+    monkeypatch.setattr(_write, "check_target", check_then_race)
     with pytest.raises(CheckpointExistsError, match="not a checkpoint appeared"):
         tg.save(tmp_path / "ckpt", state(2), overwrite=True)
     assert (tmp_path / "ckpt").read_text() == "precious"

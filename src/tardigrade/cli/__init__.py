@@ -19,9 +19,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .. import __version__
+from .._version import __version__
 from ..errors import InvalidArgumentError, TardigradeError
 from . import demo, diff, export, gc, inspect, ls, verify
+from ._output import error
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -40,10 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
-
-
-def error(message: str) -> None:
-    print(f"tardigrade: error: {message}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,11 @@ from collections.abc import Sequence
 from typing import TextIO
 
 
+def error(message: str) -> None:
+    """Report an error the way every command does: one line on stderr."""
+    print(f"tardigrade: error: {message}", file=sys.stderr)
+
+
 def human_bytes(n: int | float) -> str:
     """``1536`` -> ``1.5 KiB``; exact bytes below 1 KiB."""
     if n < 1024:

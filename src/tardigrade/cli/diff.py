@@ -28,6 +28,7 @@ from ..errors import TardigradeError
 from ..format.dtypes import COMPLEX_DTYPES, TORCH_DTYPES
 from ..format.manifest import Manifest
 from ._listing import require_single
+from ._output import error
 
 HELP = "show what differs between two checkpoints"
 
@@ -231,8 +232,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         diffs = compare(args.a, args.b, verified=verified)
     except (TardigradeError, OSError) as e:
-        from . import error  # the package imports this module first
-
         # Not "different": the comparison could not be made (like cmp(1), errors exit 2).
         where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
         error(f"{where}{e}")

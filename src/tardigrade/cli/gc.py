@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from .._layout import tidy
 from .._lock import DirectoryLock
 from ..errors import CheckpointNotFoundError
-from ..manager import tidy
 from ._output import human_bytes
 
 HELP = "remove leftovers of interrupted saves from a checkpoint directory"

@@ -7,6 +7,7 @@ import os
 import sys
 
 from .. import VerifyReport, verify
+from .._units import gbps
 from ..errors import TardigradeError
 from ..format.manifest import MANIFEST
 from ._listing import COMMITTED, INCOMPLETE_TMP, NO_MANIFEST, UNREADABLE, list_checkpoints
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         nbytes += report.nbytes
         seconds += report.seconds
         print(_ok_line(c.name, report))
-    rate = nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+    rate = gbps(nbytes, seconds)
     print(
         f"{checked - len(failed)} of {checked} checkpoint(s) OK, {human_bytes(nbytes)} "
         f"verified at {rate:.2f} GB/s"

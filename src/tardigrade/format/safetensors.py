@@ -52,11 +52,6 @@ class HeaderEntry:
     end: int
 
 
-def file_order(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
-    """Largest item size first, so every tensor is aligned to its dtype (as safetensors does)."""
-    return sorted(specs, key=lambda t: -ITEMSIZE[t.dtype])
-
-
 def encode_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:
     """The header for ``specs`` laid out back to back in the given order."""
     header: dict[str, object] = {}

@@ -16,6 +16,18 @@ from ..format.checksum import Hasher
 # The commit record of a checkpoint, and how every manifest Tardigrade writes begins.
 MANIFEST = "manifest.json"
 MANIFEST_START = b'{"format":"tardigrade"'
+# Everything in flight or left behind starts with this; readers never read it.
+TMP_PREFIX = ".tmp-"
+
+
+def staging_name(name: str, save_id: str) -> str:
+    """Where a save of checkpoint ``name`` writes before it commits."""
+    return f"{TMP_PREFIX}{name}-{save_id}"
+
+
+def replaced_name(name: str, tag: str) -> str:
+    """Where a replace without atomic swap moves the old checkpoint ``name`` meanwhile."""
+    return f"{TMP_PREFIX}{name}-replaced-{tag}"
 
 
 class Writer(abc.ABC):

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError
 from ..format.checksum import Hasher
-from .base import MANIFEST, Reader, Storage, Writer
+from .base import MANIFEST, Reader, Storage, Writer, replaced_name, staging_name
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -308,7 +308,7 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(e.errno, f"cannot create {self.root}: {e.strerror}") from e
         for attempt in range(8):
-            staging = f".tmp-{name}-{save_id if attempt == 0 else uuid.uuid4().hex}"
+            staging = staging_name(name, save_id if attempt == 0 else uuid.uuid4().hex)
             path = self._path(staging)
             try:
                 os.mkdir(path)
@@ -349,7 +349,7 @@ class LocalStorage(Storage):
                 # rename() cannot replace a non-empty directory. Swap the two atomically, so at
                 # every instant the name holds a complete checkpoint (old, then new).
                 if _exchange(src, dst):
-                    if not _is_checkpoint(src):
+                    if not is_committed(src):
                         # Something else took the name since the caller checked: put it back.
                         _exchange(src, dst)
                         raise CheckpointExistsError(
@@ -376,14 +376,14 @@ class LocalStorage(Storage):
         A crash in between leaves it as ``.tmp-NAME-replaced-ID``, which cleanup puts back. It
         is locked while aside, so a concurrent cleanup does not "recover" it mid-replace.
         """
-        if not _is_checkpoint(dst):
+        if not is_committed(dst):
             raise CheckpointExistsError(
                 f"{dst}: something that is not a checkpoint appeared here during the save; it "
                 "was left in place and nothing was committed."
             )
         fd = lock_dir(dst, wait=True)
         try:
-            old = self._path(f".tmp-{name}-replaced-{uuid.uuid4().hex}")
+            old = self._path(replaced_name(name, uuid.uuid4().hex))
             os.rename(dst, old)
             os.rename(src, dst)
             fsync_dir(self.root)
@@ -393,7 +393,8 @@ class LocalStorage(Storage):
                 os.close(fd)
 
 
-def _is_checkpoint(path: str) -> bool:
+def is_committed(path: str) -> bool:
+    """Whether ``path`` is a committed checkpoint: a directory holding a manifest (no links)."""
     manifest = os.path.join(path, MANIFEST)
     return (
         os.path.isdir(path)

@@ -1,0 +1,211 @@
+"""A save job: what a save writes and where, decided before any byte moves.
+
+``make_job`` checks the arguments and what is at the path, flattens the state and lays out its
+files (``_plan``); the byte sources below tell the stagers which bytes each planned item is.
+Nothing here writes: ``_write`` moves the bytes, ``_async`` stages them for a background save.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._plan import DEFAULT_MAX_FILES, FilePlan, SavePlan, WriteItem, plan_files
+from ._tree import Flat, flatten
+from ._units import gbps
+from ._version import __version__
+from .errors import CheckpointExistsError, InvalidArgumentError
+from .format import safetensors as st
+from .format.checksum import ALGORITHM
+from .format.jsonio import dumps
+from .format.manifest import FORMAT_NAME, FORMAT_VERSION
+from .storage import Storage, storage_for
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a committed save did: where, how many bytes, how long the caller was blocked."""
+
+    path: str
+    step: int | None
+    nbytes: int
+    files: int
+    blocking_seconds: float
+    total_seconds: float
+
+    @property
+    def throughput_gbps(self) -> float:
+        return gbps(self.nbytes, self.total_seconds)
+
+
+@dataclass
+class SaveJob:
+    """Everything the write and commit phases need; owns no live state once staged."""
+
+    storage: Storage
+    name: str
+    flat: Flat
+    plan: SavePlan
+    header: dict[str, Any]
+    overwrite: bool
+    started: float
+    blocking_seconds: float | None = None  # set by an async save once staging is done
+
+
+def _check_metadata(metadata: Any) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
+        raise InvalidArgumentError("metadata must be a dict with str keys of JSON values")
+    try:
+        dumps(dict(metadata))
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"metadata must hold only JSON values (str, finite numbers, bool, None, lists, "
+            f"dicts): {e}"
+        ) from None
+    return dict(metadata)
+
+
+def _check_counter(name: str, v: Any) -> int | None:
+    if v is not None and (type(v) is not int or v < 0):
+        raise InvalidArgumentError(f"{name} must be a non-negative int or None, got {v!r}")
+    return v
+
+
+def _check_metrics(metrics: Any) -> dict[str, float]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise InvalidArgumentError(f"metrics must be a dict of str -> number, got {metrics!r}")
+    out = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InvalidArgumentError(f"metric {k!r}={v!r}: metrics map str names to numbers")
+        out[k] = float(v)
+    return out
+
+
+def make_job(
+    path: str | os.PathLike[str],
+    state: Any,
+    *,
+    overwrite: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    metrics: Mapping[str, float] | None = None,
+    max_files: int = DEFAULT_MAX_FILES,
+) -> SaveJob:
+    """Flatten ``state`` and lay out its files: everything a save needs before any byte moves.
+
+    Cheap and done in the caller; raises before anything is written (a bad argument, a leaf
+    the format cannot store, something in the way at ``path``).
+    """
+    started = time.perf_counter()
+    storage, name = storage_for(path)
+    if not isinstance(overwrite, bool):
+        raise InvalidArgumentError(f"overwrite must be a bool, got {overwrite!r}")
+    check_target(storage, name, overwrite)
+    header = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "save_id": uuid.uuid4().hex,
+        "step": _check_counter("step", step),
+        "epoch": _check_counter("epoch", epoch),
+        "world_size": 1,
+        "created_unix": time.time(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "versions": {
+            "tardigrade": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "checksum_algorithm": ALGORITHM,
+        "metrics": _check_metrics(metrics),
+        "metadata": _check_metadata(metadata),
+    }
+    flat = flatten(state)
+    return SaveJob(
+        storage,
+        name,
+        flat,
+        plan_files(flat.entries, max_files=max_files),
+        header,
+        overwrite,
+        started,
+    )
+
+
+def check_target(storage: Storage, name: str, overwrite: bool, *, racing: bool = False) -> None:
+    """Refuse to save over anything but a committed checkpoint, and over that unless asked.
+
+    ``overwrite=True`` replaces a checkpoint; it never deletes a directory of other
+    checkpoints, a user's files or a regular file that happen to sit at the path.
+    """
+    kind = storage.describe(name)
+    if kind is None or (kind == "checkpoint" and overwrite):
+        return
+    url = storage.url(name)
+    if kind == "checkpoint":
+        if racing:
+            raise CheckpointExistsError(
+                f"{url}: another writer committed a checkpoint here while this save was "
+                "running; nothing was overwritten."
+            )
+        raise CheckpointExistsError(
+            f"{url}: a checkpoint already exists here; pass overwrite=True to replace it, or "
+            "save under another name."
+        )
+    what = (
+        "a file"
+        if kind == "file"
+        else "a directory that is not a committed checkpoint (it has no Tardigrade "
+        "manifest.json; it may hold other checkpoints or your own files)"
+    )
+    raise CheckpointExistsError(
+        f"{url}: {what} is in the way. Tardigrade only ever replaces a committed checkpoint, "
+        "even with overwrite=True; move or delete it yourself, or save under another name."
+    )
+
+
+def contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a dense CPU tensor, borrowing when it already is one."""
+    t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.device.type != "cpu":
+        return t.to("cpu")
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A zero-copy flat uint8 view of a dense tensor's bytes."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def item_source(job: SaveJob, item: WriteItem) -> torch.Tensor:
+    """The rows an item covers, as a tensor (possibly strided or on an accelerator)."""
+    t = job.flat.entries[item.entry].tensor.detach()
+    return t[item.start : item.stop] if t.dim() else t
+
+
+def item_shape(job: SaveJob, item: WriteItem) -> tuple[int, ...]:
+    shape = tuple(job.flat.entries[item.entry].tensor.shape)
+    return (item.stop - item.start, *shape[1:]) if shape else ()
+
+
+def file_header(job: SaveJob, fp: FilePlan) -> bytes:
+    """The safetensors header of one data file (its tensors' keys, dtypes, shapes, offsets)."""
+    specs = [
+        st.TensorSpec(it.key, job.flat.entries[it.entry].dtype, item_shape(job, it), it.nbytes)
+        for it in fp.items
+    ]
+    return st.encode_header(specs, {"format": "pt"})

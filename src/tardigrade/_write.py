@@ -1,0 +1,361 @@
+"""Writing a save: streams of staged bytes -> data files -> manifest -> atomic commit.
+
+A stager (the caller's live tensors for a synchronous save, ``_async``'s host slabs for an
+asynchronous one) feeds each data file's writer a stream of Segments or Blocks ending in END
+(or ABORT). ``write_and_commit`` writes every file in parallel threads, hashing as it goes,
+fsyncs it, then writes the manifest last and makes the checkpoint visible atomically.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._job import (
+    SaveJob,
+    SaveResult,
+    as_bytes,
+    check_target,
+    contiguous_cpu,
+    file_header,
+    item_shape,
+    item_source,
+)
+from ._plan import FilePlan
+from .errors import SaveError, StorageError, TardigradeError
+from .format import safetensors as st
+from .format.checksum import Hasher, checksum
+from .format.jsonio import dumps
+from .format.manifest import MANIFEST, parse, seal
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes of one item of a file, in file order; ``done`` releases their staging buffer."""
+
+    item: int  # index into the file's items
+    data: memoryview
+    done: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class Block:
+    """A run of a data file's bytes, header included, in file order (an async save's slab).
+
+    ``ranges`` are the ``(item, start, stop)`` spans of ``data`` holding each item's bytes, for
+    the checksums; ``done`` releases the staging buffer.
+    """
+
+    data: memoryview
+    ranges: tuple[tuple[int, int, int], ...]
+    done: Callable[[], None] | None = None
+
+
+# End of a file's segment stream; ABORT ends it because staging failed.
+END: Any = None
+ABORT: Any = object()
+
+
+def stream_borrowed(job: SaveJob) -> list[list[Any]]:
+    """Synchronous staging: segments that point straight at the live tensors (the caller waits)."""
+    streams = []
+    for fp in job.plan.files:
+        stream: list[Any] = []
+        for i, item in enumerate(fp.items):
+            data = as_bytes(contiguous_cpu(item_source(job, item)))
+            stream.append(Segment(i, memoryview(data.numpy())))
+        stream.append(END)
+        streams.append(stream)
+    return streams
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """What the manifest records of one data file."""
+
+    size: int
+    header_checksum: str
+    checksums: dict[str, str]  # item key -> checksum of its bytes
+
+
+class _Layout:
+    """A data file's layout, which its header fixes, checked against what the writer is given.
+
+    The file is the header, then every item's bytes back to back. Each run of bytes handed to
+    the writer must land where the header says it belongs: header bytes equal to the header,
+    each item's bytes (the ones hashed for it) at that item's offset, nothing missing, nothing
+    extra. A stream that breaks this (a header sent twice, a span hashed for the wrong item, a
+    byte too many) would commit a file that contradicts its own header and that no reader can
+    load; the writer fails the save instead. Only bookkeeping per run, plus comparing the header.
+    """
+
+    def __init__(self, where: str, head: bytes, fp: FilePlan) -> None:
+        self.where = where
+        self.head = head
+        self.starts: list[int] = []
+        offset = len(head)
+        for it in fp.items:
+            self.starts.append(offset)
+            offset += it.nbytes
+        self.end = offset
+        self.nbytes = [it.nbytes for it in fp.items]
+        self.got = [0] * len(fp.items)  # bytes of each item received so far
+        self.pos = 0  # bytes received so far: the file offset of the next one
+
+    def bad(self, what: str) -> SaveError:
+        return SaveError(
+            f"{self.where}: {what}; the file would not match its own header, so nothing was "
+            "committed. This is a bug in Tardigrade; please report it."
+        )
+
+    def header(self, data: memoryview) -> None:
+        """``data`` is about to be written at ``pos``: its header bytes must be the header's."""
+        k = min(data.nbytes, len(self.head) - self.pos)
+        if k > 0 and data[:k] != self.head[self.pos : self.pos + k]:
+            raise self.bad(f"bytes {self.pos}..{self.pos + k} differ from the file's header")
+
+    def item(self, item: int, at: int, n: int) -> None:
+        """``n`` bytes of ``item`` are about to be written at file offset ``at``."""
+        expect = self.starts[item] + self.got[item]
+        if at != expect or self.got[item] + n > self.nbytes[item]:
+            raise self.bad(
+                f"{n} bytes of item {item} staged at byte {at}, but the header places its "
+                f"next bytes at {expect} and it has {self.nbytes[item] - self.got[item]} left"
+            )
+        self.got[item] += n
+
+    def advance(self, n: int) -> None:
+        self.pos += n
+        if self.pos > self.end:
+            raise self.bad(f"{self.pos} bytes staged, but header and tensors are {self.end}")
+
+    def finish(self) -> None:
+        short = [i for i, (g, n) in enumerate(zip(self.got, self.nbytes, strict=True)) if g != n]
+        if self.pos != self.end or short:
+            raise self.bad(
+                f"{self.pos} bytes staged, but header and tensors are {self.end} bytes"
+                + (f" (items {short} incomplete)" if short else "")
+            )
+
+
+def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]) -> WrittenFile:
+    """Stream one data file: header, then each item's bytes, hashed on the way; then fsync.
+
+    The stream holds Segments (one item's bytes; the header is written here) or, for an async
+    save, Blocks (runs of the whole file image, header included). Which one is told by the
+    stream itself, never by a flag another thread sets: the async stager starts filling the
+    streams while this writer already runs. A Segment may point at live memory that training
+    mutates while it is written (a synchronous save), so the writer hashes its own copy of the
+    bytes, exactly what reaches the file: the checkpoint then always verifies, though a tensor
+    mutated mid-save may hold a mix of old and new values. A Block is a private staging copy;
+    it is hashed here and written without another copy. Every run is checked against the
+    header's layout (``_Layout``) before it is written, and the file's size at the end.
+    """
+    hashers = [Hasher() for _ in fp.items]
+    failure: BaseException | None = None
+    writer = None
+    head = b""
+    layout: _Layout | None = None
+    image: bool | None = None  # whether the stream is Blocks; known at its first element
+    try:
+        head = file_header(job, fp)
+        layout = _Layout(job.storage.url(f"{job.name}/{fp.name}"), head, fp)
+        writer = job.storage.open_writer(f"{staging}/{fp.name}", size_hint=len(head) + fp.nbytes)
+    except BaseException as e:
+        failure = e
+    # Drain the whole stream even after a failure: every segment must release its staging
+    # buffer, or a caller blocked on the staging budget would wait forever.
+    for seg in segments:
+        if seg is END or seg is ABORT:
+            if seg is ABORT and failure is None:
+                failure = SaveError(f"{job.storage.url(job.name)}: staging failed")
+            break
+        try:
+            if failure is None:
+                assert writer is not None and layout is not None
+                if image is None:
+                    image = isinstance(seg, Block)
+                    if not image:
+                        layout.advance(len(head))
+                        writer.write(head)
+                if isinstance(seg, Block) != image:
+                    raise layout.bad("a stream mixes whole-file blocks and item segments")
+                if isinstance(seg, Block):
+                    layout.header(seg.data)
+                    for item, lo, hi in seg.ranges:
+                        if not 0 <= lo <= hi <= seg.data.nbytes:
+                            raise layout.bad(f"item {item}'s span {lo}..{hi} is outside its block")
+                        layout.item(item, layout.pos + lo, hi - lo)
+                        for start in range(lo, hi, st.SLICE_BYTES):
+                            hashers[item].update(seg.data[start : min(hi, start + st.SLICE_BYTES)])
+                    layout.advance(seg.data.nbytes)
+                    writer.write(seg.data)
+                else:
+                    data = seg.data
+                    layout.item(seg.item, layout.pos, data.nbytes)
+                    layout.advance(data.nbytes)
+                    for start in range(0, data.nbytes, st.SLICE_BYTES):
+                        piece = data[start : start + st.SLICE_BYTES]
+                        writer.write(piece, hasher=hashers[seg.item])
+        except BaseException as e:
+            failure = e
+        finally:
+            if seg.done is not None:
+                seg.done()
+    try:
+        if failure is None:
+            assert writer is not None and layout is not None
+            if image is None:  # a file of no items: nothing but the header
+                layout.advance(len(head))
+                writer.write(head)
+            layout.finish()
+    except BaseException as e:
+        failure = e
+    if failure is not None:
+        if writer is not None:
+            writer.abort()
+        raise failure
+    writer.close()  # type: ignore[union-attr]
+    return WrittenFile(
+        layout.pos,  # type: ignore[union-attr]
+        checksum(head),
+        {it.key: h.hexdigest() for it, h in zip(fp.items, hashers, strict=True)},
+    )
+
+
+def in_threads(calls: Sequence[Callable[[], Any]], name: str) -> list[Any]:
+    """Run ``calls`` side by side (the last in this thread); return results in order.
+
+    Plain threads rather than an executor: an async save still writing while the interpreter
+    exits must be able to start its writers after ``concurrent.futures`` refuses new work.
+    """
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException | None] = [None] * len(calls)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as e:
+            errors[i] = e
+
+    threads = [
+        threading.Thread(target=one, args=(i,), name=f"{name}-{i}") for i in range(len(calls) - 1)
+    ]
+    for t in threads:
+        t.start()
+    if calls:
+        one(len(calls) - 1)
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def _discard(stream: Iterable[Any]) -> None:
+    for seg in stream:
+        if seg is END or seg is ABORT:
+            return
+        if seg.done is not None:
+            seg.done()
+
+
+def _manifest(job: SaveJob, written: dict[str, WrittenFile]) -> dict[str, Any]:
+    tensors: list[dict[str, Any]] = [
+        {"dtype": e.dtype, "shape": list(e.tensor.shape), "numpy": e.numpy, "chunks": []}
+        for e in job.flat.entries
+    ]
+    for fp in job.plan.files:
+        for item in fp.items:
+            shape = list(item_shape(job, item))
+            offsets = [0] * len(shape)
+            if shape:
+                offsets[0] = item.start
+            tensors[item.entry]["chunks"].append(
+                {
+                    "file": fp.name,
+                    "key": item.key,
+                    "offsets": offsets,
+                    "shape": shape,
+                    "checksum": written[fp.name].checksums[item.key],
+                }
+            )
+    return {
+        **job.header,
+        "files": [
+            {"name": n, "size": w.size, "header_checksum": w.header_checksum}
+            for n, w in sorted(written.items())
+        ],
+        "tensors": tensors,
+        "tree": job.flat.tree,
+    }
+
+
+def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResult:
+    """Write every file from its segment stream, then the manifest, then commit atomically.
+
+    On any failure the staging directory is removed and nothing becomes visible.
+    """
+    storage = job.storage
+    staging = None
+    try:
+        try:
+            staging = storage.begin(job.name, job.header["save_id"])
+        except BaseException:
+            # No writer will read the streams: release their staging buffers here, or a
+            # caller staging under a byte budget would wait for them forever.
+            for stream in streams:
+                _discard(stream)
+            raise
+        files = job.plan.files
+        results = in_threads(
+            [
+                functools.partial(_write_file, job, fp, staging, stream)
+                for fp, stream in zip(files, streams, strict=True)
+            ],
+            "tardigrade-write",
+        )
+        written = {fp.name: w for fp, w in zip(files, results, strict=True)}
+        manifest = seal(dumps(_manifest(job, written)))
+        # Commit only what a reader accepts: the same validation that guards every load
+        # (unique keys, chunks tiling each tensor, sizes) runs on this save's own manifest.
+        try:
+            parse(manifest, storage.url(f"{job.name}/{MANIFEST}"))
+        except TardigradeError as e:
+            raise SaveError(
+                f"{storage.url(job.name)}: refusing to commit a manifest a reader would reject "
+                f"(a bug in Tardigrade; please report it): {e}"
+            ) from e
+        w = storage.open_writer(f"{staging}/{MANIFEST}")
+        try:
+            w.write(manifest)
+        except BaseException:
+            w.abort()
+            raise
+        w.close()
+        check_target(storage, job.name, job.overwrite, racing=True)
+        storage.commit(staging, job.name, replace=job.overwrite)
+    except BaseException as e:
+        if staging is not None:
+            storage.delete(staging)
+        if isinstance(e, TardigradeError) and not isinstance(e, StorageError):
+            raise
+        if isinstance(e, Exception):
+            raise SaveError(
+                f"{storage.url(job.name)}: save failed and nothing was committed: {e}"
+            ) from e
+        raise
+    total = time.perf_counter() - job.started
+    return SaveResult(
+        storage.url(job.name),
+        job.header["step"],
+        sum(w.size for w in written.values()) + len(manifest),
+        len(files),
+        job.blocking_seconds if job.blocking_seconds is not None else total,
+        total,
+    )

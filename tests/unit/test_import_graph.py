@@ -1,0 +1,64 @@
+"""The package's imports go one way: no module imports (even lazily) one that imports it back.
+
+Cycles make import order matter (moving one line breaks ``import tardigrade``) and hide layering
+mistakes, e.g. the save pipeline reaching up into the async facade.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tardigrade
+
+ROOT = Path(tardigrade.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """Package modules ``path`` imports anywhere (top level or inside functions)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            target = ".".join([*base, *([node.module] if node.module else [])])
+            out.update(t for t in [target] if t in modules)
+            out.update(f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            out.update(n for n in names if n in modules)
+    # The package facade is imported by everything implicitly; only its own edges count.
+    out.discard("tardigrade")
+    out.discard(name)
+    return out
+
+
+def test_no_import_cycles() -> None:
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {m: imports_of(p, set(files)) for m, p in files.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for dep in sorted(graph[m]):
+            if state.get(dep) == 1:
+                cycles.append([*stack[stack.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+    assert "tardigrade._save" not in graph["tardigrade._async"]

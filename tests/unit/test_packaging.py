@@ -1,0 +1,53 @@
+"""What pip and a user's editor see: dependency metadata, typing marker, documented parameters."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+import tardigrade as tg
+
+
+def test_torch_requirement_is_a_floor_without_a_cap() -> None:
+    # pip must be able to install Tardigrade next to any newer torch without touching it.
+    reqs = [Requirement(r) for r in importlib.metadata.requires("tardigrade") or []]
+    (torch_req,) = [r for r in reqs if r.name == "torch" and r.marker is None]
+    assert torch_req.specifier.contains("2.3.0")
+    assert not torch_req.specifier.contains("2.2.2"), "the code needs torch.uint16/32/64 (2.3+)"
+    for newer in ("2.13.0", "2.14.0", "2.15.0", "2.15.1", "3.0.0"):
+        assert torch_req.specifier.contains(newer), f"torch {newer} would be refused or replaced"
+
+
+def test_metadata_version_is_the_package_version() -> None:
+    assert importlib.metadata.version("tardigrade") == tg.__version__
+
+
+def test_no_extra_without_a_use() -> None:
+    extras = importlib.metadata.metadata("tardigrade").get_all("Provides-Extra") or []
+    assert sorted(extras) == ["bench", "test"]
+
+
+def test_the_package_ships_its_typing_marker() -> None:
+    assert (Path(tg.__file__).parent / "py.typed").is_file()
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [tg.save, tg.load, tg.verify, tg.read_manifest, tg.CheckpointManager, tg.AsyncCheckpointer],
+    ids=lambda f: f.__name__,
+)
+def test_help_documents_every_parameter(fn: object) -> None:
+    doc = inspect.getdoc(fn) or ""
+    params = [
+        p
+        for p in inspect.signature(fn).parameters.values()  # type: ignore[arg-type]
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    # Each parameter is named in the docstring as ``name`` (or ``name=...``).
+    missing = [p.name for p in params if not re.search(rf"``{re.escape(p.name)}(``|=)", doc)]
+    assert not missing, f"help({fn.__name__}) does not document {missing}"  # type: ignore[attr-defined]

@@ -156,7 +156,14 @@ def scalar_text(node: dict[str, Any], short: bool = False) -> str:
             return f"bytes[{len(raw)}]" if len(raw) > 16 else repr(raw)
         if t == "dtype":
             return f"torch.{v}"
-        if t in ("complex", "npscalar", "size", "device", "set", "frozenset"):
+        if t == "tuple" and isinstance(v, list):  # a dict key or set element
+            body = ", ".join(scalar_text(x) for x in v if isinstance(x, dict))
+            return _clip(f"({body}{',' if len(v) == 1 else ''})")
+        if t in ("set", "frozenset") and isinstance(v, list):
+            # in stored order (sorted when saved), so the text is the same in every run
+            body = ", ".join(scalar_text(x) for x in v if isinstance(x, dict))
+            return _clip(f"{{{body}}}" if t == "set" and v else f"{t}({{{body}}})")
+        if t in ("complex", "npscalar", "size", "device"):
             return _clip(repr(decode(node, lambda n, p: None, "manifest")))
     except (TypeError, ValueError, TardigradeError):
         pass

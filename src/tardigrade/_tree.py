@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -181,6 +182,52 @@ def _overlapping(
             clusters.append([(sig, node)])
             end = hi
     return clusters
+
+
+def _sharing(
+    cluster: list[tuple[tuple[Any, ...], dict[str, Any]]],
+) -> list[list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """Split views of one dtype whose ranges overlap into groups that really share elements.
+
+    Strided views can interleave without sharing an element (two columns of a large matrix):
+    their ranges overlap, yet storing the span between them would write the whole matrix.
+    When a span is much larger than its views, every view's element offsets are listed (8
+    bytes per element of the views, never per element of the span) and views are grouped by
+    the offsets they have in common.
+    """
+    lo = min(sig[1] for sig, _ in cluster)
+    hi = max(
+        sig[1] + sum((n - 1) * s for n, s in zip(sig[2], sig[3], strict=True)) + 1
+        for sig, _ in cluster
+    )
+    covered = sum(math.prod(sig[2]) for sig, _ in cluster)
+    if hi - lo <= 2 * covered + 4096:
+        return [cluster]  # dense enough: the span costs at most about twice the views
+    offsets, owners = [], []
+    for i, (sig, _) in enumerate(cluster):
+        o = torch.tensor(sig[1], dtype=torch.int64)
+        for n, s in zip(sig[2], sig[3], strict=True):
+            o = o.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
+        offsets.append(o.reshape(-1))
+        owners.append(torch.full((o.numel(),), i, dtype=torch.int64))
+    off, order = torch.sort(torch.cat(offsets), stable=True)
+    own = torch.cat(owners)[order]
+    same = off[1:] == off[:-1]
+    parent = list(range(len(cluster)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    pairs = torch.stack([own[:-1][same], own[1:][same]], dim=1).unique(dim=0)
+    for a, b in pairs.tolist():
+        parent[root(a)] = root(b)
+    groups: dict[int, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+    for i, member in enumerate(cluster):
+        groups.setdefault(root(i), []).append(member)
+    return list(groups.values())
 
 
 class _Flattener:
@@ -373,16 +420,25 @@ class _Flattener:
 
         Only views whose byte ranges overlap are merged, cluster by cluster: two slices at the
         ends of one large buffer are stored as two tensors (their own bytes), not as the whole
-        span between them. A view alone in its cluster keeps its own entry, stored by value.
+        span between them; strided views that interleave without sharing an element are split
+        apart too (:func:`_sharing`). A view alone in its group keeps its own entry, stored by
+        value.
         """
         complex_entries = {n["e"] for n in self.refs if "complex" in n}
         moved: dict[int, tuple[int, dict[str, Any]]] = {}  # old entry -> (span entry, view)
         for group in self.by_storage.values():
             if len(group) < 2:
                 continue
-            for cluster in _overlapping(group):
-                if len(cluster) < 2 or len({sig[0] for sig, _ in cluster}) != 1:
-                    continue  # reinterpreting views (other dtypes) are saved by value each
+            clusters = [
+                part
+                for cluster in _overlapping(group)
+                # reinterpreting views (other dtypes) are saved by value each
+                if len(cluster) > 1 and len({sig[0] for sig, _ in cluster}) == 1
+                for part in _sharing(cluster)
+            ]
+            for cluster in clusters:
+                if len(cluster) < 2:
+                    continue
                 lo = min(sig[1] for sig, _ in cluster)
                 if any(node["e"] in complex_entries for _, node in cluster):
                     lo -= lo % 2  # view_as_complex needs an even offset into the span

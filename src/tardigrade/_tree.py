@@ -184,6 +184,11 @@ def _overlapping(
     return clusters
 
 
+# The most view elements whose offsets _sharing lists (8 bytes each, sorted while save()
+# blocks); above it, interleaved views are stored as their span.
+_SHARING_CHECK_MAX = 1 << 22
+
+
 def _sharing(
     cluster: list[tuple[tuple[Any, ...], dict[str, Any]]],
 ) -> list[list[tuple[tuple[Any, ...], dict[str, Any]]]]:
@@ -201,8 +206,10 @@ def _sharing(
         for sig, _ in cluster
     )
     covered = sum(math.prod(sig[2]) for sig, _ in cluster)
-    if hi - lo <= 2 * covered + 4096:
-        return [cluster]  # dense enough: the span costs at most about twice the views
+    if hi - lo <= 2 * covered + 4096 or covered > _SHARING_CHECK_MAX:
+        # Dense enough (the span costs at most about twice the views), or too many elements to
+        # list in the caller's thread: store the span.
+        return [cluster]
     offsets, owners = [], []
     for i, (sig, _) in enumerate(cluster):
         o = torch.tensor(sig[1], dtype=torch.int64)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ._plan import DEFAULT_WORKERS
-from ._tree import decode, is_stateful, path_str
+from ._tree import SPARSE_LAYOUTS, decode, is_stateful, path_str
 from ._validate import class_name, same_class, standin, validate_state
 from .errors import (
     CheckpointNotFoundError,
@@ -28,7 +28,7 @@ from .errors import (
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher
-from .format.dtypes import TORCH_DTYPES
+from .format.dtypes import COMPLEX_DTYPES, TORCH_DTYPES
 from .format.manifest import MANIFEST, Chunk, Manifest, TensorInfo, parse
 from .storage import Storage, storage_for
 
@@ -254,6 +254,8 @@ class _Matcher:
                 self.match(child, lv, (*path, i), lenient)
         elif tag in ("tensor", "ndarray"):
             self.match_tensor(node, live, path)
+        elif tag == "sparse":
+            self.match_sparse(node, live, path)
         else:
             self.replaced(tag, live, p)
 
@@ -284,6 +286,9 @@ class _Matcher:
         and take the live tensor as the read target where it can hold the bytes."""
         info = self.m.tensors[node["e"]]
         shape, dtype = _leaf_shape_dtype(node, info)
+        complex_dtype = _complex_dtype(node)
+        if complex_dtype is not None:  # stored as its real view: a trailing dimension of 2
+            shape, dtype = shape[:-1], complex_dtype
         p = path_str(path)
         if node["t"] == "ndarray":
             if not isinstance(live, np.ndarray):
@@ -306,6 +311,12 @@ class _Matcher:
                         f"{p}: checkpoint holds a tensor, live value is {type(live).__name__}"
                     )
                 return
+            if live.layout != torch.strided:
+                if report:
+                    self.diffs.append(
+                        f"{p}: checkpoint holds a dense tensor, live tensor is {live.layout}"
+                    )
+                return
             live_t, live_shape, live_dtype = live, tuple(live.shape), live.dtype
         if tuple(live_shape) != shape or live_dtype != dtype:
             if report:
@@ -324,8 +335,37 @@ class _Matcher:
             and not live_t.is_neg()
             and self._claim(live_t)
         ):
-            self.dest[node["e"]] = live_t.detach()
+            target = live_t.detach()
+            # The bytes are read into the live complex tensor through its real view.
+            self.dest[node["e"]] = torch.view_as_real(target) if target.is_complex() else target
             self.in_place.setdefault(self._owner, []).append(p)
+
+    def match_sparse(self, node: dict[str, Any], live: Any, path: tuple[Any, ...]) -> None:
+        """A sparse tensor must meet a live one of its layout, size and dtype.
+
+        It is never read into: its number of stored elements changes as it trains, so the
+        checkpoint's tensor replaces the live one (``load_state_dict`` copies it into a
+        module's buffer).
+        """
+        layout, size = node["layout"], node["size"]
+        values = node["v"][-1]
+        dtype = _complex_dtype(values) or TORCH_DTYPES[self.m.tensors[values["e"]].dtype]
+        if (
+            isinstance(live, torch.Tensor)
+            and live.layout == SPARSE_LAYOUTS[layout][0]
+            and list(live.shape) == size
+            and live.dtype == dtype
+        ):
+            return
+        has = (
+            f"a {live.layout} tensor of shape {list(live.shape)} {live.dtype}"
+            if isinstance(live, torch.Tensor)
+            else type(live).__name__
+        )
+        self.diffs.append(
+            f"{path_str(path)}: checkpoint holds a sparse {layout} tensor of shape {size} "
+            f"{dtype}, live value is {has}"
+        )
 
     def _claim(self, t: torch.Tensor) -> bool:
         """Reserve ``t``'s bytes as a read target unless they overlap another target's.
@@ -345,6 +385,12 @@ class _Matcher:
             return False
         self._spans.insert(i, (start, end))
         return True
+
+
+def _complex_dtype(node: dict[str, Any]) -> torch.dtype | None:
+    """The complex dtype a tensor leaf stored as its real view comes back as, if any."""
+    name = node.get("complex")
+    return COMPLEX_DTYPES[name][0] if name in COMPLEX_DTYPES else None
 
 
 def _leaf_shape_dtype(
@@ -652,6 +698,8 @@ def _entry_paths(tree: dict[str, Any]) -> dict[int, str]:
                     stack.append((item[1], (*path, k)))
         elif t == "stateful":
             stack.append((node.get("v"), path))
+        elif t == "sparse" and isinstance(node.get("v"), list):
+            stack.extend((c, path) for c in node["v"])
     return out
 
 

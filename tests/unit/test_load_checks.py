@@ -465,3 +465,42 @@ def test_two_checkpoint_tensors_are_never_read_into_one_live_tensor(tmp_path: Pa
     live = Twins(shared, shared)
     tg.load(tmp_path / "ck", into={"t": live})
     assert live.a.tolist() == [1.0] * 4 and live.b.tolist() == [2.0] * 4
+
+
+# --------------------------------------------------------------------------------------------
+# every leaf kind restores into live state (complex tensors in place, sparse ones replaced)
+
+
+class Spectral(nn.Module):
+    """A complex parameter (read in place through its real view) and a sparse buffer."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = nn.Parameter(torch.randn(3, 2, dtype=torch.complex64, generator=g))
+        self.register_buffer("adj", (torch.eye(3) * (seed + 1)).to_sparse())
+
+
+def test_complex_and_sparse_tensors_restore_into_live_state(tmp_path: Path) -> None:
+    saved = {
+        "model": Spectral(0),
+        "z": torch.full((4,), 1 + 2j, dtype=torch.complex128),
+        "adj": (torch.eye(3) * 2).to_sparse_csr(),
+    }
+    tg.save(tmp_path / "ck", saved)
+    live = {
+        "model": Spectral(1),
+        "z": torch.zeros(4, dtype=torch.complex128),
+        "adj": torch.eye(3).to_sparse_csr(),
+    }
+    w, z = live["model"].w, live["z"]
+    tg.load(tmp_path / "ck", into=live)  # strict
+    assert live["model"].w is w and torch.equal(w, saved["model"].w)  # read in place
+    assert live["z"] is z and torch.equal(z, saved["z"])
+    assert torch.equal(live["model"].adj.to_dense(), saved["model"].adj.to_dense())
+    assert live["adj"].layout == torch.sparse_csr
+    assert torch.equal(live["adj"].to_dense(), saved["adj"].to_dense())
+
+    # A dense live tensor where the checkpoint holds a sparse one is a difference.
+    with pytest.raises(StateMismatchError, match=r"state\['adj'\]: checkpoint holds a sparse csr"):
+        tg.load(tmp_path / "ck", into={**live, "adj": torch.zeros(3, 3)})

@@ -57,14 +57,27 @@ def validate_state(live: Any, state_dict: Any) -> None:
 
     The object's own ``validate_state_dict`` hook decides when it has one (see
     ``tardigrade.Stateful``); optimizers get a built-in check that repeats the checks of
-    ``torch.optim.Optimizer.load_state_dict``. Tensors in ``state_dict`` are stand-ins: meta
-    tensors (read-only zero-stride arrays for numpy) with the checkpoint's shape and dtype.
+    ``torch.optim.Optimizer.load_state_dict``, and ``GradScaler`` one for the empty state a
+    disabled scaler saves. Tensors in ``state_dict`` are stand-ins: meta tensors (read-only
+    zero-stride arrays for numpy) with the checkpoint's shape and dtype.
     """
     hook = getattr(live, "validate_state_dict", None)
     if callable(hook):
         hook(state_dict)
     elif isinstance(live, torch.optim.Optimizer):
         _check_optimizer(live, state_dict)
+    elif isinstance(live, torch.amp.GradScaler):
+        _check_grad_scaler(live, state_dict)
+
+
+def _check_grad_scaler(scaler: torch.amp.GradScaler, sd: Any) -> None:
+    # A disabled scaler saves {}, which an enabled one's load_state_dict refuses: say so before
+    # anything is read, not after the model was overwritten.
+    if scaler.is_enabled() and isinstance(sd, Mapping) and not sd:
+        raise ValueError(
+            "the checkpoint holds the empty state of a disabled GradScaler, this one is enabled; "
+            "build it with enabled=False to resume that run, or leave it out with keys=[...]"
+        )
 
 
 def _check_optimizer(opt: torch.optim.Optimizer, sd: Any) -> None:

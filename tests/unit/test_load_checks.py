@@ -504,3 +504,18 @@ def test_complex_and_sparse_tensors_restore_into_live_state(tmp_path: Path) -> N
     # A dense live tensor where the checkpoint holds a sparse one is a difference.
     with pytest.raises(StateMismatchError, match=r"state\['adj'\]: checkpoint holds a sparse csr"):
         tg.load(tmp_path / "ck", into={**live, "adj": torch.zeros(3, 3)})
+
+
+def test_an_enabled_grad_scaler_refuses_a_disabled_ones_state_before_anything_is_read(
+    tmp_path: Path,
+) -> None:
+    tg.save(tmp_path / "ck", {**_trained(), "scaler": torch.amp.GradScaler("cpu", enabled=False)})
+    live = {**_fresh(), "scaler": torch.amp.GradScaler("cpu")}
+    before = _snapshot(live)
+    with pytest.raises(StateMismatchError) as info:
+        tg.load(tmp_path / "ck", into=live)
+    msg = str(info.value)
+    assert "state['scaler']: GradScaler rejects the state" in msg, msg
+    assert "disabled GradScaler" in msg and "nothing was loaded" in msg, msg
+    _unchanged(before, live)
+    assert live["scaler"].get_scale() == 2.0**16

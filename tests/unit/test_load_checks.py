@@ -519,3 +519,35 @@ def test_an_enabled_grad_scaler_refuses_a_disabled_ones_state_before_anything_is
     assert "disabled GradScaler" in msg and "nothing was loaded" in msg, msg
     _unchanged(before, live)
     assert live["scaler"].get_scale() == 2.0**16
+
+
+@pytest.mark.parametrize("cls", ["SequentialLR", "ChainedScheduler"])
+@pytest.mark.parametrize("live_count", [1, 3])
+def test_a_scheduler_wrapping_another_number_of_schedulers_is_refused_up_front(
+    tmp_path: Path, cls: str, live_count: int
+) -> None:
+    from torch.optim import lr_scheduler as lrs
+
+    def build(state: dict[str, Any], n: int) -> Any:
+        opt = state["optim"]
+        inner = [lrs.ConstantLR(opt, factor=0.5, total_iters=2), lrs.ExponentialLR(opt, 0.9)]
+        inner += [lrs.StepLR(opt, step_size=2)] * (n - 2)
+        inner = inner[:n]
+        if cls == "SequentialLR":
+            return lrs.SequentialLR(opt, inner, milestones=list(range(2, n + 1)))
+        return lrs.ChainedScheduler(inner, optimizer=opt)
+
+    saved = _trained()
+    saved["sched"] = build(saved, 2)
+    saved["sched"].step()
+    tg.save(tmp_path / "ck", saved)
+    live = _fresh()
+    live["sched"] = build(live, live_count)
+    before = _snapshot(live)
+    with pytest.raises(StateMismatchError) as info:
+        tg.load(tmp_path / "ck", into=live)
+    msg = str(info.value)
+    assert f"state['sched']: {cls} rejects the state" in msg, msg
+    assert f"states of 2 scheduler(s), this {cls} wraps {live_count}" in msg, msg
+    assert "nothing was loaded" in msg, msg
+    _unchanged(before, live)

@@ -285,10 +285,7 @@ class _Matcher:
         """Check a tensor leaf against its live tensor (``report``: a mismatch is a difference)
         and take the live tensor as the read target where it can hold the bytes."""
         info = self.m.tensors[node["e"]]
-        shape, dtype = _leaf_shape_dtype(node, info)
-        complex_dtype = _complex_dtype(node)
-        if complex_dtype is not None:  # stored as its real view: a trailing dimension of 2
-            shape, dtype = shape[:-1], complex_dtype
+        shape, dtype = _leaf_shape_dtype(node, info)  # a complex tensor's, not its real view's
         p = path_str(path)
         if node["t"] == "ndarray":
             if not isinstance(live, np.ndarray):
@@ -349,7 +346,7 @@ class _Matcher:
         """
         layout, size = node["layout"], node["size"]
         values = node["v"][-1]
-        dtype = _complex_dtype(values) or TORCH_DTYPES[self.m.tensors[values["e"]].dtype]
+        _, dtype = _leaf_shape_dtype(values, self.m.tensors[values["e"]])
         if (
             isinstance(live, torch.Tensor)
             and live.layout == SPARSE_LAYOUTS[layout][0]
@@ -387,17 +384,18 @@ class _Matcher:
         return True
 
 
-def _complex_dtype(node: dict[str, Any]) -> torch.dtype | None:
-    """The complex dtype a tensor leaf stored as its real view comes back as, if any."""
-    name = node.get("complex")
-    return COMPLEX_DTYPES[name][0] if name in COMPLEX_DTYPES else None
+def _stored_shape(node: dict[str, Any], info: TensorInfo) -> tuple[int, ...]:
+    view = node.get("view")
+    return tuple(view["shape"]) if view else info.shape
 
 
 def _leaf_shape_dtype(
     node: dict[str, Any], info: TensorInfo
 ) -> tuple[tuple[int, ...], torch.dtype]:
-    view = node.get("view")
-    shape = tuple(view["shape"]) if view else info.shape
+    """The shape and dtype the leaf loads as (a complex tensor is stored as its real view)."""
+    shape = _stored_shape(node, info)
+    if node.get("complex") in COMPLEX_DTYPES:
+        return shape[:-1], COMPLEX_DTYPES[node["complex"]][0]
     return shape, TORCH_DTYPES[info.dtype]
 
 
@@ -698,8 +696,9 @@ def _entry_paths(tree: dict[str, Any]) -> dict[int, str]:
                     stack.append((item[1], (*path, k)))
         elif t == "stateful":
             stack.append((node.get("v"), path))
-        elif t == "sparse" and isinstance(node.get("v"), list):
-            stack.extend((c, path) for c in node["v"])
+        elif t == "sparse" and node.get("layout") in SPARSE_LAYOUTS:
+            names = SPARSE_LAYOUTS[node["layout"]][1]
+            stack.extend((c, (*path, n)) for c, n in zip(node.get("v") or (), names, strict=False))
     return out
 
 
@@ -797,7 +796,7 @@ def load(
 
         def standin_leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
             info = m.tensors[node["e"]]
-            return standin(node, _leaf_shape_dtype(node, info)[0], info.dtype, where)
+            return standin(node, _stored_shape(node, info), info.dtype, where)
 
         rejected = applier.validate(tree, into, decode(tree, standin_leaf, where))
         _refuse(where, matcher.diffs if strict else [], rejected)

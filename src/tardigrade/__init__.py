@@ -12,7 +12,7 @@ from ._rng import RNGState
 from ._save import save
 from ._tree import Stateful
 from ._version import __version__
-from .data import ResumableSampler
+from .data import ResumableSampler, SampleIndex, SeededDataset, seed_sample
 from .errors import (
     CheckpointExistsError,
     CheckpointLockedError,
@@ -43,10 +43,12 @@ __all__ = [
     "JobRunner",
     "RNGState",
     "ResumableSampler",
+    "SampleIndex",
     "SaveError",
     "SaveFuture",
     "SaveResult",
     "SaveStats",
+    "SeededDataset",
     "StateMismatchError",
     "Stateful",
     "StorageError",
@@ -58,5 +60,6 @@ __all__ = [
     "load",
     "read_manifest",
     "save",
+    "seed_sample",
     "verify",
 ]

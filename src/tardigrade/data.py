@@ -30,13 +30,30 @@ stream (so dropout would diverge). Pass the sampler's own generator, which is re
 (seed, epoch, position) whenever the position jumps::
 
     DataLoader(ds, batch_size=B, sampler=sampler, generator=sampler.generator)
+
+Random augmentation inside ``Dataset.__getitem__`` (``random``, ``numpy``, ``torch``) runs in
+worker processes whose random streams are in no checkpoint and depend on the worker count and
+on which worker got which batch. To make it resumable, its randomness must be a function of
+the sample, not of the process: the sampler yields :class:`SampleIndex` objects (plain ``int``
+indices that also carry ``epoch`` and ``seed``), and :class:`SeededDataset` (or the
+:func:`seed_sample` context manager) seeds ``random``, NumPy's global RNG and torch's CPU RNG
+from ``(seed, epoch, index)`` around each ``__getitem__``. The same sample of the same epoch is
+then augmented the same way whatever the worker count, the world size, persistent workers or
+where the run was resumed. The epoch travels inside the index because a worker holds a copy of
+the dataset made when its iterator started (for the whole run with ``persistent_workers=True``),
+so no attribute set on the dataset in the main process would reach it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import operator
+import random
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from .errors import InvalidArgumentError, StateMismatchError
@@ -46,6 +63,170 @@ def _dist_default() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+class SampleIndex(int):
+    """A dataset index that also says which epoch and sampler seed it was drawn for.
+
+    It *is* an ``int`` (equal to, hashing and indexing like the plain index; ``str()`` gives
+    the digits), so datasets that know nothing of it keep working. :class:`ResumableSampler`
+    yields these; :func:`seed_sample` and :class:`SeededDataset` read ``epoch`` and ``seed``
+    from them, in whichever worker process the index lands::
+
+        >>> i = tg.SampleIndex(7, epoch=2, seed=0)
+        >>> i == 7, i.epoch, f"img-{i}.png"
+        (True, 2, 'img-7.png')
+    """
+
+    epoch: int
+    seed: int
+
+    def __new__(cls, index: int, epoch: int, seed: int) -> SampleIndex:
+        self = super().__new__(cls, index)
+        self.epoch = epoch
+        self.seed = seed
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # DataLoader pickles indices into its workers; int's default reduce would drop the
+        # epoch and seed (and call __new__ with one argument).
+        return (SampleIndex, (int(self), self.epoch, self.seed))
+
+    def __repr__(self) -> str:
+        return f"SampleIndex({int(self)}, epoch={self.epoch}, seed={self.seed})"
+
+    # int's __str__ would fall back to __repr__; datasets build file names from indices.
+    __str__ = int.__repr__
+
+
+def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
+    # Any integer (NumPy's, a 0-d tensor's) is an index; bools and floats would be silent bugs.
+    try:
+        number = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or (minimum is not None and number < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise InvalidArgumentError(f"seed_sample(): {name} must be an int{bound}, got {value!r}")
+    return number
+
+
+def _sample_seeds(seed: int, epoch: int, index: int) -> tuple[int, int, int, int]:
+    """Four independent 64-bit seeds (the user's, python, numpy, torch) for one sample.
+
+    A keyed hash, not arithmetic: neighbouring (epoch, index) pairs get unrelated streams, and
+    the libraries get different seeds because Python's ``random`` and NumPy's legacy RNG are
+    both MT19937 seeded the same way (one seed would make their draws equal). The derivation
+    is part of the contract: it does not depend on platform, process or library version, so
+    a run resumed by a newer Tardigrade augments its samples as the original did.
+    """
+    key = f"{seed}:{epoch}:{index}".encode()
+    digest = hashlib.blake2b(key, digest_size=32, person=b"tg.seed_sample").digest()
+    a, b, c, d = (int.from_bytes(digest[i : i + 8], "little") for i in range(0, 32, 8))
+    return a, b, c, d
+
+
+@contextlib.contextmanager
+def seed_sample(index: int, *, seed: int | None = None, epoch: int | None = None) -> Iterator[int]:
+    """Seed ``random``, NumPy's global RNG and torch's CPU RNG for one sample, then put them back.
+
+    Inside the block every draw is a function of ``(seed, epoch, index)`` alone (seed and epoch
+    come from a :class:`SampleIndex`, or pass them for a plain ``int``); the block yields a
+    64-bit seed of that sample for generators of your own (``np.random.default_rng(s)``,
+    ``torch.Generator().manual_seed(s)``). On exit the three global RNG states are restored,
+    so with ``num_workers=0`` the main process's streams (dropout, ...) do not move. CUDA RNGs
+    are not touched. The global RNGs are process-wide: another thread drawing from them during
+    the block would draw from the sample's stream. Use it in a ``__getitem__`` of your own, or
+    wrap the dataset in :class:`SeededDataset`, which does this for you::
+
+        >>> class Augmented(torch.utils.data.Dataset):
+        ...     def __getitem__(self, i):
+        ...         with tg.seed_sample(i):                  # i: a tg.SampleIndex
+        ...             return self.x[i] + 0.1 * torch.randn(16)
+        >>> with tg.seed_sample(7, seed=0, epoch=2) as s:   # a plain int: say seed and epoch
+        ...     a = random.random()
+        >>> with tg.seed_sample(tg.SampleIndex(7, epoch=2, seed=0)):
+        ...     assert random.random() == a
+    """
+    if isinstance(index, SampleIndex):
+        seed = index.seed if seed is None else seed
+        epoch = index.epoch if epoch is None else epoch
+    elif seed is None or epoch is None:
+        raise InvalidArgumentError(
+            f"seed_sample(): index {index!r} is a plain {type(index).__name__}, which does not "
+            "say its epoch and seed; draw indices from a tg.ResumableSampler (it yields "
+            "tg.SampleIndex), or pass seed=... and epoch=... explicitly"
+        )
+    index = _check_int("index", index)
+    seed = _check_int("seed", seed)
+    epoch = _check_int("epoch", epoch, minimum=0)
+    mine, py_seed, np_seed, torch_seed = _sample_seeds(seed, epoch, index)
+    saved_py, saved_np, saved_torch = (
+        random.getstate(),
+        np.random.get_state(),
+        torch.get_rng_state(),
+    )
+    try:
+        random.seed(py_seed)
+        # The legacy global RNG takes 32-bit words; two keep the whole 64-bit seed.
+        np.random.seed(np.array([np_seed & 0xFFFFFFFF, np_seed >> 32], dtype=np.uint32))
+        # Not torch.manual_seed: it would reseed every CUDA device too, which is not restored.
+        torch.default_generator.manual_seed(torch_seed)
+        yield mine
+    finally:
+        random.setstate(saved_py)
+        np.random.set_state(saved_np)
+        torch.set_rng_state(saved_torch)
+
+
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class SeededDataset(torch.utils.data.Dataset[_T_co]):
+    """Wrap a map-style dataset so its random augmentation resumes bit-exactly.
+
+    Each ``dataset[i]`` runs inside :func:`seed_sample` ``(i)``: ``random``, ``np.random`` and
+    ``torch`` draw from streams fixed by (sampler seed, epoch, sample index), the same for any
+    ``num_workers``, any world size and any resume point, and the caller's global RNGs are left
+    as they were. Use it with a :class:`ResumableSampler`, whose indices carry the epoch::
+
+        >>> sampler = tg.ResumableSampler(len(ds), seed=0)
+        >>> loader = DataLoader(tg.SeededDataset(ds), batch_size=32, sampler=sampler,
+        ...                     num_workers=2, generator=sampler.generator)
+        >>> for batch in sampler.track(loader): ...
+
+    Attributes not found on the wrapper are read from the wrapped dataset (``.classes``, ...).
+    Randomness outside ``__getitem__`` (a random ``collate_fn``, a ``worker_init_fn``) is not
+    covered. A plain ``int`` index (another sampler, a direct ``ds[3]``) raises
+    :class:`~tardigrade.InvalidArgumentError`: it does not say its epoch.
+    """
+
+    def __init__(self, dataset: torch.utils.data.Dataset[_T_co]) -> None:
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(
+            dataset, "__getitem__"
+        ):
+            raise InvalidArgumentError(
+                f"SeededDataset needs a map-style dataset (one with __getitem__), got "
+                f"{type(dataset).__name__}; an IterableDataset draws no indices to seed from"
+            )
+        self.dataset = dataset
+
+    def __getitem__(self, index: int) -> _T_co:
+        with seed_sample(index):
+            return self.dataset[index]
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names the wrapper lacks. "dataset" itself is absent while unpickling
+        # in a worker: answering it here would recurse.
+        if name == "dataset" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __repr__(self) -> str:
+        return f"SeededDataset({self.dataset!r})"
 
 
 class ResumableSampler(torch.utils.data.Sampler[int]):
@@ -59,7 +240,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     With ``num_workers > 0`` iterate ``sampler.track(loader)`` (see the module docs). With a
     ``DataLoader(..., drop_last=True)`` pass the same ``batch_size`` and ``drop_last=True`` here,
-    so the epoch ends where the loader's does.
+    so the epoch ends where the loader's does. It yields :class:`SampleIndex` values (``int``
+    indices that carry the epoch and seed); wrap a dataset with random augmentation in
+    :class:`SeededDataset` to make the augmentation resume exactly too.
     """
 
     def __init__(
@@ -133,8 +316,10 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return self._remaining()
 
     def __iter__(self) -> Iterator[int]:
+        """Yield this rank's rest of the current epoch as :class:`SampleIndex` (``int``) values."""
         epoch, start = self.epoch, self.consumed
         mine = self._mine()
+        seed = self.seed
         for k, idx in enumerate(mine, 1):
             # A position moved by someone else (load_state_dict(), another pass) is theirs.
             if not self._tracked and (self.epoch, self.consumed) == (epoch, start):
@@ -146,7 +331,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                     self._next_epoch()
                 else:
                     self.consumed = start = min(self.dataset_len, start + self.world_size)
-            yield idx
+            yield SampleIndex(idx, epoch, seed)
         if not mine and not self._tracked and (self.epoch, self.consumed) == (epoch, start):
             self._next_epoch()  # nothing left in this epoch for this rank
 

@@ -386,35 +386,18 @@ def test_a_dead_holder_frees_the_lock_at_once_while_its_forked_worker_lives(
 
 
 @pytest.fixture
-def full_tmpfs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """A 16 MiB tmpfs, filled up: (the mount point, the file that fills it)."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        (mnt / "ckpt").mkdir()
-        filler = mnt / "filler"
-        with open(filler, "wb", buffering=0) as f:
-            for size in (1 << 20, 4096):
-                try:
-                    while True:
-                        f.write(b"\0" * size)
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC
-        yield mnt, filler
-    finally:
-        r = subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
-        if r.returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+def full_tmpfs(small_tmpfs: Path) -> tuple[Path, Path]:
+    """The 16 MiB tmpfs, filled up: (the mount point, the file that fills it)."""
+    (small_tmpfs / "ckpt").mkdir()
+    filler = small_tmpfs / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for size in (1 << 20, 4096):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+    return small_tmpfs, filler
 
 
 def test_a_holder_on_a_full_disk_keeps_the_lock_and_writes_its_record_later(

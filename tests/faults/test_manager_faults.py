@@ -18,7 +18,6 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -367,32 +366,6 @@ def test_a_file_in_the_way_fails_at_construction(tmp_path: Path, on_save_error: 
     assert signal.getsignal(signal.SIGTERM) is before  # nothing left installed
 
 
-@pytest.fixture
-def read_only_fs(tmp_path: Path) -> Iterator[Path]:
-    """A real read-only filesystem: an empty tmpfs mounted with -o ro."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    mount(["-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)])
-    try:
-        yield mnt
-    finally:
-        umount(mnt)
-
-
-def mount(args: list[str]) -> None:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a filesystem needs root")
-    r = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount here: {r.stderr.strip()}")
-
-
-def umount(mnt: Path) -> None:
-    r = subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
-    if r.returncode != 0:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
-
-
 @pytest.mark.parametrize("on_save_error", ["warn", "raise"])
 @pytest.mark.parametrize("sub", ["", "ckpt"], ids=["mount-point", "missing-subdir"])
 def test_a_read_only_filesystem_fails_at_construction(
@@ -487,7 +460,7 @@ def test_a_really_full_disk_at_construction_constructs_and_warns(
 
 @ASYNC
 def test_a_directory_turning_read_only_mid_run_does_not_stop_training(
-    small_tmpfs: Path, caplog: pytest.LogCaptureFixture, async_save: bool
+    small_tmpfs: Path, caplog: pytest.LogCaptureFixture, async_save: bool, remount: Any
 ):
     # What still fails in the background after construction (an ext4 error remounting the
     # disk read-only) is reported and training goes on; the saves succeed again once fixed.
@@ -497,7 +470,7 @@ def test_a_directory_turning_read_only_mid_run_does_not_stop_training(
     try:
         assert mgr.save(1) is True
         mgr.wait()
-        mount(["-o", "remount,ro", str(small_tmpfs)])
+        remount(small_tmpfs, "ro")
         try:
             caplog.clear()
             assert mgr.save(3) is async_save  # async: the failure surfaces later
@@ -505,7 +478,7 @@ def test_a_directory_turning_read_only_mid_run_does_not_stop_training(
                 mgr.step(s)
             mgr.wait()
         finally:
-            mount(["-o", "remount,rw", str(small_tmpfs)])
+            remount(small_tmpfs, "rw")
         mgr.step(8)
         mgr.wait()
         assert [(s.step, s.ok) for s in mgr.stats] == [
@@ -527,28 +500,6 @@ def test_a_directory_turning_read_only_mid_run_does_not_stop_training(
 
 
 # -- 5. a really full disk --------------------------------------------------------------------
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        r = subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
-        if r.returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
 @ASYNC

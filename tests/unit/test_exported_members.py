@@ -15,10 +15,12 @@ EXPECTED = {
     "JobRunner",
     "RNGState",
     "ResumableSampler",
+    "SampleIndex",
     "SaveError",
     "SaveFuture",
     "SaveResult",
     "SaveStats",
+    "SeededDataset",
     "StateMismatchError",
     "Stateful",
     "StorageError",
@@ -30,6 +32,7 @@ EXPECTED = {
     "load",
     "read_manifest",
     "save",
+    "seed_sample",
     "verify",
 }
 

@@ -8,12 +8,17 @@ none repeated, none reordered.
 
 from __future__ import annotations
 
+import copy
 import itertools
+import json
+import pickle
+import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -652,3 +657,316 @@ def test_track_refuses_a_loader_with_another_batch_size() -> None:
     s = tg.ResumableSampler(10, batch_size=3, drop_last=True)
     with pytest.raises(InvalidArgumentError, match="batch_size=3"):
         next(iter(s.track(make_loader(10, s, 2))))
+
+
+# --------------------------------------------------------------------------------------------
+# random augmentation in the dataset: tg.SampleIndex, tg.seed_sample, tg.SeededDataset
+
+
+class Augmented(torch.utils.data.Dataset[torch.Tensor]):
+    """Row ``i``: the index, then one draw each from torch, random and numpy (as augmentation)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.classes = ["a", "b"]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(
+            [
+                float(i),
+                torch.rand((), dtype=torch.float64).item(),
+                random.random(),
+                np.random.rand(),
+            ],
+            dtype=torch.float64,
+        )
+
+
+def global_rng_states() -> tuple[Any, ...]:
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state())
+
+
+def assert_same_global_rng(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
+    assert a[0] == b[0], "python random moved"
+    assert a[1][0] == b[1][0] and np.array_equal(a[1][1], b[1][1]) and a[1][2:] == b[1][2:], (
+        "numpy's global RNG moved"
+    )
+    assert torch.equal(a[2], b[2]), "torch's CPU RNG moved"
+
+
+def draws() -> tuple[float, float, float]:
+    return torch.rand(()).item(), random.random(), float(np.random.rand())
+
+
+def aug_loader(
+    ds: torch.utils.data.Dataset[Any], s: tg.ResumableSampler, workers: int, **kw: Any
+) -> DataLoader:
+    return DataLoader(ds, batch_size=3, sampler=s, num_workers=workers, generator=s.generator, **kw)
+
+
+def rows(loader: DataLoader, s: tg.ResumableSampler, count: int) -> list[torch.Tensor]:
+    """``count`` batches through ``track()``, pass after pass."""
+    out: list[torch.Tensor] = []
+    while len(out) < count:
+        for b in s.track(loader):
+            out.append(b)
+            if len(out) == count:
+                break
+    return out
+
+
+def test_the_sampler_yields_sample_indices_that_behave_as_ints() -> None:
+    s = tg.ResumableSampler(10, seed=3)
+    for epoch in range(2):
+        got = list(s)
+        assert got == s.order(epoch).tolist()
+        assert all(type(i) is tg.SampleIndex for i in got)
+        assert all((i.epoch, i.seed) == (epoch, 3) for i in got)
+    i = tg.SampleIndex(7, epoch=2, seed=3)
+    assert i == 7 and hash(i) == hash(7) and {i: 1}[7] == 1
+    assert str(i) == "7" and f"img-{i}.png" == "img-7.png" and format(i, "03d") == "007"
+    assert repr(i) == "SampleIndex(7, epoch=2, seed=3)"
+    assert json.dumps([i]) == "[7]"
+    assert torch.arange(10)[i].item() == 7 and np.arange(10)[i] == 7 and list(range(10))[i] == 7
+    assert torch.equal(
+        torch.utils.data.default_collate([i, tg.SampleIndex(1, 0, 0)]), torch.tensor([7, 1])
+    )
+    # DataLoader pickles indices into its workers: epoch and seed must survive.
+    j = pickle.loads(pickle.dumps(i))
+    assert type(j) is tg.SampleIndex and (int(j), j.epoch, j.seed) == (7, 2, 3)
+    k = copy.deepcopy(i)
+    assert (int(k), k.epoch, k.seed) == (7, 2, 3)
+
+
+def test_seed_sample_draws_are_a_function_of_seed_epoch_and_index() -> None:
+    def under(index: int, **kw: Any) -> tuple[Any, ...]:
+        with tg.seed_sample(index, **kw) as seed:
+            return (seed, *draws())
+
+    base = under(tg.SampleIndex(5, epoch=1, seed=0))
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)  # the global state before the block has no say
+    assert under(tg.SampleIndex(5, epoch=1, seed=0)) == base
+    assert under(5, seed=0, epoch=1) == base, "a plain int with seed= and epoch= is the same"
+    assert under(tg.SampleIndex(5, epoch=9, seed=9), seed=0, epoch=1) == base, "explicit wins"
+    others = [
+        under(tg.SampleIndex(6, epoch=1, seed=0)),
+        under(tg.SampleIndex(5, epoch=2, seed=0)),
+        under(tg.SampleIndex(5, epoch=1, seed=1)),
+    ]
+    for other in others:
+        assert all(a != b for a, b in zip(other, base, strict=True)), (other, base)
+    # The three libraries get their own streams. Python's random and NumPy's legacy RNG are
+    # both MT19937: seeded alike they would draw the very same numbers.
+    with tg.seed_sample(tg.SampleIndex(5, epoch=1, seed=0)):
+        assert random.random() != np.random.random_sample()
+    assert isinstance(base[0], int) and 0 <= base[0] < 2**64
+
+
+def test_seed_sample_leaves_the_global_rngs_where_they_were() -> None:
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    before = global_rng_states()
+    with tg.seed_sample(tg.SampleIndex(1, epoch=0, seed=0)):
+        draws()
+        np.random.randn(5)  # leaves a cached gaussian behind in the legacy state
+    assert_same_global_rng(global_rng_states(), before)
+    with pytest.raises(KeyError), tg.seed_sample(tg.SampleIndex(1, epoch=0, seed=0)):
+        draws()
+        raise KeyError("augmentation failed")
+    assert_same_global_rng(global_rng_states(), before)
+
+
+def test_seed_sample_streams_are_pinned() -> None:
+    # A run resumed by a newer Tardigrade, on another machine, must augment as the original
+    # did: the derivation (seed, epoch, index) -> streams is part of the contract.
+    with tg.seed_sample(tg.SampleIndex(5, epoch=1, seed=0)) as seed:
+        got = (random.random(), float(np.random.rand()), torch.rand((), dtype=torch.float64).item())
+    assert seed == 17602806766147250078
+    assert got == (0.28178753148696467, 0.5958349511592989, 0.4205685575847494)
+
+
+def test_seed_sample_takes_any_integer_index() -> None:
+    def under(index: Any) -> tuple[float, float, float]:
+        with tg.seed_sample(index, seed=0, epoch=1):
+            return draws()
+
+    assert under(np.int64(5)) == under(torch.tensor(5)) == under(5)
+
+
+def test_seed_sample_leaves_cuda_rngs_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.manual_seed would reseed every CUDA device (lazily, even where none is visible);
+    # their states are training state that the block does not restore.
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append("cuda"))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: calls.append("cuda"))
+    with tg.seed_sample(tg.SampleIndex(1, epoch=0, seed=0)):
+        draws()
+    tg.SeededDataset(Augmented(3))[tg.SampleIndex(2, epoch=0, seed=0)]
+    assert calls == []
+    torch.manual_seed(0)
+    assert calls == ["cuda"], "the probe must see what torch.manual_seed does"
+
+
+@pytest.mark.parametrize(
+    ("index", "kw", "match"),
+    [
+        (3, {}, r"plain int.*seed=\.\.\. and epoch=\.\.\."),
+        (3, {"seed": 0}, "seed=... and epoch=..."),
+        (3, {"epoch": 0}, "seed=... and epoch=..."),
+        (3, {"seed": 0, "epoch": -1}, "epoch must be an int >= 0"),
+        (3, {"seed": "0", "epoch": 0}, "seed must be an int"),
+        (3, {"seed": 0, "epoch": True}, "epoch must be an int"),
+        (2.0, {"seed": 0, "epoch": 0}, "index must be an int"),
+        (True, {"seed": 0, "epoch": 0}, "index must be an int"),
+        (np.bool_(True), {"seed": 0, "epoch": 0}, "index must be an int"),
+    ],
+)
+def test_seed_sample_rejects_what_does_not_fix_the_stream(
+    index: Any, kw: dict[str, Any], match: str
+) -> None:
+    before = global_rng_states()
+    with pytest.raises(InvalidArgumentError, match=match), tg.seed_sample(index, **kw):
+        pass
+    assert_same_global_rng(global_rng_states(), before)
+
+
+class Stream(torch.utils.data.IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(3))
+
+
+def test_seeded_dataset_wraps_a_dataset() -> None:
+    ds = tg.SeededDataset(Augmented(7))
+    assert len(ds) == 7 and ds.classes == ["a", "b"] and ds.n == 7
+    i = tg.SampleIndex(4, epoch=1, seed=2)
+    before = global_rng_states()
+    a = ds[i]
+    assert_same_global_rng(global_rng_states(), before)
+    assert a[0] == 4 and torch.equal(ds[i], a)
+    with tg.seed_sample(i):
+        assert torch.equal(Augmented(7)[i], a)
+    # Spawned workers unpickle the wrapper: its attribute forwarding must not recurse.
+    assert torch.equal(pickle.loads(pickle.dumps(ds))[i], a)
+    with pytest.raises(InvalidArgumentError, match=r"tg\.ResumableSampler"):
+        ds[4]
+    with pytest.raises(AttributeError):
+        ds.missing  # noqa: B018
+    with pytest.raises(InvalidArgumentError, match="map-style"):
+        tg.SeededDataset(Stream())  # type: ignore[arg-type]
+
+
+def test_seeded_dataset_seeds_each_sample_even_when_the_dataset_fetches_batches() -> None:
+    # DataLoader prefers a dataset's __getitems__ (one call per batch); the wrapper must not
+    # forward it, or the samples of a batch would share one stream.
+    class Batched(Augmented):
+        def __getitems__(self, idx: list[int]) -> list[torch.Tensor]:
+            raise AssertionError("SeededDataset forwarded __getitems__")
+
+    s = tg.ResumableSampler(6, seed=0)
+    got = torch.cat(list(aug_loader(tg.SeededDataset(Batched(6)), s, 0)))
+    plain = Augmented(6)
+    for row in got:
+        with tg.seed_sample(int(row[0]), seed=0, epoch=0):
+            assert torch.equal(plain[int(row[0])], row)
+
+
+def test_a_loader_over_seeded_dataset_does_not_move_the_main_process_rngs() -> None:
+    # num_workers=0: __getitem__ runs in the training process, whose RNGs (dropout, ...) are
+    # training state.
+    def run(ds: torch.utils.data.Dataset[Any]) -> list[tuple[float, float, float]]:
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        s = tg.ResumableSampler(len(ds), seed=1)  # type: ignore[arg-type]
+        return [draws() for _ in aug_loader(ds, s, 0)]
+
+    assert run(tg.SeededDataset(Augmented(10))) == run(TensorDataset(torch.arange(10)))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_augmented_batches_are_the_same_for_any_worker_count() -> None:
+    n, count = 14, 12  # 5 batches per epoch, the last one short: crosses two epoch ends
+    ref_s = tg.ResumableSampler(n, seed=4)
+    ref = rows(aug_loader(tg.SeededDataset(Augmented(n)), ref_s, 0), ref_s, count)
+    assert [int(i) for i in torch.cat(ref[:5])[:, 0]] == ref_s.order(0).tolist()
+    assert len({b[:, 1:].sum().item() for b in ref}) == count, "augmentation must draw"
+    for workers, persistent in [(1, False), (3, False), (2, True)]:
+        s = tg.ResumableSampler(n, seed=4)
+        loader = aug_loader(
+            tg.SeededDataset(Augmented(n)), s, workers, persistent_workers=persistent
+        )
+        got = rows(loader, s, count)
+        for k, (a, b) in enumerate(zip(got, ref, strict=True)):
+            assert torch.equal(a, b), f"{workers} workers (persistent={persistent}), batch {k}"
+
+
+def resumed_rows(
+    ds: Callable[[], torch.utils.data.Dataset[Any]], k: int, total: int, before: int, after: int
+) -> list[torch.Tensor]:
+    """``k`` batches with ``before`` workers, save, resume in a fresh loader with ``after``."""
+    s = tg.ResumableSampler(14, seed=4)
+    first = rows(aug_loader(ds(), s, before), s, k)
+    saved = s.state_dict()
+    s2 = tg.ResumableSampler(14, seed=4)
+    s2.load_state_dict(saved)
+    return first + rows(aug_loader(ds(), s2, after), s2, total - k)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("after", [0, 1, 3])
+def test_augmentation_resumes_exactly_with_another_worker_count(after: int) -> None:
+    def seeded() -> torch.utils.data.Dataset[Any]:
+        return tg.SeededDataset(Augmented(14))
+
+    s = tg.ResumableSampler(14, seed=4)
+    full = rows(aug_loader(seeded(), s, 2), s, 12)
+    for k in (2, 7):  # mid-epoch 0; mid-epoch 1
+        got = resumed_rows(seeded, k, 12, before=2, after=after)
+        for j, (a, b) in enumerate(zip(got, full, strict=True)):
+            assert torch.equal(a, b), f"saved after {k} batches, resumed with {after}: batch {j}"
+
+
+@pytest.mark.slow
+def test_without_seeding_augmentation_in_workers_does_not_resume() -> None:
+    """Why the hook exists: worker RNG streams are in no checkpoint."""
+    s = tg.ResumableSampler(14, seed=4)
+    full = rows(aug_loader(Augmented(14), s, 2), s, 12)
+    got = resumed_rows(lambda: Augmented(14), 2, 12, before=2, after=2)
+    assert all(torch.equal(a[:, 0], b[:, 0]) for a, b in zip(got, full, strict=True)), (
+        "same samples"
+    )
+    assert not torch.equal(got[2], full[2]), "expected other augmentation after the resume"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_sample_is_augmented_the_same_for_any_world_size(world: int) -> None:
+    n = 13
+
+    def by_index(samplers: list[tg.ResumableSampler], epochs: int) -> dict[tuple[int, int], Any]:
+        out: dict[tuple[int, int], Any] = {}
+        for epoch in range(epochs):
+            for s in samplers:
+                for b in aug_loader(tg.SeededDataset(Augmented(n)), s, 0):
+                    for row in b:
+                        assert (epoch, int(row[0])) not in out, "a sample came twice"
+                        out[epoch, int(row[0])] = row
+        return out
+
+    one = by_index([tg.ResumableSampler(n, seed=6)], 2)
+    many = by_index(
+        [tg.ResumableSampler(n, seed=6, rank=r, world_size=world) for r in range(world)], 2
+    )
+    assert one.keys() == many.keys() == {(e, i) for e in range(2) for i in range(n)}
+    for key, row in one.items():
+        assert torch.equal(many[key], row), f"epoch {key[0]}, sample {key[1]}"
+    # The indices themselves carry the same seed and epoch on every rank.
+    r1 = tg.ResumableSampler(n, seed=6, rank=1, world_size=world)
+    assert all((i.seed, i.epoch) == (6, 0) for i in r1)

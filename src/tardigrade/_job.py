@@ -7,6 +7,7 @@ Nothing here writes: ``_write`` moves the bytes, ``_async`` stages them for a ba
 
 from __future__ import annotations
 
+import numbers
 import os
 import platform
 import time
@@ -87,7 +88,8 @@ def _check_metrics(metrics: Any) -> dict[str, float]:
         raise InvalidArgumentError(f"metrics must be a dict of str -> number, got {metrics!r}")
     out = {}
     for k, v in metrics.items():
-        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+        # numbers.Real also admits NumPy scalars (np.float32(0.5)): metrics computed with NumPy
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise InvalidArgumentError(f"metric {k!r}={v!r}: metrics map str names to numbers")
         out[k] = float(v)
     return out

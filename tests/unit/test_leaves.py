@@ -650,3 +650,11 @@ def test_far_apart_strided_views_without_a_shared_element_are_stored_by_value(
     assert torch.equal(out["col0"], m[:, 0]) and torch.equal(out["col1"], m[:, 1])
     shapes = sorted(t["shape"] for t in tg.read_manifest(tmp_path / "ckpt")["tensors"])
     assert shapes == [[1000], [1000]]  # 8 KB written, not the 4 MB between them
+
+
+def test_numpy_metrics_are_recorded(tmp_path: Path) -> None:
+    preds = np.array([0.25, 0.75], dtype=np.float32)
+    tg.save(tmp_path / "ckpt", {"x": 1}, metrics={"loss": preds.mean(), "n": np.int64(2)})
+    assert tg.read_manifest(tmp_path / "ckpt")["metrics"] == {"loss": 0.5, "n": 2.0}
+    with pytest.raises(tg.InvalidArgumentError, match="metric 'ok'"):
+        tg.save(tmp_path / "other", {"x": 1}, metrics={"ok": np.bool_(True)})

@@ -979,3 +979,13 @@ def test_manifest_records_counters_metadata_and_versions(tmp_path: Path) -> None
     tg.save(tmp_path / "bare", {"x": 1})
     bare = tg.read_manifest(tmp_path / "bare")
     assert bare["step"] is None and bare["epoch"] is None and bare["metadata"] == {}
+
+
+def test_metrics_may_be_loss_tensors_and_numpy_numbers(tmp_path: Path) -> None:
+    # The manager's documented loop passes the loss as it comes: a 0-d tensor.
+    loss = torch.tensor(0.25, requires_grad=True) * 2
+    tg.save(tmp_path / "a", {"x": 1}, metrics={"loss": loss, "acc": np.float32(0.75), "n": 3})
+    assert tg.read_manifest(tmp_path / "a")["metrics"] == {"loss": 0.5, "acc": 0.75, "n": 3.0}
+    for bad in (torch.ones(2), torch.tensor(True), np.bool_(True), "0.5"):
+        with pytest.raises(tg.InvalidArgumentError, match="metrics map str names to numbers"):
+            tg.save(tmp_path / "b", {"x": 1}, metrics={"loss": bad})

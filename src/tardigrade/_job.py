@@ -7,6 +7,7 @@ Nothing here writes: ``_write`` moves the bytes, ``_async`` stages them for a ba
 
 from __future__ import annotations
 
+import numbers
 import os
 import platform
 import time
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._plan import DEFAULT_MAX_FILES, FilePlan, SavePlan, WriteItem, plan_files
@@ -87,8 +89,23 @@ def _check_metrics(metrics: Any) -> dict[str, float]:
         raise InvalidArgumentError(f"metrics must be a dict of str -> number, got {metrics!r}")
     out = {}
     for k, v in metrics.items():
-        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise InvalidArgumentError(f"metric {k!r}={v!r}: metrics map str names to numbers")
+        if (
+            isinstance(v, torch.Tensor)
+            and v.numel() == 1
+            and not v.is_complex()
+            and v.dtype != torch.bool
+        ):
+            v = v.item()  # a loss tensor, as training loops pass it (one device sync)
+        # numbers.Real also admits NumPy scalars (np.float32(0.5)): metrics computed with NumPy
+        if (
+            not isinstance(k, str)
+            or isinstance(v, (bool, np.bool_))
+            or not isinstance(v, numbers.Real)
+        ):
+            raise InvalidArgumentError(
+                f"metric {k!r}={v!r}: metrics map str names to numbers (int, float, a NumPy "
+                "number or a one-element tensor)"
+            )
         out[k] = float(v)
     return out
 

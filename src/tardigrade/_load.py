@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import os
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._tree import decode, is_stateful, path_str
+from ._tree import SPARSE_LAYOUTS, decode, is_stateful, path_str
 from ._units import gbps
 from ._validate import class_name, same_class, standin, validate_state
 from .errors import (
@@ -29,7 +30,7 @@ from .errors import (
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher
-from .format.dtypes import ITEMSIZE, TORCH_DTYPES
+from .format.dtypes import COMPLEX_DTYPES, ITEMSIZE, TORCH_DTYPES
 from .format.manifest import MANIFEST, Chunk, Manifest, TensorInfo, parse
 from .storage import Storage, storage_for
 
@@ -166,7 +167,19 @@ def _graft(
 
 
 class _Matcher:
-    """Finds live tensors to read straight into and lists every difference."""
+    """Finds live tensors to read straight into and lists every difference.
+
+    How strictly a part of the checkpoint must match depends on who owns its layout:
+
+    - the live object, with a layout fixed when it was built: the tensors of an ``nn.Module``
+      (parameters and buffers: keys, shapes, dtypes) and the plain state outside any object
+      (keys, lengths, shapes). Differences are refused under ``strict=True``;
+    - the checkpoint: everything else inside a stateful object's ``state_dict()`` (an
+      optimizer's moments created lazily at its first step, LBFGS's history, a scheduler's
+      lists, a module's ``get_extra_state()``), which grows and changes shape as training
+      runs. It is handed to ``load_state_dict()`` as saved, whatever the live object held;
+      live tensors are only reused as read targets where their shape and dtype fit.
+    """
 
     def __init__(self, manifest: Manifest, where: str, strict: bool) -> None:
         self.m = manifest
@@ -174,6 +187,8 @@ class _Matcher:
         self.strict = strict
         self.diffs: list[str] = []
         self.dest: dict[int, torch.Tensor] = {}
+        # Byte ranges of the live memory in ``dest``, sorted by start (see _claim).
+        self._spans: list[tuple[int, int]] = []
         self.live_sd: dict[int, Any] = {}  # id(stateful node) -> the state_dict() we matched
         # Stateful nodes saved from another class: a difference under strict, else not loaded.
         self.other_class: dict[int, str] = {}  # id(stateful node) -> message
@@ -182,7 +197,18 @@ class _Matcher:
         self.in_place: dict[Path | None, list[str]] = {}
         self._owner: Path | None = None
 
-    def match(self, node: dict[str, Any], live: Any, path: tuple[Any, ...], lenient: bool) -> None:
+    def match(
+        self,
+        node: dict[str, Any],
+        live: Any,
+        path: tuple[Any, ...],
+        lenient: bool,
+        free: bool = False,
+        module: bool = False,
+    ) -> None:
+        """``lenient``: keys may differ. ``free``: the checkpoint decides the layout (nothing is
+        a difference). ``module``: ``node`` is a module's state_dict, whose tensors are fixed
+        and whose other values (extra state) are free."""
         tag = node.get("t")
         p = path_str(path)
         if tag == "stateful":
@@ -203,16 +229,22 @@ class _Matcher:
                 return
             sd = live.state_dict()
             self.live_sd[id(node)] = sd
-            # Only modules have a fixed set of keys; optimizers etc. create state lazily.
-            strict_keys = isinstance(live, torch.nn.Module) and not node["v"].get("pruned")
+            is_module = isinstance(live, torch.nn.Module)
             outer = self._owner is None
             if outer:
                 self._owner = path
             try:
-                self.match(node["v"], sd, path, lenient=not strict_keys)
+                if is_module:
+                    # A module's keys are fixed, unless only some of them were selected.
+                    strict_keys = not node["v"].get("pruned")
+                    self.match(node["v"], sd, path, lenient=not strict_keys, module=True)
+                else:
+                    self.match(node["v"], sd, path, lenient=True, free=True)
             finally:
                 if outer:
                     self._owner = None
+        elif free:
+            self.match_free(node, live, path)
         elif path and _plain_node(node) and _plain_live(live):
             return  # a subtree of plain values is replaced as a whole, whatever its shape
         elif tag in ("dict", "odict"):
@@ -224,7 +256,10 @@ class _Matcher:
                 k = _key_of(item[0], self.where)
                 seen.add(k)
                 if k in live:
-                    self.match(item[1], live[k], (*path, k), lenient)
+                    lv = live[k]
+                    # A module's extra state is the checkpoint's, like any object's state.
+                    extra = module and not isinstance(lv, (torch.Tensor, np.ndarray))
+                    self.match(item[1], lv, (*path, k), lenient, free=extra)
                 elif not lenient:
                     self.diffs.append(
                         f"{path_str((*path, k))}: unexpected key (in the checkpoint, "
@@ -250,23 +285,45 @@ class _Matcher:
                 self.match(child, lv, (*path, i), lenient)
         elif tag in ("tensor", "ndarray"):
             self.match_tensor(node, live, path)
+        elif tag == "sparse":
+            self.match_sparse(node, live, path)
         else:
             self.replaced(tag, live, p)
+
+    def match_free(self, node: dict[str, Any], live: Any, path: tuple[Any, ...]) -> None:
+        """State whose layout the checkpoint decides: find read targets, report nothing."""
+        tag = node.get("t")
+        if tag in ("dict", "odict") and isinstance(live, Mapping):
+            for item in node["v"]:
+                k = _key_of(item[0], self.where)
+                if k in live:
+                    self.match(item[1], live[k], (*path, k), lenient=True, free=True)
+        elif tag in ("list", "tuple") and isinstance(live, (list, tuple)):
+            # A history may be longer or shorter than the live one: reuse the common part.
+            for i, (child, lv) in enumerate(zip(node["v"], live, strict=False)):
+                self.match(child, lv, (*path, i), lenient=True, free=True)
+        elif tag in ("tensor", "ndarray"):
+            self.match_tensor(node, live, path, report=False)
 
     def replaced(self, tag: str, live: Any, p: str) -> None:
         """Plain values are simply replaced, but not a tensor or an object with state."""
         if isinstance(live, (torch.Tensor, np.ndarray)) or is_stateful(live):
             self.diffs.append(f"{p}: checkpoint holds a {tag}, live value is {type(live).__name__}")
 
-    def match_tensor(self, node: dict[str, Any], live: Any, path: tuple[Any, ...]) -> None:
+    def match_tensor(
+        self, node: dict[str, Any], live: Any, path: tuple[Any, ...], report: bool = True
+    ) -> None:
+        """Check a tensor leaf against its live tensor (``report``: a mismatch is a difference)
+        and take the live tensor as the read target where it can hold the bytes."""
         info = self.m.tensors[node["e"]]
-        shape, dtype = _leaf_shape_dtype(node, info)
+        shape, dtype = _leaf_shape_dtype(node, info)  # a complex tensor's, not its real view's
         p = path_str(path)
         if node["t"] == "ndarray":
             if not isinstance(live, np.ndarray):
-                self.diffs.append(
-                    f"{p}: checkpoint holds a numpy array, live is {type(live).__name__}"
-                )
+                if report:
+                    self.diffs.append(
+                        f"{p}: checkpoint holds a numpy array, live is {type(live).__name__}"
+                    )
                 return
             live_t = (
                 torch.from_numpy(live) if live.flags.c_contiguous and live.flags.writeable else None
@@ -277,16 +334,24 @@ class _Matcher:
             )
         else:
             if not isinstance(live, torch.Tensor):
-                self.diffs.append(
-                    f"{p}: checkpoint holds a tensor, live value is {type(live).__name__}"
-                )
+                if report:
+                    self.diffs.append(
+                        f"{p}: checkpoint holds a tensor, live value is {type(live).__name__}"
+                    )
+                return
+            if live.layout != torch.strided:
+                if report:
+                    self.diffs.append(
+                        f"{p}: checkpoint holds a dense tensor, live tensor is {live.layout}"
+                    )
                 return
             live_t, live_shape, live_dtype = live, tuple(live.shape), live.dtype
         if tuple(live_shape) != shape or live_dtype != dtype:
-            self.diffs.append(
-                f"{p}: checkpoint has shape {list(shape)} {dtype}, live tensor has "
-                f"{list(live_shape)} {live_dtype}"
-            )
+            if report:
+                self.diffs.append(
+                    f"{p}: checkpoint has shape {list(shape)} {dtype}, live tensor has "
+                    f"{list(live_shape)} {live_dtype}"
+                )
             return
         if (
             live_t is not None
@@ -296,16 +361,72 @@ class _Matcher:
             and live_t.is_contiguous()
             and not live_t.is_conj()
             and not live_t.is_neg()
+            and self._claim(live_t)
         ):
-            self.dest[node["e"]] = live_t.detach()
+            target = live_t.detach()
+            # The bytes are read into the live complex tensor through its real view.
+            self.dest[node["e"]] = torch.view_as_real(target) if target.is_complex() else target
             self.in_place.setdefault(self._owner, []).append(p)
+
+    def match_sparse(self, node: dict[str, Any], live: Any, path: tuple[Any, ...]) -> None:
+        """A sparse tensor must meet a live one of its layout, size and dtype.
+
+        It is never read into: its number of stored elements changes as it trains, so the
+        checkpoint's tensor replaces the live one (``load_state_dict`` copies it into a
+        module's buffer).
+        """
+        layout, size = node["layout"], node["size"]
+        values = node["v"][-1]
+        _, dtype = _leaf_shape_dtype(values, self.m.tensors[values["e"]])
+        if (
+            isinstance(live, torch.Tensor)
+            and live.layout == SPARSE_LAYOUTS[layout][0]
+            and list(live.shape) == size
+            and live.dtype == dtype
+        ):
+            return
+        has = (
+            f"a {live.layout} tensor of shape {list(live.shape)} {live.dtype}"
+            if isinstance(live, torch.Tensor)
+            else type(live).__name__
+        )
+        self.diffs.append(
+            f"{path_str(path)}: checkpoint holds a sparse {layout} tensor of shape {size} "
+            f"{dtype}, live value is {has}"
+        )
+
+    def _claim(self, t: torch.Tensor) -> bool:
+        """Reserve ``t``'s bytes as a read target unless they overlap another target's.
+
+        Two checkpoint tensors read into the same live memory would overwrite each other (live
+        state can share memory where the saved state did not, e.g. a history entry aliasing
+        another); the second one gets its own buffer instead.
+        """
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        if end == start:
+            return True
+        i = bisect.bisect_left(self._spans, (start, end))
+        if i > 0 and self._spans[i - 1][1] > start:
+            return False
+        if i < len(self._spans) and self._spans[i][0] < end:
+            return False
+        self._spans.insert(i, (start, end))
+        return True
+
+
+def _stored_shape(node: dict[str, Any], info: TensorInfo) -> tuple[int, ...]:
+    view = node.get("view")
+    return tuple(view["shape"]) if view else info.shape
 
 
 def _leaf_shape_dtype(
     node: dict[str, Any], info: TensorInfo
 ) -> tuple[tuple[int, ...], torch.dtype]:
-    view = node.get("view")
-    shape = tuple(view["shape"]) if view else info.shape
+    """The shape and dtype the leaf loads as (a complex tensor is stored as its real view)."""
+    shape = _stored_shape(node, info)
+    if node.get("complex") in COMPLEX_DTYPES:
+        return shape[:-1], COMPLEX_DTYPES[node["complex"]][0]
     return shape, TORCH_DTYPES[info.dtype]
 
 
@@ -606,6 +727,9 @@ def _entry_paths(tree: dict[str, Any]) -> dict[int, str]:
                     stack.append((item[1], (*path, k)))
         elif t == "stateful":
             stack.append((node.get("v"), path))
+        elif t == "sparse" and node.get("layout") in SPARSE_LAYOUTS:
+            names = SPARSE_LAYOUTS[node["layout"]][1]
+            stack.extend((c, (*path, n)) for c, n in zip(node.get("v") or (), names, strict=False))
     return out
 
 
@@ -683,7 +807,12 @@ def load(
     ``strict=True`` missing or unexpected keys, shapes, dtypes and the class of each stateful
     object (by class name, module ignored; ``nn.Module`` is matched by its keys and shapes
     only); in both modes each object's ``validate_state_dict()`` (optimizers get a built-in
-    check of their parameter groups). ``strict=False`` loads what matches and skips (with a
+    check of their parameter groups). Strict matching covers what has a fixed layout: the
+    plain state outside objects (keys, lengths, shapes) and each module's parameters and
+    buffers. The rest of an object's ``state_dict()`` grows as it trains (optimizer moments
+    created lazily, LBFGS's history, a module's extra state) and is the checkpoint's: it goes
+    to ``load_state_dict()`` as saved, whatever its keys, lengths and shapes in the live
+    object. ``strict=False`` loads what matches and skips (with a
     warning) objects saved from another class. Tensor bytes are then read straight into the
     live tensors, and ``load_state_dict()`` is called on each object before plain values are
     replaced; an object that still rejects its state raises a StateMismatchError that lists
@@ -724,7 +853,7 @@ def load(
 
         def standin_leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
             info = m.tensors[node["e"]]
-            return standin(node, _leaf_shape_dtype(node, info)[0], info.dtype, where)
+            return standin(node, _stored_shape(node, info), info.dtype, where)
 
         rejected = applier.validate(tree, into, decode(tree, standin_leaf, where))
         _refuse(where, matcher.diffs if strict else [], rejected)

@@ -9,8 +9,10 @@ table; tensors that share storage are written once and come back sharing.
 from __future__ import annotations
 
 import base64
+import json
+import math
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -20,7 +22,50 @@ import torch
 
 from .errors import CorruptCheckpointError, UnsupportedTypeError
 from .format import limits
-from .format.dtypes import DTYPE_NAMES, NUMPY_DTYPES, NUMPY_NAMES, TORCH_DTYPES
+from .format.dtypes import (
+    COMPLEX_DTYPES,
+    COMPLEX_NAMES,
+    DTYPE_NAMES,
+    NUMPY_DTYPES,
+    NUMPY_NAMES,
+    NUMPY_SCALAR_DTYPES,
+    NUMPY_SCALAR_NAMES,
+    TORCH_DTYPES,
+)
+
+# Device types a torch.device leaf may name. Decoding checks the recorded type against this
+# fixed set (never a lookup of a file-chosen name); saving refuses any other type so every
+# checkpoint written can be read back.
+DEVICE_TYPES = frozenset(
+    {
+        "cpu",
+        "cuda",
+        "mps",
+        "xpu",
+        "meta",
+        "hpu",
+        "mtia",
+        "xla",
+        "lazy",
+        "ipu",
+        "maia",
+        "vulkan",
+        "ve",
+        "fpga",
+        "hip",
+        "privateuseone",
+    }
+)
+
+# Sparse layouts and the component tensors each is stored as, in order.
+SPARSE_LAYOUTS: dict[str, tuple[torch.layout, tuple[str, ...]]] = {
+    "coo": (torch.sparse_coo, ("indices", "values")),
+    "csr": (torch.sparse_csr, ("crow_indices", "col_indices", "values")),
+    "csc": (torch.sparse_csc, ("ccol_indices", "row_indices", "values")),
+    "bsr": (torch.sparse_bsr, ("crow_indices", "col_indices", "values")),
+    "bsc": (torch.sparse_bsc, ("ccol_indices", "row_indices", "values")),
+}
+SPARSE_NAMES: dict[torch.layout, str] = {v[0]: k for k, v in SPARSE_LAYOUTS.items()}
 
 
 @runtime_checkable
@@ -68,12 +113,13 @@ def tensor_dtype_name(t: torch.Tensor, path: tuple[Any, ...]) -> str:
     if name is None:
         raise UnsupportedTypeError(
             f"{path_str(path)}: tensor dtype {t.dtype} cannot be stored (supported: "
-            f"{', '.join(str(d) for d in TORCH_DTYPES.values())}). Convert it before saving, "
-            "e.g. torch.view_as_real() for complex tensors."
+            f"{', '.join(str(d) for d in [*TORCH_DTYPES.values(), *COMPLEX_NAMES])}). "
+            "Convert it to one of these before saving."
         )
     if t.layout != torch.strided or t.is_quantized or t.is_meta:
         raise UnsupportedTypeError(
-            f"{path_str(path)}: only dense tensors can be stored, got layout {t.layout}"
+            f"{path_str(path)}: only dense and sparse (COO, CSR, CSC, BSR, BSC) tensors can be "
+            f"stored, got layout {t.layout}"
             f"{' (quantized)' if t.is_quantized else ''}{' (meta)' if t.is_meta else ''}; "
             "convert it with .to_dense() / .dequantize() first."
         )
@@ -96,17 +142,113 @@ class Flat:
     entries: list[Entry]
 
 
+# What a dict key or a set element may be: values that are hashable by their contents, so the
+# loaded key equals (and hashes like) the saved one.
+_KEY_KINDS = (
+    "None, bool, int, float, complex, str, bytes, numpy scalars, torch.dtype, torch.device, "
+    "torch.Size, and tuples and frozensets of those"
+)
+
+
+def _float(x: float) -> dict[str, Any]:
+    if x != x:  # NaN: keep sign and payload bits, which float.hex() drops
+        return {"t": "float", "bits": struct.pack(">d", x).hex()}
+    return {"t": "float", "v": x.hex()}
+
+
+def _canonical(node: dict[str, Any]) -> str:
+    """A stable text of a node, to order set elements (mixed types may not compare)."""
+    return json.dumps(node, sort_keys=True, separators=(",", ":"))
+
+
+def _overlapping(
+    group: list[tuple[tuple[Any, ...], dict[str, Any]]],
+) -> list[list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """Split views of one storage into clusters whose byte ranges overlap (sorted by start)."""
+    spans = []
+    for sig, node in group:
+        dtype, offset, shape, stride = sig
+        size = dtype.itemsize
+        extent = sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1
+        spans.append((offset * size, (offset + extent) * size, sig, node))
+    spans.sort(key=lambda x: (x[0], x[1]))
+    clusters: list[list[tuple[tuple[Any, ...], dict[str, Any]]]] = []
+    end = -1
+    for lo, hi, sig, node in spans:
+        if clusters and lo < end:
+            clusters[-1].append((sig, node))
+            end = max(end, hi)
+        else:
+            clusters.append([(sig, node)])
+            end = hi
+    return clusters
+
+
+# The most view elements whose offsets _sharing lists (8 bytes each, sorted while save()
+# blocks); above it, interleaved views are stored as their span.
+_SHARING_CHECK_MAX = 1 << 22
+
+
+def _sharing(
+    cluster: list[tuple[tuple[Any, ...], dict[str, Any]]],
+) -> list[list[tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """Split views of one dtype whose ranges overlap into groups that really share elements.
+
+    Strided views can interleave without sharing an element (two columns of a large matrix):
+    their ranges overlap, yet storing the span between them would write the whole matrix.
+    When a span is much larger than its views, every view's element offsets are listed (8
+    bytes per element of the views, never per element of the span) and views are grouped by
+    the offsets they have in common.
+    """
+    lo = min(sig[1] for sig, _ in cluster)
+    hi = max(
+        sig[1] + sum((n - 1) * s for n, s in zip(sig[2], sig[3], strict=True)) + 1
+        for sig, _ in cluster
+    )
+    covered = sum(math.prod(sig[2]) for sig, _ in cluster)
+    if hi - lo <= 2 * covered + 4096 or covered > _SHARING_CHECK_MAX:
+        # Dense enough (the span costs at most about twice the views), or too many elements to
+        # list in the caller's thread: store the span.
+        return [cluster]
+    offsets, owners = [], []
+    for i, (sig, _) in enumerate(cluster):
+        o = torch.tensor(sig[1], dtype=torch.int64)
+        for n, s in zip(sig[2], sig[3], strict=True):
+            o = o.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
+        offsets.append(o.reshape(-1))
+        owners.append(torch.full((o.numel(),), i, dtype=torch.int64))
+    off, order = torch.sort(torch.cat(offsets), stable=True)
+    own = torch.cat(owners)[order]
+    same = off[1:] == off[:-1]
+    parent = list(range(len(cluster)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    pairs = torch.stack([own[:-1][same], own[1:][same]], dim=1).unique(dim=0)
+    for a, b in pairs.tolist():
+        parent[root(a)] = root(b)
+    groups: dict[int, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+    for i, member in enumerate(cluster):
+        groups.setdefault(root(i), []).append(member)
+    return list(groups.values())
+
+
 class _Flattener:
     def __init__(self) -> None:
         self.entries: list[Entry] = []
         # storage key -> [(view signature, node)] for dedup of tensors that share memory
         self.by_storage: dict[tuple[str, int], list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
-        self.nodes = 0
         self.seen: set[int] = set()
         self.refs: list[dict[str, Any]] = []  # every node that refers to an entry
 
-    def node(self, obj: Any, path: tuple[Any, ...], depth: int = 0) -> dict[str, Any]:
-        self.nodes += 1
+    def node(
+        self, obj: Any, path: tuple[Any, ...], depth: int = 0, key: str | None = None
+    ) -> dict[str, Any]:
+        """Encode ``obj``; ``key`` ("dict key", "set element") admits hashable values only."""
         if depth > limits.MAX_TREE_DEPTH:
             raise UnsupportedTypeError(
                 f"{path_str(path)}: state is nested more than {limits.MAX_TREE_DEPTH} levels deep"
@@ -122,22 +264,43 @@ class _Flattener:
             except ValueError:  # more digits than Python converts to decimal: use hex
                 return {"t": "int", "x": hex(obj)}
         if t is float:
-            if obj != obj:  # NaN: keep sign and payload bits, which float.hex() drops
-                return {"t": "float", "bits": struct.pack(">d", obj).hex()}
-            return {"t": "float", "v": obj.hex()}
+            return _float(obj)
         if t is str:
             return {"t": "str", "v": obj}
         if t is bytes:
             return {"t": "bytes", "v": base64.b64encode(obj).decode()}
+        if t is complex:
+            return {"t": "complex", "v": [_float(obj.real), _float(obj.imag)]}
+        if isinstance(obj, np.generic):
+            return self.npscalar(obj, path)
+        if isinstance(obj, torch.dtype):
+            return {"t": "dtype", "v": str(obj).removeprefix("torch.")}
+        if t is torch.device:
+            if obj.type not in DEVICE_TYPES:
+                raise UnsupportedTypeError(
+                    f"{path_str(path)}: torch.device type {obj.type!r} cannot be stored "
+                    f"(supported: {', '.join(sorted(DEVICE_TYPES))}); store str(device) instead."
+                )
+            return {"t": "device", "type": obj.type, "index": obj.index}
+        if t is torch.Size:
+            return {"t": "size", "v": [int(n) for n in obj]}
+        if t is tuple:
+            return self.container(obj, path, depth, "tuple", key)
+        if t is frozenset or (t is set and key is None):
+            items = [self.node(x, path, depth + 1, key="set element") for x in obj]
+            return {"t": t.__name__, "v": sorted(items, key=_canonical)}
+        if key is not None:
+            raise UnsupportedTypeError(
+                f"{path_str(path)}: {key} {_short_repr(obj)} of type {_type_name(t)} cannot be "
+                f"stored; a {key} may be {_KEY_KINDS}."
+            )
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if t is np.ndarray:
             return self.ndarray(obj, path)
-        if isinstance(obj, torch.dtype):
-            return {"t": "dtype", "v": str(obj).removeprefix("torch.")}
-        if t in (list, tuple):
-            return self.container(obj, path, depth, "list" if t is list else "tuple")
-        if t in (dict, OrderedDict):
+        if t is list:
+            return self.container(obj, path, depth, "list", None)
+        if t in (dict, OrderedDict, Counter):
             return self.mapping(obj, path, depth)
         if is_stateful(obj):
             if id(obj) in self.seen:
@@ -150,32 +313,44 @@ class _Flattener:
             cls = f"{t.__module__}.{t.__qualname__}"
             return {"t": "stateful", "cls": cls, "v": self.node(sd, path, depth + 1)}
         hint = ""
-        if isinstance(obj, (int, float, str, bytes, np.generic)):
+        if isinstance(obj, (int, float, str, bytes)):
             hint = " Convert it to the plain Python type first (e.g. int(x), float(x), str(x))."
         raise UnsupportedTypeError(
-            f"{path_str(path)}: cannot store a value of type {t.__module__}.{t.__qualname__}. "
-            "Supported leaves: tensors, numpy arrays, int, float, bool, str, bytes, None, "
-            "torch.dtype, lists/tuples/dicts of those, and objects with state_dict()/"
-            f"load_state_dict().{hint}"
+            f"{path_str(path)}: cannot store a value of type {_type_name(t)}. Supported leaves: "
+            "tensors (dense, complex, sparse), numpy arrays and scalars, int, float, complex, "
+            "bool, str, bytes, None, torch.dtype, torch.device, torch.Size, lists, tuples, "
+            "dicts, OrderedDicts, Counters, sets and frozensets of those, and objects with "
+            f"state_dict()/load_state_dict().{hint}"
         )
 
-    def container(self, obj: Any, path: tuple[Any, ...], depth: int, tag: str) -> dict[str, Any]:
-        return {"t": tag, "v": [self.node(v, (*path, i), depth + 1) for i, v in enumerate(obj)]}
+    def npscalar(self, obj: np.generic, path: tuple[Any, ...]) -> dict[str, Any]:
+        name = NUMPY_SCALAR_NAMES.get(obj.dtype)
+        # The exact scalar type must come back: np.longlong shares int64's dtype but is not
+        # np.int64, so only the one type each dtype decodes to is accepted.
+        if name is None or type(obj) is not NUMPY_SCALAR_DTYPES[name].type:
+            raise UnsupportedTypeError(
+                f"{path_str(path)}: cannot store a numpy scalar of type {_type_name(type(obj))} "
+                f"(supported: {', '.join(d.type.__name__ for d in NUMPY_SCALAR_DTYPES.values())})."
+                " Convert it to the plain Python type first (e.g. int(x), float(x), str(x))."
+            )
+        raw = np.asarray(obj).astype(obj.dtype.newbyteorder("<")).tobytes()
+        return {"t": "npscalar", "dtype": name, "v": raw.hex()}
+
+    def container(
+        self, obj: Any, path: tuple[Any, ...], depth: int, tag: str, key: str | None
+    ) -> dict[str, Any]:
+        return {
+            "t": tag,
+            "v": [self.node(v, (*path, i), depth + 1, key) for i, v in enumerate(obj)],
+        }
 
     def mapping(self, obj: Any, path: tuple[Any, ...], depth: int) -> dict[str, Any]:
-        items = []
-        for k, v in obj.items():
-            if (
-                type(k) not in (str, int, bool, float, bytes)
-                and k is not None
-                and type(k) is not tuple
-            ):
-                raise UnsupportedTypeError(
-                    f"{path_str(path)}: dict key {k!r} of type {type(k).__name__} cannot be "
-                    "stored; use str, int, float, bool, bytes, None or tuples of those."
-                )
-            items.append([self.node(k, (*path, k), depth + 1), self.node(v, (*path, k), depth + 1)])
-        node: dict[str, Any] = {"t": "dict" if type(obj) is dict else "odict", "v": items}
+        items = [
+            [self.node(k, path, depth + 1, "dict key"), self.node(v, (*path, k), depth + 1)]
+            for k, v in obj.items()
+        ]
+        tag = {dict: "dict", OrderedDict: "odict", Counter: "counter"}[type(obj)]
+        node: dict[str, Any] = {"t": tag, "v": items}
         meta = getattr(obj, "_metadata", None)
         if isinstance(meta, dict):
             # nn.Module state_dicts carry per-submodule versions load_state_dict relies on.
@@ -183,9 +358,16 @@ class _Flattener:
         return node
 
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
-        name = tensor_dtype_name(t, path)
         t = t.detach()
+        if t.layout in SPARSE_NAMES:
+            return self.sparse(t, path)
         node: dict[str, Any] = {"t": "tensor"}
+        if t.is_complex() and t.dtype in COMPLEX_NAMES:
+            # Stored as its real view (same memory, so sharing with other views still works);
+            # the node names the complex dtype the load views it back as.
+            node["complex"] = COMPLEX_NAMES[t.dtype]
+            t = torch.view_as_real(t.resolve_conj().resolve_neg())
+        name = tensor_dtype_name(t, path)
         self.refs.append(node)
         if t.numel() == 0:
             node["e"] = self.new_entry(t, name, path)
@@ -203,6 +385,22 @@ class _Flattener:
                 return node
         node["e"] = self.new_entry(t, name, path)
         group.append((sig, node))
+        return node
+
+    def sparse(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        """A sparse tensor: its component tensors plus a record of layout, size, coalescing."""
+        layout = SPARSE_NAMES[t.layout]
+        node: dict[str, Any] = {"t": "sparse", "layout": layout, "size": list(t.shape)}
+        if layout == "coo":
+            # _indices()/_values() also work on an uncoalesced tensor; the flag comes back as is.
+            node["coalesced"] = t.is_coalesced()
+            parts = [t._indices(), t._values()]
+        elif layout in ("csr", "bsr"):
+            parts = [t.crow_indices(), t.col_indices(), t.values()]
+        else:
+            parts = [t.ccol_indices(), t.row_indices(), t.values()]
+        names = SPARSE_LAYOUTS[layout][1]
+        node["v"] = [self.tensor(p, (*path, n)) for p, n in zip(parts, names, strict=True)]
         return node
 
     def ndarray(self, a: np.ndarray, path: tuple[Any, ...]) -> dict[str, Any]:
@@ -225,25 +423,45 @@ class _Flattener:
         return len(self.entries) - 1
 
     def merge_partial_aliases(self) -> None:
-        """Views that overlap one storage but differ in shape/offset: store the span once."""
+        """Views whose memory overlaps but differ in shape/offset: store their span once.
+
+        Only views whose byte ranges overlap are merged, cluster by cluster: two slices at the
+        ends of one large buffer are stored as two tensors (their own bytes), not as the whole
+        span between them; strided views that interleave without sharing an element are split
+        apart too (:func:`_sharing`). A view alone in its group keeps its own entry, stored by
+        value.
+        """
+        complex_entries = {n["e"] for n in self.refs if "complex" in n}
         moved: dict[int, tuple[int, dict[str, Any]]] = {}  # old entry -> (span entry, view)
         for group in self.by_storage.values():
-            if len(group) < 2 or len({sig[0] for sig, _ in group}) != 1:
-                continue  # reinterpreting views (other dtypes) are saved by value each
-            lo = min(sig[1] for sig, _ in group)
-            hi = max(
-                sig[1] + sum((n - 1) * s for n, s in zip(sig[2], sig[3], strict=True)) + 1
-                for sig, _ in group
-            )
-            first = self.entries[group[0][1]["e"]]
-            span = Entry(first.tensor.as_strided((hi - lo,), (1,), lo), first.dtype, [])
-            self.entries.append(span)
-            for sig, node in group:
-                old = self.entries[node["e"]]
-                span.paths.extend(old.paths)
-                old.paths = []
-                view = {"offset": sig[1] - lo, "shape": list(sig[2]), "stride": list(sig[3])}
-                moved[node["e"]] = (len(self.entries) - 1, view)
+            if len(group) < 2:
+                continue
+            clusters = [
+                part
+                for cluster in _overlapping(group)
+                # reinterpreting views (other dtypes) are saved by value each
+                if len(cluster) > 1 and len({sig[0] for sig, _ in cluster}) == 1
+                for part in _sharing(cluster)
+            ]
+            for cluster in clusters:
+                if len(cluster) < 2:
+                    continue
+                lo = min(sig[1] for sig, _ in cluster)
+                if any(node["e"] in complex_entries for _, node in cluster):
+                    lo -= lo % 2  # view_as_complex needs an even offset into the span
+                hi = max(
+                    sig[1] + sum((n - 1) * s for n, s in zip(sig[2], sig[3], strict=True)) + 1
+                    for sig, _ in cluster
+                )
+                first = self.entries[cluster[0][1]["e"]]
+                span = Entry(first.tensor.as_strided((hi - lo,), (1,), lo), first.dtype, [])
+                self.entries.append(span)
+                for sig, node in cluster:
+                    old = self.entries[node["e"]]
+                    span.paths.extend(old.paths)
+                    old.paths = []
+                    view = {"offset": sig[1] - lo, "shape": list(sig[2]), "stride": list(sig[3])}
+                    moved[node["e"]] = (len(self.entries) - 1, view)
         # Point every reference (aliases of a merged view included) at its new entry, then
         # drop entries nothing refers to and renumber.
         for node in self.refs:
@@ -255,6 +473,15 @@ class _Flattener:
             self.entries = [self.entries[i] for i in keep]
             for node in self.refs:
                 node["e"] = remap[node["e"]]
+
+
+def _type_name(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _short_repr(obj: Any) -> str:
+    text = " ".join(repr(obj).split())  # one line, also for tensors
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def flatten(state: Any, root: tuple[Any, ...] = ()) -> Flat:
@@ -303,8 +530,10 @@ def decode(
 ) -> Any:
     """Rebuild Python values from a skeleton; ``leaf(node, path)`` supplies tensors and arrays.
 
-    Stateful nodes decode to their state_dict tree. Every malformed node raises
-    CorruptCheckpointError naming ``where`` and the path.
+    Stateful nodes decode to their state_dict tree. Complex tensors are viewed back as complex
+    and sparse tensors rebuilt from their parts when ``leaf`` returns tensors (a sparse node
+    whose parts are anything else decodes to a :class:`SparseParts`). Every malformed node
+    raises CorruptCheckpointError naming ``where`` and the path.
     """
     if depth > limits.MAX_TREE_DEPTH:
         raise _bad(where, path, f"nested more than {limits.MAX_TREE_DEPTH} levels deep")
@@ -331,21 +560,42 @@ def decode(
             return base64.b64decode(v, validate=True)
         if tag == "dtype" and type(v) is str and v in _DTYPE_LEAVES:
             return _DTYPE_LEAVES[v]
+        if tag == "tensor" and "complex" in node:
+            return _complex_tensor(node, leaf(node, path), where, path)
         if tag in ("tensor", "ndarray"):
             return leaf(node, path)
+        if tag == "sparse" and type(v) is list:
+            return _sparse(node, [decode(x, leaf, where, path, depth + 1) for x in v], where, path)
+        if tag == "complex" and type(v) is list and len(v) == 2:
+            re, im = (decode(x, leaf, where, path, depth + 1) for x in v)
+            if type(re) is not float or type(im) is not float:
+                raise _bad(where, path, "complex parts are not floats")
+            return complex(re, im)  # keeps -0.0 and NaN payloads of both parts
+        if tag == "npscalar" and type(v) is str and node.get("dtype") in NUMPY_SCALAR_DTYPES:
+            return _npscalar(NUMPY_SCALAR_DTYPES[node["dtype"]], v, where, path)
+        if tag == "size" and type(v) is list and all(type(n) is int for n in v):
+            return torch.Size(v)
+        if tag == "device" and node.get("type") in DEVICE_TYPES:
+            index = node.get("index")
+            if index is None:
+                return torch.device(node["type"])
+            if type(index) is int and 0 <= index < 2**15:
+                return torch.device(node["type"], index)
+        if tag in ("set", "frozenset") and type(v) is list:
+            items = [decode(x, leaf, where, path, depth + 1) for x in v]
+            for x in items:
+                _check_hashable(x, "set element", where, path)
+            return set(items) if tag == "set" else frozenset(items)
         if tag in ("list", "tuple") and type(v) is list:
             items = [decode(x, leaf, where, (*path, i), depth + 1) for i, x in enumerate(v)]
             return items if tag == "list" else tuple(items)
-        if tag in ("dict", "odict") and type(v) is list:
-            out: dict[Any, Any] = {} if tag == "dict" else OrderedDict()
+        if tag in ("dict", "odict", "counter") and type(v) is list:
+            out: dict[Any, Any] = {"dict": dict, "odict": OrderedDict, "counter": Counter}[tag]()
             for item in v:
                 if type(item) is not list or len(item) != 2:
                     raise _bad(where, path, "dict item is not a [key, value] pair")
                 k = decode(item[0], leaf, where, path, depth + 1)
-                if type(k) in (list, dict, OrderedDict) or isinstance(
-                    k, (torch.Tensor, np.ndarray)
-                ):
-                    raise _bad(where, path, f"dict key of unhashable type {type(k).__name__}")
+                _check_hashable(k, "dict key", where, path)
                 out[k] = decode(item[1], leaf, where, (*path, k), depth + 1)
             if "meta" in node and tag == "odict":
                 out._metadata = decode(node["meta"], leaf, where, path, depth + 1)  # type: ignore[attr-defined]
@@ -354,6 +604,81 @@ def decode(
             return decode(v, leaf, where, path, depth + 1)
     except CorruptCheckpointError:
         raise
-    except (ValueError, TypeError, OverflowError) as e:
+    except (ValueError, TypeError, OverflowError, RuntimeError) as e:
         raise _bad(where, path, f"bad {tag!r} value ({e})") from None
     raise _bad(where, path, f"unknown or malformed node of type {tag!r}")
+
+
+def _check_hashable(k: Any, what: str, where: str, path: tuple[Any, ...]) -> None:
+    if isinstance(k, (torch.Tensor, np.ndarray, SparseParts)):
+        raise _bad(where, path, f"{what} is a {type(k).__name__}")
+    try:
+        hash(k)
+    except TypeError:
+        raise _bad(where, path, f"{what} of unhashable type {type(k).__name__}") from None
+
+
+def _npscalar(dtype: np.dtype, hexbytes: str, where: str, path: tuple[Any, ...]) -> np.generic:
+    raw = bytes.fromhex(hexbytes)
+    if len(raw) != dtype.itemsize:
+        raise _bad(where, path, f"numpy {dtype} scalar of {len(raw)} bytes")
+    if dtype == np.bool_ and raw not in (b"\x00", b"\x01"):
+        raise _bad(where, path, f"numpy bool scalar with byte {raw!r}")
+    value: np.generic = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype)[0]
+    return value
+
+
+def _complex_tensor(node: dict[str, Any], t: Any, where: str, path: tuple[Any, ...]) -> Any:
+    """View a stored real tensor (trailing dimension 2) back as the complex tensor it was."""
+    name = node.get("complex")
+    if name not in COMPLEX_DTYPES:
+        raise _bad(where, path, f"unknown complex dtype {name!r}")
+    if not isinstance(t, torch.Tensor):
+        return t  # a tool's stand-in for the stored tensor
+    real = TORCH_DTYPES[COMPLEX_DTYPES[name][1]]
+    if t.dtype != real or t.dim() == 0 or t.shape[-1] != 2:
+        raise _bad(
+            where,
+            path,
+            f"a {name} tensor is stored as {t.dtype}{list(t.shape)}, not {real}[..., 2]",
+        )
+    return torch.view_as_complex(t)
+
+
+@dataclass(frozen=True)
+class SparseParts:
+    """A sparse tensor's record where its parts are not tensors (tools that read no bytes)."""
+
+    layout: str
+    size: tuple[int, ...]
+    coalesced: bool | None
+    parts: tuple[Any, ...]
+
+
+def _sparse(node: dict[str, Any], parts: list[Any], where: str, path: tuple[Any, ...]) -> Any:
+    layout, size, coalesced = node.get("layout"), node.get("size"), node.get("coalesced")
+    if layout not in SPARSE_LAYOUTS:
+        raise _bad(where, path, f"unknown sparse layout {layout!r}")
+    torch_layout, names = SPARSE_LAYOUTS[layout]
+    if (
+        not isinstance(size, list)
+        or len(size) > limits.MAX_DIMS
+        or not all(type(n) is int and 0 <= n < 2**63 for n in size)
+    ):
+        raise _bad(where, path, f"sparse tensor size {size!r} is not a list of sizes")
+    if (layout == "coo") != (type(coalesced) is bool):
+        raise _bad(where, path, "only a sparse COO tensor records (and must record) coalesced")
+    if len(parts) != len(names) or any(x.get("t") != "tensor" for x in node["v"]):
+        raise _bad(where, path, f"a sparse {layout} tensor has {', '.join(names)}")
+    if not all(isinstance(p, torch.Tensor) for p in parts):
+        return SparseParts(layout, tuple(size), coalesced, tuple(parts))
+    # Stand-ins (meta tensors) hold no values to check; real parts come from an untrusted file,
+    # and an index out of bounds would make later sparse kernels read out of bounds: check.
+    check = not any(p.is_meta for p in parts)
+    if layout == "coo":
+        return torch.sparse_coo_tensor(
+            parts[0], parts[1], size, is_coalesced=coalesced, check_invariants=check
+        )
+    return torch.sparse_compressed_tensor(
+        parts[0], parts[1], parts[2], size, layout=torch_layout, check_invariants=check
+    )

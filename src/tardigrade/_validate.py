@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.optim import lr_scheduler
 
 from .errors import CorruptCheckpointError
 from .format.dtypes import NUMPY_DTYPES, TORCH_DTYPES
@@ -57,14 +58,46 @@ def validate_state(live: Any, state_dict: Any) -> None:
 
     The object's own ``validate_state_dict`` hook decides when it has one (see
     ``tardigrade.Stateful``); optimizers get a built-in check that repeats the checks of
-    ``torch.optim.Optimizer.load_state_dict``. Tensors in ``state_dict`` are stand-ins: meta
-    tensors (read-only zero-stride arrays for numpy) with the checkpoint's shape and dtype.
+    ``torch.optim.Optimizer.load_state_dict``, ``GradScaler`` one for the empty state a
+    disabled scaler saves, ``SequentialLR``/``ChainedScheduler`` one of how many schedulers
+    they wrap. Tensors in ``state_dict`` are stand-ins: meta tensors (read-only
+    zero-stride arrays for numpy) with the checkpoint's shape and dtype.
     """
     hook = getattr(live, "validate_state_dict", None)
     if callable(hook):
         hook(state_dict)
     elif isinstance(live, torch.optim.Optimizer):
         _check_optimizer(live, state_dict)
+    elif isinstance(live, torch.amp.GradScaler):
+        _check_grad_scaler(live, state_dict)
+    elif isinstance(live, (lr_scheduler.SequentialLR, lr_scheduler.ChainedScheduler)):
+        _check_scheduler_list(live, state_dict)
+
+
+def _check_scheduler_list(live: Any, sd: Any) -> None:
+    # load_state_dict loads the saved states into the live schedulers by position: more saved
+    # ones fail half-way (IndexError after the outer state was updated), fewer leave the rest
+    # silently unrestored.
+    saved = sd.get("_schedulers") if isinstance(sd, Mapping) else None
+    if not isinstance(saved, (list, tuple)):
+        raise ValueError("the checkpoint's state has no '_schedulers' list")
+    if len(saved) != len(live._schedulers):
+        names = ", ".join(type(s).__name__ for s in live._schedulers)
+        raise ValueError(
+            f"the checkpoint holds the states of {len(saved)} scheduler(s), this "
+            f"{type(live).__name__} wraps {len(live._schedulers)} ({names}); build it from the "
+            "same schedulers"
+        )
+
+
+def _check_grad_scaler(scaler: torch.amp.GradScaler, sd: Any) -> None:
+    # A disabled scaler saves {}, which an enabled one's load_state_dict refuses: say so before
+    # anything is read, not after the model was overwritten.
+    if scaler.is_enabled() and isinstance(sd, Mapping) and not sd:
+        raise ValueError(
+            "the checkpoint holds the empty state of a disabled GradScaler, this one is enabled; "
+            "build it with enabled=False to resume that run, or leave it out with keys=[...]"
+        )
 
 
 def _check_optimizer(opt: torch.optim.Optimizer, sd: Any) -> None:

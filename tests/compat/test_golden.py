@@ -1,9 +1,10 @@
-"""The golden checkpoints of every format version keep loading (``v1/ckpt``, ``v2/ckpt``).
+"""The golden checkpoints of every format version keep loading (``v1/ckpt`` ... ``v3/ckpt``).
 
 Each was made once by its ``vN/make_fixture.py`` from the same state and seeds, so every value
 is checked against the same literals or deterministic re-creation written out here (not
 imported from the scripts, so editing a script cannot silently change the expectations).
-The fixtures are only read; their bytes are pinned by hash.
+v3 adds a ``"leaves"`` subtree with every leaf kind v3 introduced (checked by
+``test_v3_leaves``). The fixtures are only read; their bytes are pinned by hash.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import hashlib
 import math
 import random
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 import tardigrade as tg
 
@@ -30,7 +32,8 @@ NEXT_RANDOM = 0.4407325991753527
 NEXT_NP_RAND = 0.5188654396289326
 NEXT_TORCH_RAND3 = [0.7301741242408752, 0.859134316444397, 0.2593020796775818]
 TORCH_RNG_SHA256 = "a67b8cc9ea0ec3c78fda15a772ada60599ee90df980648a9e901e8dcf87084b1"
-DATA_SHA256 = "b97059a68e3c2c095079b2caa094b6ea004f67ec48ec104e043cb7b95aefe343"
+DATA_SHA256 = "b97059a68e3c2c095079b2caa094b6ea004f67ec48ec104e043cb7b95aefe343"  # v1, v2
+DATA_BYTES = 9711
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,11 @@ class Golden:
     save_id: str
     manifest_sha256: str
     files: list[dict[str, Any]]  # the manifest's "files" list
+    data_sha256: str = DATA_SHA256
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(f["size"] for f in self.files)
 
     @property
     def ckpt(self) -> Path:
@@ -64,7 +72,21 @@ GOLDEN = [
             }
         ],
     ),
+    Golden(
+        3,
+        "4e8cd149744845e1b4725bb280df3172",
+        "f067e3266477d60f2d7c7dfabcdd7a8d14e306ba8e1c1758a0839fa3d55ca635",
+        [
+            {
+                "name": "data-00000-of-00001.safetensors",
+                "size": 11679,
+                "header_checksum": "a54934a775344ad8",
+            }
+        ],
+        data_sha256="9a16ac9fa10bf8e57ce27a10f0996ac628b6c7424098d96bba4f36fc8c31d284",
+    ),
 ]
+GOLDEN_V3 = GOLDEN[2]
 
 
 @pytest.fixture(params=GOLDEN, ids=[f"v{g.version}" for g in GOLDEN])
@@ -76,7 +98,7 @@ def golden(request: pytest.FixtureRequest) -> Golden:
 def _fixture_is_never_rewritten(golden: Golden):
     """The fixture's bytes are pinned, before and after every test here."""
     pinned = {
-        "data-00000-of-00001.safetensors": DATA_SHA256,
+        "data-00000-of-00001.safetensors": golden.data_sha256,
         "manifest.json": golden.manifest_sha256,
     }
 
@@ -164,7 +186,8 @@ def test_verify(golden: Golden) -> None:
     report = tg.verify(golden.ckpt)
     assert report.step == 7
     assert report.files == 1
-    assert report.nbytes == 9711
+    assert report.nbytes == golden.data_bytes
+    assert golden.version >= 3 or report.nbytes == DATA_BYTES
 
 
 def test_every_value(golden: Golden) -> None:
@@ -179,6 +202,7 @@ def test_every_value(golden: Golden) -> None:
         "rng",
         "step",
         "views",
+        *(["leaves"] if golden.version >= 3 else []),
     ]
 
     # tensors, bit for bit
@@ -352,3 +376,145 @@ def test_partial_load_of_nested_key(golden: Golden) -> None:
     assert list(out["tensors"]) == ["bf16"] and list(out["tree"]) == ["huge"]
     assert_tensor(out["tensors"]["bf16"], expected_tensors()["bf16"])
     assert out["tree"]["huge"] == 2**300 + 12345
+
+
+# ----------------------------------------------------------------------------------------------
+# format v3: the leaf kinds it added
+
+NAN64_BITS = bytes.fromhex("2301000000f8ffff")  # little-endian: negative quiet NaN, payload 0x123
+NAN32_BITS = bytes.fromhex("2301c0ff")
+
+
+def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    if t.layout == torch.sparse_coo:
+        return [t._indices(), t._values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    return [t.ccol_indices(), t.row_indices(), t.values()]
+
+
+@pytest.mark.parametrize("golden", [GOLDEN_V3], ids=["v3"])
+def test_v3_leaves(golden: Golden) -> None:
+    leaves = tg.load(golden.ckpt, keys=["leaves"])["leaves"]
+    assert list(leaves) == [
+        "size",
+        "device",
+        "cpu",
+        "counter",
+        "set",
+        "frozenset",
+        "complex",
+        "np",
+        "keys",
+        "c64",
+        "c64_rows",
+        "c128",
+        "coo",
+        "coo_uncoalesced",
+        "csr",
+        "csc",
+        "bsr",
+        "apart",
+    ]
+    assert type(leaves["size"]) is torch.Size and leaves["size"] == (3, 0, 7)
+    assert type(leaves["device"]) is torch.device and leaves["device"] == torch.device("cuda:1")
+    assert leaves["device"].index == 1
+    assert type(leaves["cpu"]) is torch.device and leaves["cpu"] == torch.device("cpu")
+    assert type(leaves["counter"]) is Counter
+    assert list(leaves["counter"].items()) == [("b", 2), (3, 1), ((1, 2), -4)]
+    assert type(leaves["set"]) is set
+    assert leaves["set"] == {3, "a", None, (1, b"x"), 2.5, frozenset({1})}
+    assert type(leaves["frozenset"]) is frozenset and leaves["frozenset"] == {("w", 1), 7}
+    z = leaves["complex"]
+    assert type(z) is complex
+    assert struct.pack("<d", z.real) == struct.pack("<d", -0.0)
+    assert struct.pack("<d", z.imag) == NAN64_BITS
+
+    want_np = [
+        (np.int64, b"\x05" + b"\x00" * 7),
+        (np.float32, struct.pack("<f", 1.5)),
+        (np.bool_, b"\x01"),
+        (np.float64, struct.pack("<d", -0.0)),
+        (np.uint8, b"\xff"),
+        (np.float16, struct.pack("<e", -2.5)),
+        (np.complex64, struct.pack("<ff", 1.0, -2.0)),
+        (np.float32, NAN32_BITS),
+    ]
+    assert [(type(v), v.tobytes()) for v in leaves["np"]] == want_np
+
+    keys = leaves["keys"]
+    assert list(keys.values()) == ["frozenset", "complex", "np.int64", "device", "size"]
+    assert [type(k) for k in keys] == [frozenset, complex, np.int64, torch.device, torch.Size]
+    assert list(keys) == [frozenset({1, 2}), 1 + 2j, 7, torch.device("cuda:0"), (2,)]
+
+    parts = (torch.arange(12, dtype=torch.float32).reshape(6, 2) - 5.5) / 4
+    parts[2, 0] = -0.0
+    parts[3, 1] = torch.frombuffer(bytearray(NAN32_BITS), dtype=torch.float32)[0]
+    c64 = torch.view_as_complex(parts)
+    assert_tensor(leaves["c64"], c64)
+    assert_tensor(leaves["c64_rows"], c64[1:4])
+    assert leaves["c64_rows"].untyped_storage().data_ptr() == (
+        leaves["c64"].untyped_storage().data_ptr()
+    )
+    c128 = torch.view_as_complex(
+        torch.tensor([[1.0, -0.0], [0.0, 2.5], [1e300, -1e-300]], dtype=torch.float64)
+    )
+    c128_bits = bytearray(bits(c128))
+    c128_bits[16:24] = NAN64_BITS
+    assert leaves["c128"].dtype == torch.complex128 and leaves["c128"].shape == (3,)
+    assert bits(leaves["c128"]) == bytes(c128_bits)
+
+    dense = torch.tensor(
+        [[0.0, 1.5, 0.0, 0.0], [2.0, 0.0, 0.0, -3.0], [0.0, 0.0, 0.0, 0.0], [0.0, 4.0, 0.5, 0.0]]
+    )
+    layouts = {
+        "coo": torch.sparse_coo,
+        "csr": torch.sparse_csr,
+        "csc": torch.sparse_csc,
+        "bsr": torch.sparse_bsr,
+    }
+    for k, layout in layouts.items():
+        got = leaves[k]
+        assert got.layout == layout, k
+        assert torch.equal(got.to_dense(), dense), k
+    assert leaves["coo"].is_coalesced()
+    assert_tensor(leaves["coo"]._indices(), torch.tensor([[0, 1, 1, 3, 3], [1, 0, 3, 1, 2]]))
+    assert_tensor(leaves["csr"].crow_indices(), torch.tensor([0, 1, 3, 3, 5]))
+    assert_tensor(leaves["csr"].col_indices(), torch.tensor([1, 0, 3, 1, 2]))
+    assert_tensor(leaves["csr"].values(), torch.tensor([1.5, 2.0, -3.0, 4.0, 0.5]))
+    assert_tensor(leaves["csc"].ccol_indices(), torch.tensor([0, 1, 3, 4, 5]))
+    assert leaves["bsr"].values().shape == (4, 2, 2)
+    unc = leaves["coo_uncoalesced"]
+    assert unc.layout == torch.sparse_coo and not unc.is_coalesced() and unc.shape == (3, 4)
+    assert_tensor(unc._indices(), torch.tensor([[2, 0, 2], [1, 3, 1]]))
+    assert_tensor(unc._values(), torch.tensor([1.0, 2.0, 3.0]))
+
+    buf = torch.arange(1000, dtype=torch.float32) * 0.25
+    assert_tensor(leaves["apart"]["head"], buf[:10])
+    assert_tensor(leaves["apart"]["tail"], buf[-10:])
+    # views far apart were written as two small tensors, not the span between them
+    m = tg.read_manifest(golden.ckpt)
+    shapes = [t["shape"] for t in m["tensors"]]
+    assert [1000] not in shapes and shapes.count([10]) == 2
+    # complex and sparse tensors are stored as real, dense parts: a plain safetensors file
+    with safe_open(str(golden.ckpt / "data-00000-of-00001.safetensors"), "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+    assert not {d for d in dtypes if d.startswith("C")}, dtypes  # no complex dtype
+    assert {"F32", "F64", "I64"} <= dtypes
+
+
+@pytest.mark.parametrize("golden", [GOLDEN_V3], ids=["v3"])
+def test_v3_leaves_restore_into_live_objects(golden: Golden) -> None:
+    live = {
+        "c64": torch.zeros(6, dtype=torch.complex64),
+        "csr": torch.zeros(4, 4).to_sparse_csr(),
+        "counter": Counter(),
+    }
+    ptr = live["c64"].data_ptr()
+    tg.load(golden.ckpt, keys=[("leaves", k) for k in live], into={"leaves": live})
+    assert live["c64"].data_ptr() == ptr
+    assert bits(live["c64"][1:4]) == bits(
+        tg.load(golden.ckpt, keys=["leaves"])["leaves"]["c64_rows"]
+    )
+    assert live["csr"].layout == torch.sparse_csr and live["csr"].values().tolist()[0] == 1.5
+    assert type(live["counter"]) is Counter and live["counter"]["b"] == 2

@@ -338,3 +338,216 @@ def test_a_read_failure_names_the_tensors_it_may_have_overwritten(tmp_path: Path
     msg = str(info.value)
     assert "may be partly overwritten" in msg and "state['model'] (4 tensor(s))" in msg, msg
     assert "No load_state_dict() was called" in msg
+
+
+# --------------------------------------------------------------------------------------------
+# state an object grows while it trains is the checkpoint's; fixed layouts are matched strictly
+
+
+def _lbfgs(seed: int, steps: int) -> tuple[nn.Module, torch.optim.LBFGS]:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3, history_size=20)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(steps):
+        opt.step(closure)
+    return model, opt
+
+
+@pytest.mark.parametrize("live_steps", [1, 6])
+def test_lbfgs_restores_into_a_live_optimizer_with_another_history_length(
+    tmp_path: Path, live_steps: int
+) -> None:
+    model, opt = _lbfgs(0, 3)
+    saved = opt.state_dict()["state"][0]
+    tg.save(tmp_path / "ck", {"model": model, "optim": opt})
+    live_model, live_opt = _lbfgs(1, live_steps)
+    assert len(live_opt.state_dict()["state"][0]["old_dirs"]) != len(saved["old_dirs"])
+
+    tg.load(tmp_path / "ck", into={"model": live_model, "optim": live_opt})  # strict
+
+    got = live_opt.state_dict()["state"][0]
+    for key in ("old_dirs", "old_stps", "ro"):
+        assert len(got[key]) == len(saved[key]), key
+        for a, b in zip(got[key], saved[key], strict=True):
+            assert torch.equal(a, b), key
+    assert torch.equal(got["d"], saved["d"]) and got["n_iter"] == saved["n_iter"]
+
+
+class Grower:
+    """State that grows as it trains: a history list, a buffer that is resized, lazy moments."""
+
+    def __init__(self, n: int) -> None:
+        self.hist = [torch.full((2,), float(i)) for i in range(n)]
+        self.buf = torch.arange(float(n + 1))
+        self.moments = {i: torch.ones(3) * i for i in range(n)}
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"hist": self.hist, "buf": self.buf, "moments": self.moments, "n": len(self.hist)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.loaded = sd
+        self.hist, self.buf, self.moments = list(sd["hist"]), sd["buf"], dict(sd["moments"])
+
+
+@pytest.mark.parametrize("live_n", [0, 1, 5])
+def test_what_an_object_grows_is_the_checkpoints_to_decide(tmp_path: Path, live_n: int) -> None:
+    tg.save(tmp_path / "ck", {"g": Grower(3)})
+    live = Grower(live_n)
+    old_buf = live.buf.clone()
+    live_buf = live.buf
+
+    tg.load(tmp_path / "ck", into={"g": live}, strict=True)
+
+    want = Grower(3)
+    assert [t.tolist() for t in live.hist] == [t.tolist() for t in want.hist]
+    assert live.buf.tolist() == want.buf.tolist()
+    assert {k: v.tolist() for k, v in live.moments.items()} == {
+        k: v.tolist() for k, v in want.moments.items()
+    }
+    # A live tensor of another shape is not a read target: it is left as it was.
+    assert torch.equal(live_buf, old_buf)
+
+
+class WithExtra(nn.Module):
+    def __init__(self, n: int, width: int = 2) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 2)
+        self.seen = [torch.full((2,), float(i)) for i in range(n)]
+
+    def get_extra_state(self) -> Any:
+        return {"seen": self.seen}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.seen = list(state["seen"])
+
+
+def test_a_modules_extra_state_is_the_checkpoints_but_its_parameters_are_fixed(
+    tmp_path: Path,
+) -> None:
+    saved = WithExtra(3)
+    tg.save(tmp_path / "ck", {"m": saved})
+
+    live = WithExtra(1)
+    tg.load(tmp_path / "ck", into={"m": live})  # strict: the extra state's length differs
+    assert [t.tolist() for t in live.seen] == [t.tolist() for t in saved.seen]
+    assert torch.equal(live.fc.weight, saved.fc.weight)
+
+    wider = WithExtra(3, width=3)
+    with pytest.raises(StateMismatchError, match=r"state\['m'\]\['fc.weight'\]: .*\[2, 2\]"):
+        tg.load(tmp_path / "ck", into={"m": wider})
+
+
+class Twins:
+    """Live state whose two entries share one tensor; the checkpoint's two differ."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b = a, b
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.a, self.b = sd["a"], sd["b"]
+
+
+def test_two_checkpoint_tensors_are_never_read_into_one_live_tensor(tmp_path: Path) -> None:
+    tg.save(tmp_path / "ck", {"t": Twins(torch.full((4,), 1.0), torch.full((4,), 2.0))})
+    shared = torch.zeros(4)
+    live = Twins(shared, shared)
+    tg.load(tmp_path / "ck", into={"t": live})
+    assert live.a.tolist() == [1.0] * 4 and live.b.tolist() == [2.0] * 4
+
+
+# --------------------------------------------------------------------------------------------
+# every leaf kind restores into live state (complex tensors in place, sparse ones replaced)
+
+
+class Spectral(nn.Module):
+    """A complex parameter (read in place through its real view) and a sparse buffer."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = nn.Parameter(torch.randn(3, 2, dtype=torch.complex64, generator=g))
+        self.register_buffer("adj", (torch.eye(3) * (seed + 1)).to_sparse())
+
+
+def test_complex_and_sparse_tensors_restore_into_live_state(tmp_path: Path) -> None:
+    saved = {
+        "model": Spectral(0),
+        "z": torch.full((4,), 1 + 2j, dtype=torch.complex128),
+        "adj": (torch.eye(3) * 2).to_sparse_csr(),
+    }
+    tg.save(tmp_path / "ck", saved)
+    live = {
+        "model": Spectral(1),
+        "z": torch.zeros(4, dtype=torch.complex128),
+        "adj": torch.eye(3).to_sparse_csr(),
+    }
+    w, z = live["model"].w, live["z"]
+    tg.load(tmp_path / "ck", into=live)  # strict
+    assert live["model"].w is w and torch.equal(w, saved["model"].w)  # read in place
+    assert live["z"] is z and torch.equal(z, saved["z"])
+    assert torch.equal(live["model"].adj.to_dense(), saved["model"].adj.to_dense())
+    assert live["adj"].layout == torch.sparse_csr
+    assert torch.equal(live["adj"].to_dense(), saved["adj"].to_dense())
+
+    # A dense live tensor where the checkpoint holds a sparse one is a difference.
+    with pytest.raises(StateMismatchError, match=r"state\['adj'\]: checkpoint holds a sparse csr"):
+        tg.load(tmp_path / "ck", into={**live, "adj": torch.zeros(3, 3)})
+
+
+def test_an_enabled_grad_scaler_refuses_a_disabled_ones_state_before_anything_is_read(
+    tmp_path: Path,
+) -> None:
+    tg.save(tmp_path / "ck", {**_trained(), "scaler": torch.amp.GradScaler("cpu", enabled=False)})
+    live = {**_fresh(), "scaler": torch.amp.GradScaler("cpu")}
+    before = _snapshot(live)
+    with pytest.raises(StateMismatchError) as info:
+        tg.load(tmp_path / "ck", into=live)
+    msg = str(info.value)
+    assert "state['scaler']: GradScaler rejects the state" in msg, msg
+    assert "disabled GradScaler" in msg and "nothing was loaded" in msg, msg
+    _unchanged(before, live)
+    assert live["scaler"].get_scale() == 2.0**16
+
+
+@pytest.mark.parametrize("cls", ["SequentialLR", "ChainedScheduler"])
+@pytest.mark.parametrize("live_count", [1, 3])
+def test_a_scheduler_wrapping_another_number_of_schedulers_is_refused_up_front(
+    tmp_path: Path, cls: str, live_count: int
+) -> None:
+    from torch.optim import lr_scheduler as lrs
+
+    def build(state: dict[str, Any], n: int) -> Any:
+        opt = state["optim"]
+        inner = [lrs.ConstantLR(opt, factor=0.5, total_iters=2), lrs.ExponentialLR(opt, 0.9)]
+        inner += [lrs.StepLR(opt, step_size=2)] * (n - 2)
+        inner = inner[:n]
+        if cls == "SequentialLR":
+            return lrs.SequentialLR(opt, inner, milestones=list(range(2, n + 1)))
+        return lrs.ChainedScheduler(inner, optimizer=opt)
+
+    saved = _trained()
+    saved["sched"] = build(saved, 2)
+    saved["sched"].step()
+    tg.save(tmp_path / "ck", saved)
+    live = _fresh()
+    live["sched"] = build(live, live_count)
+    before = _snapshot(live)
+    with pytest.raises(StateMismatchError) as info:
+        tg.load(tmp_path / "ck", into=live)
+    msg = str(info.value)
+    assert f"state['sched']: {cls} rejects the state" in msg, msg
+    assert f"states of 2 scheduler(s), this {cls} wraps {live_count}" in msg, msg
+    assert "nothing was loaded" in msg, msg
+    _unchanged(before, live)

@@ -19,12 +19,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._load import _check_refs, _read_entries, open_manifest, verify
-from .._tree import decode, path_str
+from .._tree import SparseParts, decode, path_str
 from ..errors import TardigradeError
-from ..format.dtypes import TORCH_DTYPES
+from ..format.dtypes import COMPLEX_DTYPES, TORCH_DTYPES
 from ..format.manifest import Manifest
 from ._listing import require_single
 from ._output import error
@@ -91,6 +92,8 @@ class _Side:
         info = self.m.tensors[node["e"]]
         view = node.get("view")
         shape = tuple(view["shape"]) if view else info.shape
+        if node.get("complex") in COMPLEX_DTYPES:  # stored as its real view: [..., 2]
+            return _Tensor(node, node["complex"], shape[:-1])
         return _Tensor(node, info.dtype, shape)
 
     def _walk(self, value: Any, path: tuple[Any, ...]) -> None:
@@ -120,6 +123,8 @@ def _layout(m: Manifest, e: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]
 def _leaf_text(v: Any) -> str:
     if isinstance(v, _Tensor):
         return v.text()
+    if isinstance(v, SparseParts):
+        return f"sparse {v.layout} tensor {v.parts[-1].dtype}{list(v.size)}"
     return f"{type(v).__name__} {_short(v)}"
 
 
@@ -131,6 +136,10 @@ def _short(v: Any) -> str:
 def _same_scalar(x: Any, y: Any) -> bool:
     if type(x) is not type(y):
         return False
+    if isinstance(x, np.generic):
+        return x.tobytes() == y.tobytes()  # bitwise, as for floats
+    if isinstance(x, complex):
+        return _same_scalar(x.real, y.real) and _same_scalar(x.imag, y.imag)
     if isinstance(x, float):
         return x.hex() == y.hex() or (x != x and y != y)  # bitwise, NaN equal to NaN
     return bool(x == y)
@@ -195,7 +204,20 @@ def compare(path_a: str, path_b: str, *, verified: bool = True) -> list[dict[str
                 add("type", p, f"{x.text()} -> {y.text()}")
             elif not _same_tensor(a, x, b, y):
                 add("values", p, f"{x.text()}: bytes differ")
-        elif isinstance(x, _Tensor) or isinstance(y, _Tensor) or type(x) is not type(y):
+        elif isinstance(x, SparseParts) and isinstance(y, SparseParts):
+            head_x = (x.layout, x.size, x.coalesced, x.parts[-1].dtype)
+            if head_x != (y.layout, y.size, y.coalesced, y.parts[-1].dtype):
+                add("type", p, f"{_leaf_text(x)} -> {_leaf_text(y)}")
+            elif any(
+                px.shape != py.shape or not _same_tensor(a, px, b, py)
+                for px, py in zip(x.parts, y.parts, strict=True)
+            ):
+                add("values", p, f"{_leaf_text(x)}: indices or values differ")
+        elif (
+            isinstance(x, (_Tensor, SparseParts))
+            or isinstance(y, (_Tensor, SparseParts))
+            or type(x) is not type(y)
+        ):
             add("type", p, f"{_leaf_text(x)} -> {_leaf_text(y)}")
         elif not _same_scalar(x, y):
             add("value", p, f"{_short(x)} -> {_short(y)}")

@@ -110,10 +110,23 @@ def load_key(node: Any) -> Any:
     return decode(node, no_tensor, "manifest")
 
 
-def collect(value: Any, prefix: tuple[str, ...], out: dict[str, torch.Tensor]) -> int:
-    """Gather tensors under ``value`` into ``out`` by dotted path; return non-tensors skipped."""
+def collect(
+    value: Any,
+    prefix: tuple[str, ...],
+    out: dict[str, torch.Tensor],
+    sparse: list[str] | None = None,
+) -> int:
+    """Gather tensors under ``value`` into ``out`` by dotted path; return non-tensors skipped.
+
+    Sparse tensors are left out too (a safetensors file holds dense tensors only); their
+    paths go to ``sparse``.
+    """
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+        if sparse is not None:
+            sparse.append(".".join(prefix) or "tensor")
+        return 0
     if isinstance(value, torch.Tensor):
         name = ".".join(prefix) or "tensor"
         if name in out and out[name] is not value:
@@ -124,9 +137,9 @@ def collect(value: Any, prefix: tuple[str, ...], out: dict[str, torch.Tensor]) -
         out[name] = value
         return 0
     if isinstance(value, dict):
-        return sum(collect(v, (*prefix, str(k)), out) for k, v in value.items())
+        return sum(collect(v, (*prefix, str(k)), out, sparse) for k, v in value.items())
     if isinstance(value, (list, tuple)):
-        return sum(collect(v, (*prefix, str(i)), out) for i, v in enumerate(value))
+        return sum(collect(v, (*prefix, str(i)), out, sparse) for i, v in enumerate(value))
     return 1
 
 
@@ -168,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         tree = load(args.ckpt)
 
     tensors: dict[str, torch.Tensor] = {}
+    sparse: list[str] = []
     skipped = 0
     if resolved:
         for p, _ in resolved:
@@ -175,9 +189,9 @@ def run(args: argparse.Namespace) -> int:
             for k in p:
                 value = value[k]
             prefix = () if args.no_prefix else tuple(str(k) for k in p)
-            skipped += collect(value, prefix, tensors)
+            skipped += collect(value, prefix, tensors, sparse)
     else:
-        skipped = collect(tree, (), tensors)
+        skipped = collect(tree, (), tensors, sparse)
     if not tensors:
         what = "under " + ", ".join(keys) if keys else "in the checkpoint"
         raise InvalidArgumentError(f"{where}: no tensors {what}; nothing to export")
@@ -200,5 +214,12 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {out_path}: {len(tensors)} tensors, {human_bytes(size)}"
         + (f" ({skipped} non-tensor value(s) left out)" if skipped else "")
+        + (
+            f"; sparse tensors left out (safetensors holds dense tensors only; export "
+            f"t.to_dense() yourself if you need them): {', '.join(sparse[:10])}"
+            + (f" and {len(sparse) - 10} more" if len(sparse) > 10 else "")
+            if sparse
+            else ""
+        )
     )
     return 0

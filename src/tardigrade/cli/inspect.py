@@ -15,8 +15,8 @@ from typing import Any
 
 from .. import read_manifest
 from .._tree import decode
-from ..errors import CorruptCheckpointError, InvalidArgumentError
-from ..format.dtypes import ITEMSIZE
+from ..errors import CorruptCheckpointError, InvalidArgumentError, TardigradeError
+from ..format.dtypes import COMPLEX_DTYPES, ITEMSIZE
 from ..format.manifest import MANIFEST
 from ._listing import require_single
 from ._output import human_bytes, table
@@ -26,7 +26,19 @@ HELP = "show what a checkpoint holds (reads the manifest only)"
 # Lists of plain values longer than this are summarised instead of printed in full.
 INLINE_ITEMS = 8
 MAX_TEXT = 80
-SCALARS = ("none", "bool", "int", "float", "str", "bytes", "dtype")
+SCALARS = (
+    "none",
+    "bool",
+    "int",
+    "float",
+    "str",
+    "bytes",
+    "dtype",
+    "complex",
+    "npscalar",
+    "size",
+    "device",
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -144,7 +156,16 @@ def scalar_text(node: dict[str, Any], short: bool = False) -> str:
             return f"bytes[{len(raw)}]" if len(raw) > 16 else repr(raw)
         if t == "dtype":
             return f"torch.{v}"
-    except (TypeError, ValueError):
+        if t == "tuple" and isinstance(v, list):  # a dict key or set element
+            body = ", ".join(scalar_text(x) for x in v if isinstance(x, dict))
+            return _clip(f"({body}{',' if len(v) == 1 else ''})")
+        if t in ("set", "frozenset") and isinstance(v, list):
+            # in stored order (sorted when saved), so the text is the same in every run
+            body = ", ".join(scalar_text(x) for x in v if isinstance(x, dict))
+            return _clip(f"{{{body}}}" if t == "set" and v else f"{t}({{{body}}})")
+        if t in ("complex", "npscalar", "size", "device"):
+            return _clip(repr(decode(node, lambda n, p: None, "manifest")))
+    except (TypeError, ValueError, TardigradeError):
         pass
     return f"<malformed {t!r} value>"
 
@@ -165,7 +186,35 @@ def _tensor_text(node: dict[str, Any], tensors: list[dict[str, Any]]) -> str:
     kind = "ndarray " if node.get("t") == "ndarray" else ""
     nbytes = math.prod(shape) * ITEMSIZE[info["dtype"]]
     extra = " (view of a shared tensor)" if view else ""
-    return f"{kind}{info['dtype']}{list(shape)}  {human_bytes(nbytes)}{extra}"
+    dtype = info["dtype"]
+    if node.get("complex") in COMPLEX_DTYPES:  # stored as its real view: [..., 2]
+        dtype, shape = node["complex"], shape[:-1]
+    return f"{kind}{dtype}{list(shape)}  {human_bytes(nbytes)}{extra}"
+
+
+def _sparse_text(node: dict[str, Any], tensors: list[dict[str, Any]]) -> str:
+    """``sparse coo F32[3, 4]  nnz=5  120 B``: the values' dtype, the size, the stored bytes."""
+    parts = [c for c in node.get("v") or () if isinstance(c, dict)]
+    shapes = []
+    for c in parts:
+        e = c.get("e")
+        if type(e) is not int or not 0 <= e < len(tensors):
+            return "<tensor missing from the manifest>"
+        view = c.get("view")
+        shapes.append(view["shape"] if isinstance(view, dict) else tensors[e]["shape"])
+    if not parts:
+        return "<malformed sparse tensor>"
+    nbytes = sum(
+        math.prod(shape) * ITEMSIZE[tensors[c["e"]]["dtype"]]
+        for c, shape in zip(parts, shapes, strict=True)
+    )
+    values, dtype = parts[-1], tensors[parts[-1]["e"]]["dtype"]
+    if values.get("complex") in COMPLEX_DTYPES:
+        dtype = values["complex"]
+    nnz = shapes[-1][0] if shapes[-1] else 0
+    return (
+        f"sparse {node.get('layout')} {dtype}{node.get('size')}  nnz={nnz}  {human_bytes(nbytes)}"
+    )
 
 
 def _plain_list_text(tag: str, items: list[dict[str, Any]]) -> str:
@@ -193,6 +242,12 @@ def render_tree(m: dict[str, Any], depth: int | None = None) -> list[str]:
                 for item in v
                 if isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict)
             ]
+        if t == "counter" and isinstance(v, list):
+            return [
+                (key_text(item[0]), item[1])
+                for item in v
+                if isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict)
+            ]
         if t in ("list", "tuple") and isinstance(v, list):
             return [(f"[{i}]", c) for i, c in enumerate(v) if isinstance(c, dict)]
         return []
@@ -213,12 +268,20 @@ def render_tree(m: dict[str, Any], depth: int | None = None) -> list[str]:
         if t in ("tensor", "ndarray"):
             lines.append(f"{prefix}{tag}{_tensor_text(node, tensors)}")
             return
+        if t == "sparse":
+            lines.append(f"{prefix}{tag}{_sparse_text(node, tensors)}")
+            return
+        if t in ("set", "frozenset"):
+            items = node.get("v") or []
+            text = scalar_text(node) if len(items) <= INLINE_ITEMS else f"{t}[{len(items)}]"
+            lines.append(f"{prefix}{tag}{text}")
+            return
         kids = children(node)
         if t in ("list", "tuple") and all(c.get("t") in SCALARS for _, c in kids):
             lines.append(f"{prefix}{tag}{_plain_list_text(t, [c for _, c in kids])}")
             return
-        if t in ("dict", "odict", "list", "tuple"):
-            noun = {"dict": "dict", "odict": "dict", "list": "list", "tuple": "tuple"}[t]
+        if t in ("dict", "odict", "counter", "list", "tuple"):
+            noun = {"dict": "dict", "odict": "dict", "counter": "Counter"}.get(t, t)
             lines.append(f"{prefix}{tag}{noun}[{len(kids)}]" if label or tag else "")
             if depth is not None and level + 1 >= depth:
                 if kids:

@@ -42,6 +42,24 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
 }
 NUMPY_NAMES: dict[np.dtype, str] = {v: k for k, v in NUMPY_DTYPES.items()}
 
+# Complex tensors are stored as their real view (torch.view_as_real: a trailing dimension of 2,
+# real and imaginary parts) under the real dtype a safetensors file holds; the tree records the
+# complex name so the load gives back the complex tensor. name -> (complex dtype, stored name).
+COMPLEX_DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "C32": (torch.complex32, "F16"),
+    "C64": (torch.complex64, "F32"),
+    "C128": (torch.complex128, "F64"),
+}
+COMPLEX_NAMES: dict[torch.dtype, str] = {v[0]: k for k, v in COMPLEX_DTYPES.items()}
+
+# NumPy scalars (np.float32(1.5), np.int64(5), np.bool_) keep their exact type and bits.
+NUMPY_SCALAR_DTYPES: dict[str, np.dtype] = {
+    **NUMPY_DTYPES,
+    "C64": np.dtype(np.complex64),
+    "C128": np.dtype(np.complex128),
+}
+NUMPY_SCALAR_NAMES: dict[np.dtype, str] = {v: k for k, v in NUMPY_SCALAR_DTYPES.items()}
+
 ITEMSIZE: dict[str, int] = {
     k: torch.empty((), dtype=v).element_size() for k, v in TORCH_DTYPES.items()
 }

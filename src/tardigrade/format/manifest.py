@@ -25,8 +25,10 @@ from .tiling import TilingError, check_exact_tiling
 FORMAT_NAME = "tardigrade"
 # v2: the manifest carries its own checksum and every data file's header checksum, so every
 # byte of a checkpoint is covered. v1 (no manifest or header checksum) is still read.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# v3: the state tree gains leaf kinds older readers cannot decode (torch.Size, torch.device,
+# Counter, set/frozenset, complex, numpy scalars, complex and sparse tensors); sealed as v2.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 SEALED_SINCE = 2  # the first version whose manifests must carry a checksum
 
 # A sealed manifest ends with this member, its checksum over the manifest without it. Putting

@@ -383,6 +383,22 @@ class CheckpointManager:
             self._remove_signals()
             self._lock.release()
             raise
+        self._reserve_staging()
+
+    def _reserve_staging(self) -> None:
+        """Start faulting in the async staging memory for ``state``, in the background.
+
+        So the first async save copies into touched memory instead of faulting it in while
+        training waits. Only sizes are computed here (no tensor is copied). Called again after
+        ``restore``: state created lazily (optimizer moments) exists only from then on.
+        """
+        if self._async is None:
+            return
+        try:
+            self._async.reserve(self.state)
+        except TardigradeError as e:
+            # The first save reports it (a leaf the format cannot store, ...).
+            log.debug("tardigrade: not reserving staging memory: %s", e)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -589,6 +605,7 @@ class CheckpointManager:
             self._last_epoch = m.epoch
             self._last_save_time = time.monotonic()
             log.info("tardigrade: restored %s", self.path(s))
+            self._reserve_staging()
             return s
         return None
 

@@ -65,7 +65,15 @@ def first_saves(opts: Options, log: Log) -> dict[str, dict[str, Any]]:
         out[name] = first_save_in_fresh_process(
             name, opts.target_bytes, opts.dir / "first", opts.settle_s, FRESH_TIMEOUT_S
         )
-        log(_line(f"first save {name}", Sample(**out[name]["sample"]), out[name]["state_bytes"]))
+        first = out[name]
+        log(_line(f"first save {name}", Sample(**first["sample"]), first["state_bytes"]))
+        if "memcpy" in first:
+            block = first["sample"]["extra"]["blocking_s"]
+            copy = first["memcpy"]["seconds"]
+            log(
+                f"first save {name}: blocked {block:.3f} s, memcpy {copy:.3f} s "
+                f"({block / copy:.2f}x); staging reserved in {first['reserve_s']:.2f} s before"
+            )
     return out
 
 

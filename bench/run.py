@@ -32,7 +32,7 @@ from .loop import ComputeStep, LoopSpec, train_all
 from .measure import Sample, measure, settle
 from .raw import Scratch, hot_read, memcpy, raw_write, raw_write_direct, remove, warm
 from .state import TrainState, build_state
-from .tools import LOADS, SAVES, verify_tardigrade
+from .tools import LOADS, SAVES, async_checkpointer, verify_tardigrade
 
 FRESH_TIMEOUT_S = 300
 
@@ -52,10 +52,18 @@ class Options:
 
 
 def _line(what: str, s: Sample, nbytes: int) -> str:
-    return (
+    line = (
         f"{what:<32} {s.seconds:7.3f} s {nbytes / s.seconds / 1e9:6.2f} GB/s  "
-        f"peak RSS +{s.peak_rss_above / 1e9:.2f} GB"
+        f"peak RSS +{s.peak_rss_above / 1e9:.2f} GB  CPU {s.cpu_seconds:.2f} s"
     )
+    if "blocking_s" in s.extra:
+        line += f"  blocked {s.extra['blocking_s']:.3f} s"
+        if "blocking_cpu_s" in s.extra:
+            line += (
+                f" (CPU {s.extra['blocking_cpu_s']:.3f} s, "
+                f"{s.extra['blocking_faults']:.0f} page faults)"
+            )
+    return line
 
 
 def first_saves(opts: Options, log: Log) -> dict[str, dict[str, Any]]:
@@ -175,6 +183,7 @@ def run(opts: Options, log: Log) -> dict[str, Any]:
 
     log("phase 2: building the state in this process")
     state = build_state(opts.target_bytes)
+    async_checkpointer(state)  # set up as training would: staging reserved in the background
     nbytes = state.nbytes
     scratch = Scratch(nbytes)
     scratch.fill_from(state)  # pre-faults the reference buffer

@@ -222,11 +222,15 @@ class SlabPool:
                     break
                 reserved = [p for p in self._pending if p >= size]
                 if reserved:
-                    # Reserved but not started: fault it in here, beside the reservation thread.
-                    make = min(reserved)
-                    self._pending.remove(make)
-                    self._start_allocation(make)
-                    break
+                    # Reserved but not started: fault it in here, beside the reservation thread
+                    # (unless the budget has no room left for it: then it is dropped).
+                    pick = min(reserved)
+                    self._pending.remove(pick)
+                    if self.max_bytes is None or self.allocated_bytes + pick <= self.max_bytes:
+                        make = pick
+                        self._start_allocation(make)
+                        break
+                    continue
                 if any(m >= size for m in self._making):
                     self._cond.wait()  # a fitting slab is being faulted in: take it when ready
                     continue

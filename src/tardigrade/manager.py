@@ -549,11 +549,11 @@ class CheckpointManager:
         older checkpoint is restored over everything (it rewrites every live tensor and calls
         each ``load_state_dict()``: exact when it covers the same tensors, as checkpoints of
         one run of this state do). If none is left to restore over damaged bytes, this raises
-        CorruptCheckpointError instead of returning None. Saves of this manager still in flight are waited for first
-        (a failure among them is reported as ``step`` would). With ``step`` given, restore
-        exactly that one; later checkpoints then belong to an abandoned timeline and are
-        replaced as this run saves those steps again. Returns None when the directory holds
-        no checkpoint.
+        CorruptCheckpointError instead of returning None. Saves of this manager still in
+        flight are waited for first (a failure among them is reported as ``step`` would).
+        With ``step`` given, restore exactly that one; later checkpoints then belong to an
+        abandoned timeline and are replaced as this run saves those steps again. Returns None
+        when the directory holds no checkpoint.
         """
         self._check_open("restore")
         # Our own async save still in flight has a .tmp-* staging directory that the cleanup

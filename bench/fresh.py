@@ -18,17 +18,22 @@ from pathlib import Path
 from typing import Any
 
 from .measure import measure, settle
-from .raw import Scratch, raw_write, remove
+from .raw import Scratch, memcpy, raw_write, remove
 from .state import build_state, state_nbytes, width_for
-from .tools import SAVES
+from .tools import SAVES, async_checkpointer
 
 RAW_WRITE = "raw_write"
+ASYNC = "tardigrade_async"
 
 
 def first_save(tool: str, target_bytes: int, root: Path, settle_s: float) -> dict[str, Any]:
     """Build the state, idle, and measure the process's first save with ``tool``.
 
-    The raw write needs no state, only a pre-faulted buffer of the same byte count.
+    The raw write needs no state, only a pre-faulted buffer of the same byte count. The async
+    save is set up as in training: the checkpointer is created and reserves its staging memory
+    (in the background, timed as ``reserve_s``) while training would run its first steps; the
+    save follows once that is done, next to a memcpy of the same bytes into pre-faulted memory
+    in this same process (``memcpy``), each after the same settle.
     """
     t0 = time.perf_counter()
     if tool == RAW_WRITE:
@@ -39,6 +44,16 @@ def first_save(tool: str, target_bytes: int, root: Path, settle_s: float) -> dic
         state = build_state(target_bytes)
         nbytes = state.nbytes
     build_s = time.perf_counter() - t0
+    extra: dict[str, Any] = {}
+    if tool == ASYNC:
+        t = time.perf_counter()
+        async_checkpointer(state).wait_reserved()
+        extra["reserve_s"] = time.perf_counter() - t
+        scratch = Scratch(nbytes)
+        scratch.fill_from(state)  # pre-faults the reference buffer
+        settle(settle_s)
+        extra["memcpy"] = measure(functools.partial(memcpy, scratch, state)).to_json()
+        del scratch
     root.mkdir(parents=True, exist_ok=True)
     path = root / tool
     remove(path)
@@ -49,7 +64,13 @@ def first_save(tool: str, target_bytes: int, root: Path, settle_s: float) -> dic
     settle(settle_s)
     sample = measure(op)
     remove(path)
-    return {"tool": tool, "state_bytes": nbytes, "build_s": build_s, "sample": sample.to_json()}
+    return {
+        "tool": tool,
+        "state_bytes": nbytes,
+        "build_s": build_s,
+        "sample": sample.to_json(),
+        **extra,
+    }
 
 
 def _child(conn: Connection, *args: Any) -> None:

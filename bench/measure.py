@@ -30,6 +30,9 @@ class Sample:
     peak_anon_above: int  # the same for anonymous memory only (sampled), bytes
     hwm_exact: bool  # True when peak_rss_above comes from the kernel's reset high-water mark
     extra: dict[str, float] = field(default_factory=dict)  # whatever the operation returned
+    # CPU time of this process (all threads) during the operation: far below the wall time
+    # times the threads at work means other processes had the cores (the figure is noisy).
+    cpu_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,11 +85,12 @@ def measure(op: Callable[[], dict[str, float] | None]) -> Sample:
         exact = _reset_hwm()
         sampler = _Sampler(fd)
         sampler.start()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             extra = op()
         finally:
             seconds = time.perf_counter() - start
+            cpu = time.process_time() - cpu_start
             sampler.stop.set()
             sampler.join()
         after = _status_fields(fd)
@@ -104,6 +108,7 @@ def measure(op: Callable[[], dict[str, float] | None]) -> Sample:
         ),
         hwm_exact=exact,
         extra=dict(extra or {}),
+        cpu_seconds=cpu,
     )
 
 

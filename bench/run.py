@@ -4,8 +4,8 @@ Phase 1: for each tool (and the raw write), a fresh process (see ``fresh``) buil
 saves once. Phase 2: this process builds the state once and runs ``repeats + 1`` rounds; round 0
 is a warm-up of the saves (recorded, not summarised), the steady state is the median of the
 others. Each round runs, in order: raw write (buffered, then O_DIRECT), every save, then (after
-round 0) hot read, memcpy, every load, verify, and the training loop (``loop``) in each of its
-modes. Before each save the tool's previous output is deleted; before each load the tool's files
+round 0) hot read, every load, verify, and the training loop (``loop``) in each of its
+modes; the memcpy reference is taken right before the async save. Before each save the tool's previous output is deleted; before each load the tool's files
 are read once (hot cache) and the live state is poisoned, so a load that restores nothing fails
 the run. Every save, load, reference and training loop starts after ``settle`` idle seconds, so
 each operation and the reference it is compared with start alike.
@@ -32,9 +32,10 @@ from .loop import ComputeStep, LoopSpec, train_all
 from .measure import Sample, measure, settle
 from .raw import Scratch, hot_read, memcpy, raw_write, raw_write_direct, remove, warm
 from .state import TrainState, build_state
-from .tools import LOADS, SAVES, verify_tardigrade
+from .tools import LOADS, SAVES, async_checkpointer, verify_tardigrade
 
 FRESH_TIMEOUT_S = 300
+ASYNC_SAVE = "tardigrade_async"  # measured right after a memcpy of the same bytes
 
 Log = Callable[[str], None]
 
@@ -52,10 +53,18 @@ class Options:
 
 
 def _line(what: str, s: Sample, nbytes: int) -> str:
-    return (
+    line = (
         f"{what:<32} {s.seconds:7.3f} s {nbytes / s.seconds / 1e9:6.2f} GB/s  "
-        f"peak RSS +{s.peak_rss_above / 1e9:.2f} GB"
+        f"peak RSS +{s.peak_rss_above / 1e9:.2f} GB  CPU {s.cpu_seconds:.2f} s"
     )
+    if "blocking_s" in s.extra:
+        line += f"  blocked {s.extra['blocking_s']:.3f} s"
+        if "blocking_cpu_s" in s.extra:
+            line += (
+                f" (CPU {s.extra['blocking_cpu_s']:.3f} s, "
+                f"{s.extra['blocking_faults']:.0f} page faults)"
+            )
+    return line
 
 
 def first_saves(opts: Options, log: Log) -> dict[str, dict[str, Any]]:
@@ -65,7 +74,15 @@ def first_saves(opts: Options, log: Log) -> dict[str, dict[str, Any]]:
         out[name] = first_save_in_fresh_process(
             name, opts.target_bytes, opts.dir / "first", opts.settle_s, FRESH_TIMEOUT_S
         )
-        log(_line(f"first save {name}", Sample(**out[name]["sample"]), out[name]["state_bytes"]))
+        first = out[name]
+        log(_line(f"first save {name}", Sample(**first["sample"]), first["state_bytes"]))
+        if "memcpy" in first:
+            block = first["sample"]["extra"]["blocking_s"]
+            copy = first["memcpy"]["seconds"]
+            log(
+                f"first save {name}: blocked {block:.3f} s, memcpy {copy:.3f} s "
+                f"({block / copy:.2f}x); staging reserved in {first['reserve_s']:.2f} s before"
+            )
     return out
 
 
@@ -103,6 +120,12 @@ def one_round(
     for name, save in SAVES.items():
         path = root / name
         remove(path)
+        if name == ASYNC_SAVE:
+            # The reference of the async save's blocking time, right before it: two single
+            # samples taken minutes apart on a shared machine see different loads from other
+            # processes; side by side they see the same.
+            settle(opts.settle_s)
+            timed("reference", "memcpy", functools.partial(memcpy, scratch, state))
         settle(opts.settle_s)
         timed("save", name, functools.partial(save, state, path))
 
@@ -115,8 +138,6 @@ def one_round(
         warm(raw_path)
         settle(opts.settle_s, since=since)
         timed("reference", "hot_read", functools.partial(hot_read, scratch, raw_path))
-        settle(opts.settle_s)
-        timed("reference", "memcpy", functools.partial(memcpy, scratch, state))
 
         for name, load in LOADS.items():
             path = root / name
@@ -167,6 +188,7 @@ def run(opts: Options, log: Log) -> dict[str, Any]:
 
     log("phase 2: building the state in this process")
     state = build_state(opts.target_bytes)
+    async_checkpointer(state)  # set up as training would: staging reserved in the background
     nbytes = state.nbytes
     scratch = Scratch(nbytes)
     scratch.fill_from(state)  # pre-faults the reference buffer

@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 from ._job import SaveJob, SaveResult, as_bytes, file_header, item_source, make_job
+from ._plan import plan_files
 from ._staging import Slab, SlabPool, StagingStats
+from ._tree import flatten
 from ._write import ABORT, END, Block, write_and_commit
 from .errors import InvalidArgumentError, SaveError, TardigradeError
 
@@ -261,6 +263,19 @@ class _Copier:
                 f.result()
 
 
+def image_sizes(state: Any) -> list[int]:
+    """The bytes of each data file a save of ``state`` stages (header included), in order.
+
+    Flattens the state and lays out its files as a save does (``state_dict()`` calls, no
+    tensor bytes copied).
+    """
+    flat = flatten(state)
+    plan = plan_files(flat.entries)
+    # The header of a file depends on its layout only, not on where the save goes.
+    job = SaveJob(None, "", flat, plan, {}, False, 0.0)  # type: ignore[arg-type]
+    return [len(file_header(job, fp)) + fp.nbytes for fp in plan.files]
+
+
 _live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
 
 
@@ -279,6 +294,10 @@ class AsyncCheckpointer:
     saves so later saves copy into memory that is already faulted in); under a cap, the
     writers drain staged slabs while the copy goes on, and ``save`` returns once the last
     byte is staged.
+
+    The first save of a checkpointer faults its staging memory in (slow on VMs that hand
+    freed memory back to the host); ``reserve(state)`` does that in the background ahead of
+    time, so the first save blocks no longer than later ones.
     """
 
     def __init__(self, *, max_staging_bytes: int | None = None, if_busy: str = "wait") -> None:
@@ -291,6 +310,41 @@ class AsyncCheckpointer:
         self._lock = threading.Lock()
         self._closed = False
         _live.add(self)
+
+    def reserve(self, state_or_nbytes: Any) -> int:
+        """Fault in, on a background thread, the staging memory a save of the state needs.
+
+        >>> ckpt = tg.AsyncCheckpointer()                          # doctest: +SKIP
+        >>> ckpt.reserve({"model": model, "optim": opt})            # returns at once
+        >>> train_a_few_steps()                                     # faulting in meanwhile
+        >>> ckpt.save("ckpt/step-100", {"model": model, "optim": opt})  # copies at memcpy speed
+
+        ``state_or_nbytes``: the state that will be saved (its file layout is computed as a
+        save would: ``state_dict()`` calls, no tensor copied; the reservation then fits the
+        save exactly), or a byte count (reserved in whole slabs; a save may still allocate
+        its files' tails itself). Returns the bytes newly being reserved (0 when the pool
+        already holds them). Memory stays within ``max_staging_bytes``: under a budget only
+        that much is reserved. A save started before the reservation is done uses the slabs
+        that are ready and faults in the rest beside the reservation thread.
+        ``wait_reserved()`` blocks until it is done. Raises UnsupportedTypeError for a state
+        that ``save`` would refuse.
+        """
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError("this AsyncCheckpointer is closed; create a new one")
+        if isinstance(state_or_nbytes, int) and not isinstance(state_or_nbytes, bool):
+            if state_or_nbytes < 0:
+                raise InvalidArgumentError(
+                    f"reserve() takes a state or a byte count >= 0, got {state_or_nbytes}"
+                )
+            images = [state_or_nbytes]
+        else:
+            images = image_sizes(state_or_nbytes)
+        return self.pool.reserve(self.pool.plan(images))
+
+    def wait_reserved(self, timeout: float | None = None) -> bool:
+        """Block until ``reserve``'s background faulting is done; False if ``timeout`` passed."""
+        return self.pool.wait_reserved(timeout)
 
     @property
     def staging(self) -> StagingStats:
@@ -392,6 +446,7 @@ class AsyncCheckpointer:
             if self._closed:
                 return
             self._closed = True
+        self.pool.close()  # stop reserving: nothing will be staged any more
         try:
             self.wait()
         finally:

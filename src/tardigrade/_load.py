@@ -680,10 +680,16 @@ def _read_file(
     dest: dict[int, torch.Tensor],
     m: Manifest,
     verify: bool,
+    unread: list[tuple[int, Chunk]] | None = None,
 ) -> int:
+    """Read ``tasks`` into ``dest``; with ``unread`` (verify="all"), also check what a full
+    ``verify`` checks in this file: its header lists exactly the manifest's chunks, and the
+    chunks not read here (``unread``) match their checksums. Each byte is read once."""
     with storage.open_reader(f"{ckpt}/{file}") as src:
         _check_size(src, size)
         header = st.read_header(src, m.header_checksums.get(file) if verify else None)
+        if unread is not None:
+            _check_listed(src, header, [c for _, c in unread] + [t.chunk for t in tasks])
         nbytes = 0
         for task in tasks:
             c, info = task.chunk, m.tensors[task.entry]
@@ -705,7 +711,50 @@ def _read_file(
             if not direct:
                 region.copy_(target)
             nbytes += h.end - h.begin
+        if unread:
+            _check_chunks(src, header, m, unread)
         return nbytes
+
+
+def _check_listed(src: Any, header: dict[str, Any], chunks: list[Chunk]) -> None:
+    listed = {c.key for c in chunks}
+    if set(header) != listed:
+        raise CorruptCheckpointError(
+            f"{src.name}: holds tensors {sorted(set(header) - listed)[:5]} the manifest "
+            f"does not list, or lacks {sorted(listed - set(header))[:5]}."
+        )
+
+
+def _check_chunks(src: Any, header: dict[str, Any], m: Manifest, chunks: Any) -> None:
+    """Hash each chunk's bytes (read once, through a small buffer) against the manifest."""
+    buf = memoryview(bytearray(min(st.SLICE_BYTES, max(1, src.size))))
+    for i, c in chunks:
+        h = header[c.key]
+        if h.dtype != m.tensors[i].dtype or h.shape != c.shape:
+            raise CorruptCheckpointError(
+                f"{src.name}: tensor {c.key!r} has dtype/shape {h.dtype}{list(h.shape)} "
+                f"but the manifest records {m.tensors[i].dtype}{list(c.shape)}."
+            )
+        hasher = Hasher()
+        pos = h.begin
+        while pos < h.end:
+            n = min(buf.nbytes, h.end - pos)
+            src.readinto(pos, buf[:n])
+            hasher.update(buf[:n])
+            pos += n
+        _check_sum(src, c.key, "", c.checksum, hasher)
+
+
+def _verify_file(
+    storage: Storage, ckpt: str, file: str, m: Manifest, chunks: list[tuple[int, Chunk]]
+) -> int:
+    """Check one data file entirely: size, header checksum and keys, every chunk's checksum."""
+    with storage.open_reader(f"{ckpt}/{file}") as src:
+        _check_size(src, m.files[file])
+        header = st.read_header(src, m.header_checksums.get(file))
+        _check_listed(src, header, [c for _, c in chunks])
+        _check_chunks(src, header, m, chunks)
+        return int(src.size)
 
 
 def _entry_paths(tree: dict[str, Any]) -> dict[int, str]:
@@ -797,7 +846,7 @@ def load(
     into: Any = None,
     keys: Sequence[Key] | None = None,
     strict: bool = True,
-    verify: bool = True,
+    verify: bool | str = True,
     workers: int = DEFAULT_READ_THREADS,
 ) -> Any:
     """Load a checkpoint as a plain tree, or restore it in place into live state with ``into=``.
@@ -837,6 +886,8 @@ def load(
     >>> tg.load("ckpt/step-100", into=state)          # doctest: +SKIP
     >>> weights = tg.load("ckpt/step-100", keys=["model"])["model"]  # doctest: +SKIP
     """
+    if verify not in (True, False, "all"):
+        raise InvalidArgumentError(f"verify must be True, False or 'all', got {verify!r}")
     storage, name, m = open_manifest(path)
     where = storage.url(name)
     _check_refs(m.tree, m, where)
@@ -859,14 +910,25 @@ def load(
         _refuse(where, matcher.diffs if strict else [], rejected)
         for message in matcher.other_class.values():
             log.warning("tardigrade: %s: not loaded (strict=False skips it)", message)
-    _check_sizes(storage, name, m, {c.file for e in needed for c in m.tensors[e].chunks})
+    checked = set(m.files) if verify == "all" else set()
+    _check_sizes(storage, name, m, checked | {c.file for e in needed for c in m.tensors[e].chunks})
     dest = matcher.dest
     for e in needed:
         if e not in dest:
             info = m.tensors[e]
             dest[e] = _empty(info.shape, TORCH_DTYPES[info.dtype], f"{where}: tensor #{e}")
     try:
-        _read_entries(storage, name, m, needed, dest, verify, workers, _entry_paths(tree))
+        _read_entries(
+            storage,
+            name,
+            m,
+            needed,
+            dest,
+            bool(verify),
+            workers,
+            _entry_paths(tree),
+            verify == "all",
+        )
     except TardigradeError as e:
         if into is None or not matcher.dest:
             raise
@@ -876,11 +938,13 @@ def load(
             f"{path_str(p)} ({len(ts)} tensor(s))" if p is not None else ", ".join(ts[:10])
             for p, ts in matcher.in_place.items()
         )
-        raise type(e)(
+        err = type(e)(
             f"{e}\nThe live tensors read in place may be partly overwritten: {owners}. No "
             "load_state_dict() was called and no plain value replaced. Restore them from "
-            "another checkpoint (CheckpointManager.restore() verifies before it loads)."
-        ) from e
+            "another checkpoint (CheckpointManager.restore() falls back to the next older one)."
+        )
+        err.live_overwritten = True  # type: ignore[attr-defined]  # restore() reads this
+        raise err from e
 
     def leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
         t = dest[node["e"]]
@@ -935,6 +999,7 @@ def _read_entries(
     verify: bool,
     workers: int,
     paths: dict[int, str],
+    full: bool = False,
 ) -> int:
     by_file: dict[str, list[_ReadTask]] = {}
     for e in sorted(needed):
@@ -942,11 +1007,24 @@ def _read_entries(
             by_file.setdefault(c.file, []).append(_ReadTask(e, c, paths.get(e, f"tensor #{e}")))
     for tasks in by_file.values():
         tasks.sort(key=lambda t: t.chunk.key)
+    # With ``full``, every file is checked as ``verify`` would, each byte read once: the
+    # chunks not needed here are hashed by the same pass, and files holding none are verified.
+    unread: dict[str, list[tuple[int, Chunk]]] = {}
+    if full:
+        unread = {f: [] for f in m.files}
+        for i, info in enumerate(m.tensors):
+            if i not in needed:
+                for c in info.chunks:
+                    unread[c.file].append((i, c))
 
     def one(file: str) -> int:
-        return _read_file(storage, name, file, m.files[file], by_file[file], dest, m, verify)
+        if file not in by_file:
+            return _verify_file(storage, name, file, m, unread[file])
+        return _read_file(
+            storage, name, file, m.files[file], by_file[file], dest, m, verify, unread.get(file)
+        )
 
-    files = sorted(by_file)
+    files = sorted(set(by_file) | set(unread))
     if len(files) <= 1 or workers <= 1:
         return sum(one(f) for f in files)
     with ThreadPoolExecutor(min(workers, len(files)), thread_name_prefix="tardigrade-read") as pool:
@@ -994,32 +1072,7 @@ def verify(path: Any, *, workers: int = DEFAULT_READ_THREADS) -> VerifyReport:
             by_file[c.file].append((i, c))
 
     def one(file: str) -> int:
-        with storage.open_reader(f"{name}/{file}") as src:
-            _check_size(src, m.files[file])
-            header = st.read_header(src, m.header_checksums.get(file))
-            listed = {c.key for _, c in by_file[file]}
-            if set(header) != listed:
-                raise CorruptCheckpointError(
-                    f"{src.name}: holds tensors {sorted(set(header) - listed)[:5]} the manifest "
-                    f"does not list, or lacks {sorted(listed - set(header))[:5]}."
-                )
-            buf = memoryview(bytearray(min(st.SLICE_BYTES, max(1, src.size))))
-            for i, c in by_file[file]:
-                h = header[c.key]
-                if h.dtype != m.tensors[i].dtype or h.shape != c.shape:
-                    raise CorruptCheckpointError(
-                        f"{src.name}: tensor {c.key!r} has dtype/shape {h.dtype}{list(h.shape)} "
-                        f"but the manifest records {m.tensors[i].dtype}{list(c.shape)}."
-                    )
-                hasher = Hasher()
-                pos = h.begin
-                while pos < h.end:
-                    n = min(buf.nbytes, h.end - pos)
-                    src.readinto(pos, buf[:n])
-                    hasher.update(buf[:n])
-                    pos += n
-                _check_sum(src, c.key, "", c.checksum, hasher)
-            return src.size
+        return _verify_file(storage, name, file, m, by_file[file])
 
     files = sorted(m.files)
     errors: list[CorruptCheckpointError] = []

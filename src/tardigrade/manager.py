@@ -26,7 +26,7 @@ from typing import Any
 from ._async import AsyncCheckpointer, SaveFuture
 from ._job import SaveResult
 from ._layout import STEP_NAME, deleting_name, is_committed, step_name, tidy
-from ._load import Key, load, open_manifest, verify
+from ._load import Key, load, open_manifest
 from ._lock import DirectoryLock
 from ._save import save
 from ._units import gbps
@@ -383,6 +383,22 @@ class CheckpointManager:
             self._remove_signals()
             self._lock.release()
             raise
+        self._reserve_staging()
+
+    def _reserve_staging(self) -> None:
+        """Start faulting in the async staging memory for ``state``, in the background.
+
+        So the first async save copies into touched memory instead of faulting it in while
+        training waits. Only sizes are computed here (no tensor is copied). Called again after
+        ``restore``: state created lazily (optimizer moments) exists only from then on.
+        """
+        if self._async is None:
+            return
+        try:
+            self._async.reserve(self.state)
+        except TardigradeError as e:
+            # The first save reports it (a leaf the format cannot store, ...).
+            log.debug("tardigrade: not reserving staging memory: %s", e)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -525,12 +541,19 @@ class CheckpointManager:
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest committed checkpoint that verifies into ``state``; return its step.
 
-        A corrupt, incomplete or unreadable newer checkpoint is skipped with a warning (and
-        kept on disk as evidence). Saves of this manager still in flight are waited for first
-        (a failure among them is reported as ``step`` would). With ``step`` given, restore
-        exactly that one; later checkpoints then belong to an abandoned timeline and are
-        replaced as this run saves those steps again. Returns None when the directory holds
-        no checkpoint.
+        Each candidate is read once: its bytes go into the live state and every byte of it is
+        checked against its checksums in the same pass. A corrupt, incomplete or unreadable
+        newer checkpoint is skipped with a warning (and kept on disk as evidence). Damage
+        found before any byte lands (manifest, structure, file sizes) leaves the live state
+        untouched; damaged tensor bytes are found as they are read, after which the next
+        older checkpoint is restored over everything (it rewrites every live tensor and calls
+        each ``load_state_dict()``: exact when it covers the same tensors, as checkpoints of
+        one run of this state do). If none is left to restore over damaged bytes, this raises
+        CorruptCheckpointError instead of returning None. Saves of this manager still in
+        flight are waited for first (a failure among them is reported as ``step`` would).
+        With ``step`` given, restore exactly that one; later checkpoints then belong to an
+        abandoned timeline and are replaced as this run saves those steps again. Returns None
+        when the directory holds no checkpoint.
         """
         self._check_open("restore")
         # Our own async save still in flight has a .tmp-* staging directory that the cleanup
@@ -555,12 +578,14 @@ class CheckpointManager:
                         "inspection, and moved aside if this run saves that step again",
                         os.path.join(self.directory, n),
                     )
+        damaged: str | None = None  # a candidate that failed after bytes reached the live state
         for s in candidates:
             self._loading.add(s)
             try:
-                verify(self.path(s))
                 m = open_manifest(self.path(s))[2]
-                load(self.path(s), into=self.state, verify=False)
+                # One pass: each byte is read once, into the live state, and every byte of the
+                # checkpoint (unread tensors and headers included) is checked on the way.
+                load(self.path(s), into=self.state, verify="all")
             except StateMismatchError:
                 raise  # the live state does not fit: an older checkpoint would not fit either
             except (
@@ -572,6 +597,13 @@ class CheckpointManager:
             ) as e:
                 # Damaged, or unreadable here (permissions, a socket or device in place of a
                 # file, an I/O error): either way this one cannot be restored; an older may.
+                # Damage found before a byte lands (manifest, structure, sizes) leaves the
+                # live state untouched; damage in tensor bytes is found as they are read, so
+                # some live tensors may hold them: the next older checkpoint rewrites every
+                # live tensor (a full checkpoint of this state covers them all) and calls each
+                # load_state_dict(), or restore raises rather than train from a mix.
+                if getattr(e, "live_overwritten", False):
+                    damaged = self.path(s)
                 if step is not None:
                     raise
                 log.warning(
@@ -589,7 +621,16 @@ class CheckpointManager:
             self._last_epoch = m.epoch
             self._last_save_time = time.monotonic()
             log.info("tardigrade: restored %s", self.path(s))
+            self._reserve_staging()
             return s
+        if damaged is not None:
+            raise CorruptCheckpointError(
+                f"{damaged}: damaged tensor bytes were found while restoring it, after some had "
+                "been read into the live state, and no older checkpoint could be restored over "
+                "them: the live state is no longer as it was built. Rebuild it (restart the "
+                "process) and restore again, or delete the damaged checkpoints "
+                "(`tardigrade verify` names them) to start from scratch."
+            )
         return None
 
     # -- saving ----------------------------------------------------------------------------

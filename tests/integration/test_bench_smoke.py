@@ -75,6 +75,20 @@ def test_quick_run_measures_every_tool(tmp_path: Path) -> None:
     assert len(names) == len(set(names))
     for needle in ("raw fsync'd write", "DCP save", "hot read", "DCP load", "verify", "async"):
         assert any(needle in n for n in names), (needle, names)
+    # The async targets: steady blocking and the first save of a process, both against a
+    # memcpy of the same bytes (the first one measured in the same fresh process).
+    for needle in (
+        "tg async blocking / memcpy of the same bytes (steady)",
+        "tg async first save blocking / memcpy (fresh process, 1 sample)",
+    ):
+        assert needle in names, (needle, names)
+    first_async = results["first_save"]["tardigrade_async"]
+    assert first_async["memcpy"]["seconds"] > 0 and first_async["reserve_s"] >= 0
+    assert first_async["sample"]["extra"]["blocking_s"] > 0
+    assert set(summary["first_save_memcpy"]) == {"tardigrade_async"}
+    # The steady ratio pairs each round's async save with the memcpy taken right before it.
+    ratios = summary["async_blocking_over_memcpy"]["per_round"]
+    assert len(ratios) == len(measured) and all(x > 0 for x in ratios)
     assert all(t["pass"] is not None for t in results["targets"])
     # The checkpoints are deleted at the end of the run.
     assert not [p for p in files.rglob("*") if p.is_file()]

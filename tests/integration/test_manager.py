@@ -6,6 +6,7 @@ Faults (failing storage, full disks, corrupt checkpoints, preemption of real pro
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -527,6 +528,130 @@ def test_restore_restores_optimizer_state(tmp_path: Path):
         assert torch.equal(v, expected[k])
     fresh_model = fresh["model"]
     assert torch.equal(fresh["optim"].state[fresh_model.weight]["momentum_buffer"], buf)
+
+
+def big_state(seed: int) -> dict[str, Any]:
+    """A model + optimizer state spread over several data files, with a step's values."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step()
+    # 80 MiB: two data files (64 MiB each at least).
+    return {"model": model, "optim": opt, "buf": torch.randn(80, 256 * 1024), "step": seed}
+
+
+def state_bytes_of(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of the state (model, optimizer moments, buffers), flattened, as bytes."""
+    out = {f"model.{k}": v for k, v in state["model"].state_dict().items()}
+    for i, (k, v) in enumerate(state["optim"].state_dict()["state"].items()):
+        for name, t in v.items():
+            out[f"optim.{k}.{name}.{i}"] = t
+    out["buf"] = state["buf"]
+    return {k: v.detach().clone().reshape(-1).view(torch.uint8) for k, v in out.items()}
+
+
+def data_files(ckpt: str) -> list[Path]:
+    return sorted(Path(ckpt).glob("data-*.safetensors"))
+
+
+def test_restore_reads_each_byte_of_the_checkpoint_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """restore() verifies while it loads: one pass over the bytes, every byte checked."""
+    with tg.CheckpointManager(tmp_path, big_state(1), async_save=False) as mgr:
+        mgr.save(1)
+        files = data_files(mgr.path(1))
+    assert len(files) >= 2
+    reads: dict[str, list[tuple[int, int]]] = {}
+    original = local.LocalReader.readinto
+
+    def counted(self: Any, offset: int, buf: memoryview) -> None:
+        reads.setdefault(os.path.basename(self.name), []).append((offset, buf.nbytes))
+        original(self, offset, buf)
+
+    monkeypatch.setattr(local.LocalReader, "readinto", counted)
+    state = big_state(2)
+    with tg.CheckpointManager(tmp_path, state, async_save=False) as mgr:
+        assert mgr.restore() == 1
+    for f in files:
+        spans = sorted(reads.get(f.name, []))
+        covered = 0
+        for offset, n in spans:
+            assert offset == covered, f"{f.name}: byte {min(offset, covered)} read twice or skipped"
+            covered += n
+        assert covered == f.stat().st_size, f"{f.name}: {covered} of {f.stat().st_size} bytes read"
+    assert state["step"] == 1
+
+
+def test_restore_after_damage_found_mid_read_restores_the_next_checkpoint_exactly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """Damaged tensor bytes are found as they are read, after other tensors of the same
+    checkpoint have landed in the live state; the older checkpoint then rewrites all of it."""
+    with tg.CheckpointManager(tmp_path, big_state(1), async_save=False) as mgr:
+        mgr.save(1)
+    newer = big_state(2)
+    with tg.CheckpointManager(tmp_path, newer, async_save=False) as mgr:
+        mgr.save(2)
+        damaged = data_files(mgr.path(2))
+    expected = state_bytes_of(big_state(1))
+    # The last byte of every data file of step 2 is damaged: each file's other tensors are read
+    # into the live state before its last one fails its checksum.
+    for f in damaged:
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    state = big_state(3)
+    with tg.CheckpointManager(tmp_path, state, async_save=False) as mgr:
+        assert mgr.restore() == 1
+    (msg,) = [r.getMessage() for r in caplog.records if "step-000000002" in r.getMessage()]
+    assert "skipping" in msg and "checksum" in msg and "partly overwritten" in msg
+    got = state_bytes_of(state)
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), f"{k} differs from step 1's checkpoint after the fallback"
+    assert state["step"] == 1
+
+
+def test_restore_raises_when_damaged_bytes_landed_and_no_older_checkpoint_restores(
+    tmp_path: Path,
+):
+    with tg.CheckpointManager(tmp_path, big_state(1), async_save=False) as mgr:
+        mgr.save(1)
+        (f, *_) = data_files(mgr.path(1))
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with (
+        tg.CheckpointManager(tmp_path, big_state(3), async_save=False) as mgr,
+        pytest.raises(tg.CorruptCheckpointError, match=r"step-000000001.*no older checkpoint"),
+    ):
+        mgr.restore()
+
+
+def test_load_verify_all_checks_what_it_does_not_read(tmp_path: Path):
+    """verify="all" (restore's one pass) checks every byte a full verify() would, also the
+    tensors this load does not read; verify=True checks only what it reads."""
+    tg.save(tmp_path / "c", big_state(1))
+    m = tg.read_manifest(tmp_path / "c")
+    bias = next(t for t in m["tensors"] if t["shape"] == [8])  # a bias or its Adam moment
+    chunk = bias["chunks"][0]
+    f = tmp_path / "c" / chunk["file"]
+    raw = bytearray(f.read_bytes())
+    head = 8 + int.from_bytes(raw[:8], "little")
+    begin = json.loads(raw[8:head])[chunk["key"]]["data_offsets"][0]
+    raw[head + begin] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+    assert tg.load(tmp_path / "c", keys=["buf"])["buf"].shape == (80, 256 * 1024)
+    with pytest.raises(tg.ChecksumMismatchError, match=chunk["key"]):
+        tg.load(tmp_path / "c", keys=["buf"], verify="all")
+    with pytest.raises(InvalidArgumentError, match="verify"):
+        tg.load(tmp_path / "c", verify="full")
 
 
 # -- 7. stats -----------------------------------------------------------------------------------

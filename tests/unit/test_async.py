@@ -466,6 +466,175 @@ def test_invalid_if_busy_is_rejected() -> None:
         tg.AsyncCheckpointer(if_busy="drop")
 
 
+# ----------------------------------------------------------------------------------------------
+# 3b. reserve(): the first save's staging memory is faulted in ahead, in the background
+
+
+def _slab_buffers(ckpt: tg.AsyncCheckpointer) -> list[torch.Tensor]:
+    with ckpt.pool._cond:
+        return [s.buf for s in ckpt.pool._free]
+
+
+def _pages_not_resident(buf: torch.Tensor) -> int:
+    """How many of the buffer's pages are not in RAM, from /proc/self/pagemap (bit 63)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = buf.data_ptr() // page
+    last = (buf.data_ptr() + buf.numel() - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        raw = f.read((last - first + 1) * 8)
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    return int(np.count_nonzero((entries >> np.uint64(63)) == 0))
+
+
+def _three_file_state() -> dict[str, Any]:
+    torch.manual_seed(3)
+    return {
+        "w": [torch.randn(3 * MiB) for _ in range(3)],  # 3 x 12 MiB, over several files
+        "small": torch.arange(1000, dtype=torch.int16),
+        "step": 7,
+    }
+
+
+def test_reserve_faults_in_exactly_what_the_first_save_stages(
+    tmp_path: Path, checkpointers: Callable[..., tg.AsyncCheckpointer]
+) -> None:
+    state = _three_file_state()
+    ckpt = checkpointers()
+    reserved = ckpt.reserve(state)
+    assert reserved >= state_nbytes(state)
+    assert ckpt.wait_reserved(timeout=60)
+    before = ckpt.staging
+    assert before.allocated_bytes == reserved
+    # Every page of every slab is in RAM already: the save copies into touched memory.
+    for buf in _slab_buffers(ckpt):
+        assert _pages_not_resident(buf) == 0
+    assert ckpt.reserve(state) == 0, "a second reserve of the same state reserves nothing"
+
+    fut = ckpt.save(tmp_path / "a", state)
+    assert fut is not None
+    fut.result(timeout=60)
+    after = ckpt.staging
+    assert (after.allocations, after.allocated_bytes) == (
+        before.allocations,
+        before.allocated_bytes,
+    ), f"the first save allocated staging memory after reserve(): {before} -> {after}"
+    assert_same(tg.load(tmp_path / "a"), state)
+
+
+def test_reserve_by_byte_count_and_budget(
+    tmp_path: Path, checkpointers: Callable[..., tg.AsyncCheckpointer]
+) -> None:
+    state = _three_file_state()
+    ckpt = checkpointers()
+    assert ckpt.reserve(5 * MiB + 1) == 5 * MiB + 64 * 1024  # one slab, in 64 KiB rounds
+    assert ckpt.wait_reserved(timeout=60)
+
+    budget = 8 * MiB
+    bounded = checkpointers(max_staging_bytes=budget)
+    assert 0 < bounded.reserve(state) <= budget
+    assert bounded.wait_reserved(timeout=60)
+    assert bounded.staging.allocated_bytes <= budget
+    fut = bounded.save(tmp_path / "b", state)
+    assert fut is not None
+    fut.result(timeout=60)
+    assert bounded.staging.allocated_bytes <= budget
+    assert_same(tg.load(tmp_path / "b"), state)
+
+    with pytest.raises(InvalidArgumentError, match="byte count"):
+        ckpt.reserve(-1)
+    with pytest.raises(tg.UnsupportedTypeError):
+        ckpt.reserve({"bad": object()})
+    ckpt.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        ckpt.reserve(state)
+
+
+def test_save_racing_the_reservation_allocates_each_slab_once(
+    tmp_path: Path,
+    checkpointers: Callable[..., tg.AsyncCheckpointer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A save that starts while the reservation thread is still faulting slabs in waits for
+    the slab being made, makes reserved ones not started yet itself, and allocates nothing
+    twice: the pool ends as big as one reservation, and later saves allocate nothing."""
+    from tardigrade import _staging
+
+    state = _three_file_state()
+    ckpt = checkpointers()
+    pool = ckpt.pool
+    pool.slab_bytes = 8 * MiB  # several slabs for a small state
+    expected = pool.plan(_async.image_sizes(state))
+    assert len(expected) >= 3
+
+    gate, reserving = threading.Event(), threading.Event()
+    original = _staging._allocate
+
+    makers: list[str] = []
+
+    def held(nbytes: int, touch: str = "all") -> torch.Tensor:
+        makers.append(threading.current_thread().name)
+        if makers[-1] == "tardigrade-reserve":
+            reserving.set()
+            assert gate.wait(60)
+        return original(nbytes, touch)
+
+    monkeypatch.setattr(_staging, "_allocate", held)
+
+    class Watched(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            gate.set()  # the save waits for the slab being made: let the reservation go on
+            return super().wait(timeout)
+
+    pool._cond = Watched()
+    ckpt.reserve(state)
+    assert reserving.wait(60)  # the reservation thread is faulting in its first slab
+    fut = ckpt.save(tmp_path / "a", state)
+    assert fut is not None
+    fut.result(timeout=60)
+    assert gate.is_set(), "the save did not wait for the slab being faulted in"
+    # Reserved slabs not started yet were faulted in by the saving thread itself.
+    assert "MainThread" in makers and "tardigrade-reserve" in makers, makers
+    assert ckpt.wait_reserved(timeout=60)
+    stats = ckpt.staging
+    assert stats.allocations == len(expected) and stats.allocated_bytes == sum(expected), stats
+    fut = ckpt.save(tmp_path / "b", state)
+    assert fut is not None
+    fut.result(timeout=60)
+    assert ckpt.staging.allocations == len(expected)
+    assert_same(tg.load(tmp_path / "a"), state)
+    assert_same(tg.load(tmp_path / "b"), state)
+
+
+@pytest.mark.slow
+def test_reserved_staging_stays_resident_while_idle(
+    checkpointers: Callable[..., tg.AsyncCheckpointer],
+) -> None:
+    """This VM hands memory the guest frees back to the host after ~2 s idle (and faults it
+    back in at ~0.5 GB/s). The pool keeps its slabs allocated, so they stay in RAM."""
+    ckpt = checkpointers()
+    ckpt.reserve(64 * MiB)
+    assert ckpt.wait_reserved(timeout=60)
+    bufs = _slab_buffers(ckpt)
+    assert sum(b.numel() for b in bufs) >= 64 * MiB
+    time.sleep(3.0)  # the idle time itself is what is tested, not a synchronisation
+    assert [_pages_not_resident(b) for b in bufs] == [0] * len(bufs)
+
+
+def test_manager_reserves_staging_for_its_state_at_construction(tmp_path: Path) -> None:
+    state = _three_file_state()
+    with tg.CheckpointManager(tmp_path / "ckpt", state, save_on_signals=()) as mgr:
+        ckpt = mgr._async
+        assert ckpt is not None
+        assert ckpt.wait_reserved(timeout=60)
+        before = ckpt.staging
+        assert before.allocated_bytes >= state_nbytes(state)
+        mgr.save(1)
+        mgr.wait()
+        assert ckpt.staging.allocations == before.allocations
+    assert_same(tg.load(mgr.path(1)), state)
+
+
 def _file_sizes_match_headers(path: Path) -> None:
     """Every data file is exactly its header plus the tensors its header lists."""
     for f in tg.read_manifest(path)["files"]:

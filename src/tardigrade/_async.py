@@ -99,6 +99,7 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
     buf: Any = None
     fill = 0
     ranges: list[tuple[int, int, int]] = []
+    entries = job.entries
     try:
         for fp, stream in zip(job.plan.files, streams, strict=True):
             device = False  # whether a device-to-host copy targets a pending block
@@ -120,7 +121,7 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
                     pending = []
                     held.append((stream, blocks))
 
-            head = file_header(job, fp)
+            head = file_header(fp)
             remaining = len(head) + fp.nbytes
 
             def close_slab(final: bool, filled: int) -> None:
@@ -144,7 +145,7 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
 
             sources = [(None, torch.frombuffer(bytearray(head), dtype=torch.uint8))]
             for i, item in enumerate(fp.items):
-                src = item_source(job, item)
+                src = item_source(entries, item)
                 if not src.is_contiguous() or src.is_conj() or src.is_neg():
                     src = src.resolve_conj().resolve_neg().contiguous()
                 sources.append((i, as_bytes(src)))
@@ -269,11 +270,7 @@ def image_sizes(state: Any) -> list[int]:
     Flattens the state and lays out its files as a save does (``state_dict()`` calls, no
     tensor bytes copied).
     """
-    flat = flatten(state)
-    plan = plan_files(flat.entries)
-    # The header of a file depends on its layout only, not on where the save goes.
-    job = SaveJob(None, "", flat, plan, {}, False, 0.0)  # type: ignore[arg-type]
-    return [len(file_header(job, fp)) + fp.nbytes for fp in plan.files]
+    return [len(file_header(fp)) + fp.nbytes for fp in plan_files(flatten(state)).files]
 
 
 _live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()

@@ -19,8 +19,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._plan import DEFAULT_MAX_FILES, FilePlan, SavePlan, WriteItem, plan_files
-from ._tree import Flat, flatten
+from ._plan import (
+    DEFAULT_MAX_FILES,
+    FilePlan,
+    GlobalPlan,
+    SavePlan,
+    WriteItem,
+    global_plan,
+    local_plan,
+)
+from ._tree import Entry, Flat, flatten
 from ._units import gbps
 from ._version import __version__
 from .errors import CheckpointExistsError, InvalidArgumentError
@@ -54,11 +62,18 @@ class SaveJob:
     storage: Storage
     name: str
     flat: Flat
-    plan: SavePlan
+    plan: SavePlan  # the files this process writes
     header: dict[str, Any]
     overwrite: bool
     started: float
+    # The whole checkpoint's plan, where this process builds the manifest (the coordinator).
+    gplan: GlobalPlan | None = None
     blocking_seconds: float | None = None  # set by an async save once staging is done
+
+    @property
+    def entries(self) -> list[Entry]:
+        """This process's tensors, numbered as the plan's items refer to them."""
+        return [*self.flat.entries, *self.flat.own_entries()]
 
 
 def _check_metadata(metadata: Any) -> dict[str, Any]:
@@ -131,13 +146,28 @@ def make_job(
     if not isinstance(overwrite, bool):
         raise InvalidArgumentError(f"overwrite must be a bool, got {overwrite!r}")
     check_target(storage, name, overwrite)
-    header = {
+    header = make_header(step=step, epoch=epoch, metrics=metrics, metadata=metadata)
+    flat = flatten(state)
+    gplan = global_plan([local_plan(flat)], max_files=max_files)
+    return SaveJob(storage, name, flat, gplan.ranks[0], header, overwrite, started, gplan)
+
+
+def make_header(
+    *,
+    step: int | None,
+    epoch: int | None,
+    metrics: Mapping[str, float] | None,
+    metadata: Mapping[str, Any] | None,
+    world_size: int = 1,
+) -> dict[str, Any]:
+    """The manifest's fields that describe the save rather than the state; checks them."""
+    return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "save_id": uuid.uuid4().hex,
         "step": _check_counter("step", step),
         "epoch": _check_counter("epoch", epoch),
-        "world_size": 1,
+        "world_size": world_size,
         "created_unix": time.time(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": {
@@ -149,16 +179,6 @@ def make_job(
         "metrics": _check_metrics(metrics),
         "metadata": _check_metadata(metadata),
     }
-    flat = flatten(state)
-    return SaveJob(
-        storage,
-        name,
-        flat,
-        plan_files(flat.entries, max_files=max_files),
-        header,
-        overwrite,
-        started,
-    )
 
 
 def check_target(storage: Storage, name: str, overwrite: bool, *, racing: bool = False) -> None:
@@ -208,21 +228,13 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def item_source(job: SaveJob, item: WriteItem) -> torch.Tensor:
+def item_source(entries: list[Entry], item: WriteItem) -> torch.Tensor:
     """The rows an item covers, as a tensor (possibly strided or on an accelerator)."""
-    t = job.flat.entries[item.entry].tensor.detach()
+    t = entries[item.entry].tensor.detach()
     return t[item.start : item.stop] if t.dim() else t
 
 
-def item_shape(job: SaveJob, item: WriteItem) -> tuple[int, ...]:
-    shape = tuple(job.flat.entries[item.entry].tensor.shape)
-    return (item.stop - item.start, *shape[1:]) if shape else ()
-
-
-def file_header(job: SaveJob, fp: FilePlan) -> bytes:
+def file_header(fp: FilePlan) -> bytes:
     """The safetensors header of one data file (its tensors' keys, dtypes, shapes, offsets)."""
-    specs = [
-        st.TensorSpec(it.key, job.flat.entries[it.entry].dtype, item_shape(job, it), it.nbytes)
-        for it in fp.items
-    ]
+    specs = [st.TensorSpec(it.key, it.dtype, it.shape, it.nbytes) for it in fp.items]
     return st.encode_header(specs, {"format": "pt"})

@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from ._sharding import Box, PerRank, Sharded, box_of, is_dtensor
 from .errors import CorruptCheckpointError, UnsupportedTypeError
 from .format import limits
 from .format.dtypes import (
@@ -134,12 +135,21 @@ class Entry:
     dtype: str
     paths: list[tuple[Any, ...]] = field(default_factory=list)
     numpy: bool = False
+    # A sharded leaf's place in its global tensor (``tensor`` is then only this rank's piece).
+    box: Box | None = None
 
 
 @dataclass
 class Flat:
     tree: dict[str, Any]
     entries: list[Entry]
+    # Each ``tg.PerRank`` subtree, flattened on its own (its entries numbered from 0): the
+    # tree holds ``{"t": "per_rank", "i": k}`` in its place, identical on every rank.
+    per_rank: list[Flat] = field(default_factory=list)
+
+    def own_entries(self) -> list[Entry]:
+        """The per-rank subtrees' entries, in order: what only this rank writes."""
+        return [e for sub in self.per_rank for e in sub.entries]
 
 
 # What a dict key or a set element may be: values that are hashable by their contents, so the
@@ -238,8 +248,11 @@ def _sharing(
 
 
 class _Flattener:
-    def __init__(self) -> None:
+    def __init__(self, per_rank: bool = False) -> None:
         self.entries: list[Entry] = []
+        self.in_per_rank = per_rank  # flattening a PerRank subtree: no nested per-rank parts
+        self.per_rank: list[Flat] = []
+        self.sharded: dict[tuple[Any, ...], int] = {}  # (piece's memory, box) -> entry
         # storage key -> [(view signature, node)] for dedup of tensors that share memory
         self.by_storage: dict[tuple[str, int], list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
         self.seen: set[int] = set()
@@ -294,6 +307,13 @@ class _Flattener:
                 f"{path_str(path)}: {key} {_short_repr(obj)} of type {_type_name(t)} cannot be "
                 f"stored; a {key} may be {_KEY_KINDS}."
             )
+        if t is PerRank:
+            if self.in_per_rank:  # already this rank's own value
+                return self.node(obj.value, path, depth + 1)
+            self.per_rank.append(flatten(obj.value, path, per_rank=True))
+            return {"t": "per_rank", "i": len(self.per_rank) - 1}
+        if t is Sharded or is_dtensor(obj):
+            return self.sharded_tensor(obj, path)
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if t is np.ndarray:
@@ -385,6 +405,35 @@ class _Flattener:
                 return node
         node["e"] = self.new_entry(t, name, path)
         group.append((sig, node))
+        return node
+
+    def sharded_tensor(self, obj: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+        """A piece of a global tensor: its entry holds the local piece and where it sits."""
+        if self.in_per_rank:
+            raise UnsupportedTypeError(
+                f"{path_str(path)}: a sharded tensor inside tg.PerRank; a per-rank value is "
+                "stored whole, so pass its local tensor (or move the sharded tensor out of "
+                "the PerRank)."
+            )
+        found = box_of(obj, path_str(path))
+        assert found is not None
+        local, box = found
+        local = local.detach()
+        if local.is_complex() or local.layout != torch.strided:
+            raise UnsupportedTypeError(
+                f"{path_str(path)}: a sharded tensor must be dense and real (got "
+                f"{local.dtype}, {local.layout}); save its real view or the full tensor."
+            )
+        name = tensor_dtype_name(local, path)
+        node: dict[str, Any] = {"t": "tensor"}
+        self.refs.append(node)
+        key = (local.data_ptr(), local.dtype, tuple(local.shape), local.stride(), box)
+        if key in self.sharded:  # the same piece twice (tied weights): stored once
+            node["e"] = self.sharded[key]
+            self.entries[node["e"]].paths.append(path)
+            return node
+        self.entries.append(Entry(local, name, [path], box=box))
+        node["e"] = self.sharded[key] = len(self.entries) - 1
         return node
 
     def sparse(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
@@ -484,12 +533,12 @@ def _short_repr(obj: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def flatten(state: Any, root: tuple[Any, ...] = ()) -> Flat:
+def flatten(state: Any, root: tuple[Any, ...] = (), *, per_rank: bool = False) -> Flat:
     """Encode ``state`` into a skeleton and the tensors to write. Raises UnsupportedTypeError."""
-    f = _Flattener()
+    f = _Flattener(per_rank)
     tree = f.node(state, root)
     f.merge_partial_aliases()
-    return Flat(tree, f.entries)
+    return Flat(tree, f.entries, f.per_rank)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,10 +22,9 @@ from ._job import (
     check_target,
     contiguous_cpu,
     file_header,
-    item_shape,
     item_source,
 )
-from ._plan import FilePlan
+from ._plan import PER_RANK, REPLICATED, FilePlan, GlobalPlan
 from .errors import SaveError, StorageError, TardigradeError
 from .format import safetensors as st
 from .format.checksum import Hasher, checksum
@@ -63,10 +62,11 @@ ABORT: Any = object()
 def stream_borrowed(job: SaveJob) -> list[list[Any]]:
     """Synchronous staging: segments that point straight at the live tensors (the caller waits)."""
     streams = []
+    entries = job.entries
     for fp in job.plan.files:
         stream: list[Any] = []
         for i, item in enumerate(fp.items):
-            data = as_bytes(contiguous_cpu(item_source(job, item)))
+            data = as_bytes(contiguous_cpu(item_source(entries, item)))
             stream.append(Segment(i, memoryview(data.numpy())))
         stream.append(END)
         streams.append(stream)
@@ -162,7 +162,7 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
     layout: _Layout | None = None
     image: bool | None = None  # whether the stream is Blocks; known at its first element
     try:
-        head = file_header(job, fp)
+        head = file_header(fp)
         layout = _Layout(job.storage.url(f"{job.name}/{fp.name}"), head, fp)
         writer = job.storage.open_writer(f"{staging}/{fp.name}", size_hint=len(head) + fp.nbytes)
     except BaseException as e:
@@ -265,35 +265,152 @@ def _discard(stream: Iterable[Any]) -> None:
             seg.done()
 
 
-def _manifest(job: SaveJob, written: dict[str, WrittenFile]) -> dict[str, Any]:
-    tensors: list[dict[str, Any]] = [
-        {"dtype": e.dtype, "shape": list(e.tensor.shape), "numpy": e.numpy, "chunks": []}
-        for e in job.flat.entries
-    ]
-    for fp in job.plan.files:
-        for item in fp.items:
-            shape = list(item_shape(job, item))
-            offsets = [0] * len(shape)
-            if shape:
-                offsets[0] = item.start
-            tensors[item.entry]["chunks"].append(
-                {
-                    "file": fp.name,
-                    "key": item.key,
-                    "offsets": offsets,
-                    "shape": shape,
-                    "checksum": written[fp.name].checksums[item.key],
-                }
-            )
-    return {
-        **job.header,
+def shift_refs(node: Any, base: int) -> Any:
+    """A copy of a skeleton with every tensor reference moved by ``base`` (per-rank subtrees
+    are flattened on their own; the manifest numbers all tensors in one table)."""
+    if isinstance(node, list):
+        return [shift_refs(x, base) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: shift_refs(v, base) for k, v in node.items()}
+    if node.get("t") in ("tensor", "ndarray") and type(node.get("e")) is int:
+        out["e"] = node["e"] + base
+    return out
+
+
+def per_rank_trees(trees: list[Any], counts: list[int], base: int) -> list[Any]:
+    """One rank's ``tg.PerRank`` subtrees (each flattened on its own, holding ``counts[k]``
+    tensors), referring to the manifest's tensor table, whose tensors of this rank start at
+    ``base``."""
+    out = []
+    for tree, n in zip(trees, counts, strict=True):
+        out.append(shift_refs(tree, base))
+        base += n
+    return out
+
+
+def manifest_doc(
+    header: dict[str, Any],
+    tree: dict[str, Any],
+    per_rank: list[list[Any]],
+    gplan: GlobalPlan,
+    written: dict[str, WrittenFile],
+) -> dict[str, Any]:
+    """The manifest of a save: its header, the state tree, and every chunk of every rank."""
+    tensors: list[dict[str, Any]] = []
+    for t in gplan.tensors:
+        record: dict[str, Any] = {
+            "dtype": t.dtype, "shape": list(t.shape), "numpy": t.numpy, "chunks": []
+        }  # fmt: skip
+        if t.layout != REPLICATED:
+            record["layout"] = t.layout
+        if t.layout == PER_RANK:
+            record["rank"] = t.rank
+        tensors.append(record)
+    for plan in gplan.ranks:
+        for fp in plan.files:
+            sums = written[fp.name].checksums
+            for item in fp.items:
+                tensors[item.tensor]["chunks"].append(
+                    {
+                        "file": fp.name,
+                        "key": item.key,
+                        "offsets": list(item.offsets),
+                        "shape": list(item.shape),
+                        "checksum": sums[item.key],
+                    }
+                )
+    doc = {
+        **header,
         "files": [
             {"name": n, "size": w.size, "header_checksum": w.header_checksum}
             for n, w in sorted(written.items())
         ],
         "tensors": tensors,
-        "tree": job.flat.tree,
+        "tree": tree,
     }
+    if any(per_rank):
+        doc["per_rank"] = per_rank
+    return doc
+
+
+def seal_checked(doc: dict[str, Any], where: str) -> bytes:
+    """The sealed manifest bytes, refused unless a reader accepts them."""
+    manifest = seal(dumps(doc))
+    # Commit only what a reader accepts: the same validation that guards every load
+    # (unique keys, chunks tiling each tensor, sizes) runs on this save's own manifest.
+    try:
+        parse(manifest, f"{where}/{MANIFEST}")
+    except TardigradeError as e:
+        raise SaveError(
+            f"{where}: refusing to commit a manifest a reader would reject "
+            f"(a bug in Tardigrade; please report it): {e}"
+        ) from e
+    return manifest
+
+
+def begin(job: SaveJob, streams: Sequence[Iterable[Any]] = ()) -> str:
+    """Create the save's staging location; on failure release the streams' buffers."""
+    try:
+        return job.storage.begin(job.name, job.header["save_id"])
+    except BaseException:
+        # No writer will read the streams: release their staging buffers here, or a
+        # caller staging under a byte budget would wait for them forever.
+        for stream in streams:
+            _discard(stream)
+        raise
+
+
+def write_files(
+    job: SaveJob, staging: str, streams: Sequence[Iterable[Any]]
+) -> dict[str, WrittenFile]:
+    """Write this process's data files into ``staging``, each from its stream, in parallel."""
+    files = job.plan.files
+    results = in_threads(
+        [
+            functools.partial(_write_file, job, fp, staging, stream)
+            for fp, stream in zip(files, streams, strict=True)
+        ],
+        "tardigrade-write",
+    )
+    return {fp.name: w for fp, w in zip(files, results, strict=True)}
+
+
+def commit_staging(job: SaveJob, staging: str, manifest: bytes) -> None:
+    """Write the manifest into ``staging`` and make the checkpoint visible atomically."""
+    storage = job.storage
+    w = storage.open_writer(f"{staging}/{MANIFEST}")
+    try:
+        w.write(manifest)
+    except BaseException:
+        w.abort()
+        raise
+    w.close()
+    check_target(storage, job.name, job.overwrite, racing=True)
+    storage.commit(staging, job.name, replace=job.overwrite)
+
+
+def as_save_error(job: SaveJob, e: BaseException) -> BaseException:
+    """What a failed save raises: our own errors as they are, anything else as a SaveError."""
+    if isinstance(e, TardigradeError) and not isinstance(e, StorageError):
+        return e
+    if isinstance(e, Exception):
+        err = SaveError(f"{job.storage.url(job.name)}: save failed and nothing was committed: {e}")
+        err.__cause__ = e
+        return err
+    return e
+
+
+def save_result(job: SaveJob, nbytes: int, files: int) -> SaveResult:
+    total = time.perf_counter() - job.started
+    return SaveResult(
+        job.storage.url(job.name),
+        job.header["step"],
+        nbytes,
+        files,
+        job.blocking_seconds if job.blocking_seconds is not None else total,
+        total,
+    )
 
 
 def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResult:
@@ -301,61 +418,21 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
 
     On any failure the staging directory is removed and nothing becomes visible.
     """
-    storage = job.storage
     staging = None
     try:
-        try:
-            staging = storage.begin(job.name, job.header["save_id"])
-        except BaseException:
-            # No writer will read the streams: release their staging buffers here, or a
-            # caller staging under a byte budget would wait for them forever.
-            for stream in streams:
-                _discard(stream)
-            raise
-        files = job.plan.files
-        results = in_threads(
-            [
-                functools.partial(_write_file, job, fp, staging, stream)
-                for fp, stream in zip(files, streams, strict=True)
-            ],
-            "tardigrade-write",
-        )
-        written = {fp.name: w for fp, w in zip(files, results, strict=True)}
-        manifest = seal(dumps(_manifest(job, written)))
-        # Commit only what a reader accepts: the same validation that guards every load
-        # (unique keys, chunks tiling each tensor, sizes) runs on this save's own manifest.
-        try:
-            parse(manifest, storage.url(f"{job.name}/{MANIFEST}"))
-        except TardigradeError as e:
-            raise SaveError(
-                f"{storage.url(job.name)}: refusing to commit a manifest a reader would reject "
-                f"(a bug in Tardigrade; please report it): {e}"
-            ) from e
-        w = storage.open_writer(f"{staging}/{MANIFEST}")
-        try:
-            w.write(manifest)
-        except BaseException:
-            w.abort()
-            raise
-        w.close()
-        check_target(storage, job.name, job.overwrite, racing=True)
-        storage.commit(staging, job.name, replace=job.overwrite)
+        staging = begin(job, streams)
+        written = write_files(job, staging, streams)
+        assert job.gplan is not None
+        subs = job.flat.per_rank
+        trees = [per_rank_trees([f.tree for f in subs], [len(f.entries) for f in subs], 0)]
+        doc = manifest_doc(job.header, job.flat.tree, trees, job.gplan, written)
+        manifest = seal_checked(doc, job.storage.url(job.name))
+        commit_staging(job, staging, manifest)
     except BaseException as e:
         if staging is not None:
-            storage.delete(staging)
-        if isinstance(e, TardigradeError) and not isinstance(e, StorageError):
+            job.storage.delete(staging)
+        err = as_save_error(job, e)
+        if err is e:
             raise
-        if isinstance(e, Exception):
-            raise SaveError(
-                f"{storage.url(job.name)}: save failed and nothing was committed: {e}"
-            ) from e
-        raise
-    total = time.perf_counter() - job.started
-    return SaveResult(
-        storage.url(job.name),
-        job.header["step"],
-        sum(w.size for w in written.values()) + len(manifest),
-        len(files),
-        job.blocking_seconds if job.blocking_seconds is not None else total,
-        total,
-    )
+        raise err from e
+    return save_result(job, sum(w.size for w in written.values()) + len(manifest), len(written))

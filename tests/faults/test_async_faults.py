@@ -626,11 +626,11 @@ def test_failure_while_staging_returns_staging_buffers(
     real = _async.item_source
     calls = {"n": 0}
 
-    def failing(job: Any, item: Any) -> torch.Tensor:
+    def failing(entries: Any, item: Any) -> torch.Tensor:
         calls["n"] += 1
         if calls["n"] == 6:  # several slabs are in use by now
             raise RuntimeError("device lost while copying")
-        return real(job, item)
+        return real(entries, item)
 
     monkeypatch.setattr(_async, "item_source", failing)
     with pytest.raises(RuntimeError, match="device lost"):
@@ -650,13 +650,13 @@ def test_failure_while_staging_returns_staging_buffers(
 # staged bytes that disagree with the file's header fail the save; nothing is committed
 
 
-def _staged_header(how: str) -> Callable[[Any, Any], bytes]:
+def _staged_header(how: str) -> Callable[[Any], bytes]:
     """A stand-in for the stager's ``file_header``: the image it stages then no longer matches
     the header the writer records (longer, or the same length with other bytes)."""
     real = _async.file_header
 
-    def fake(job: Any, fp: Any) -> bytes:
-        head = real(job, fp)
+    def fake(fp: Any) -> bytes:
+        head = real(fp)
         if how == "longer":
             return head + b"        "
         assert b'"pt"' in head

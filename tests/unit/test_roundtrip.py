@@ -962,7 +962,7 @@ def test_manifest_records_counters_metadata_and_versions(tmp_path: Path) -> None
     raw = json.loads((tmp_path / "ckpt" / "manifest.json").read_bytes())
     assert raw == m
     assert m["format"] == "tardigrade"
-    assert m["format_version"] == 3
+    assert m["format_version"] == 4
     assert m["step"] == 1200 and m["epoch"] == 4
     assert m["metadata"] == {"run": "exp-7", "tags": ["a", "b"], "cfg": {"lr": 0.5}}
     assert m["metrics"] == {"loss": 0.25, "acc": 1.0}

@@ -12,6 +12,7 @@ MAX_MANIFEST_BYTES = 128 * 1024 * 1024
 MAX_TENSORS_PER_FILE = 1_000_000
 MAX_TENSORS = 1_000_000  # tensors listed by one manifest (no fewer than ~100 bytes each)
 MAX_FILES = 100_000  # data files listed by one manifest
+MAX_WORLD_SIZE = 1_000_000  # ranks of a distributed save
 MAX_TREE_NODES = 50_000_000
 MAX_TREE_DEPTH = 200  # nesting of the state tree in the manifest
 MAX_DIMS = 64

@@ -11,6 +11,7 @@ from ..errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     InsufficientMemoryError,
+    StateMismatchError,
     TardigradeError,
     UnsupportedFormatError,
 )
@@ -27,8 +28,13 @@ FORMAT_NAME = "tardigrade"
 # byte of a checkpoint is covered. v1 (no manifest or header checksum) is still read.
 # v3: the state tree gains leaf kinds older readers cannot decode (torch.Size, torch.device,
 # Counter, set/frozenset, complex, numpy scalars, complex and sparse tensors); sealed as v2.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# v4: distributed saves: ``per_rank`` holds each rank's ``tg.PerRank`` subtrees (the tree
+# holds ``{"t": "per_rank", "i": k}`` in their place), tensors may record a ``layout``
+# ("sharded", "per_rank" with its ``rank``), and data files of many ranks.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+LAYOUTS = ("replicated", "sharded", "per_rank")
+PER_RANK_FALLBACKS = ("rank0", "error")
 SEALED_SINCE = 2  # the first version whose manifests must carry a checksum
 
 # A sealed manifest ends with this member, its checksum over the manifest without it. Putting
@@ -80,6 +86,8 @@ class TensorInfo:
     shape: tuple[int, ...]
     chunks: tuple[Chunk, ...]
     numpy: bool
+    layout: str = "replicated"  # how the saving ranks held it (LAYOUTS)
+    rank: int | None = None  # the rank a per_rank tensor belongs to
 
     @property
     def nbytes(self) -> int:
@@ -107,6 +115,43 @@ class Manifest:
     @property
     def tree(self) -> dict[str, Any]:
         return self.raw["tree"]
+
+    @property
+    def world_size(self) -> int:
+        return self.raw.get("world_size", 1)
+
+    def tree_for(self, rank: int, fallback: str = "rank0", where: str = "") -> dict[str, Any]:
+        """The state tree as rank ``rank`` sees it: each ``tg.PerRank`` part is that rank's.
+
+        A rank the save did not have gets rank 0's parts (``fallback="rank0"``) or an error
+        (``"error"``). Checkpoints without per-rank parts return ``tree`` itself.
+        """
+        per_rank = self.raw.get("per_rank")
+        if per_rank is None:
+            return self.tree
+        if rank >= len(per_rank):
+            if fallback == "error":
+                raise StateMismatchError(
+                    f"{where}: this checkpoint was saved by {len(per_rank)} ranks and holds "
+                    f"no tg.PerRank values for rank {rank}; load with "
+                    "per_rank_fallback='rank0' to give such ranks rank 0's values."
+                )
+            rank = 0
+        own = per_rank[rank]
+
+        def resolve(node: Any) -> Any:
+            if isinstance(node, list):
+                return [resolve(x) for x in node]
+            if not isinstance(node, dict):
+                return node
+            if node.get("t") == "per_rank":
+                i = node.get("i")
+                if type(i) is not int or not 0 <= i < len(own):
+                    raise _fail(where, f"a per-rank part refers to #{i!r}, which rank {rank} lacks")
+                return own[i]
+            return {k: resolve(v) for k, v in node.items()}
+
+        return resolve(self.tree)
 
     @property
     def nbytes(self) -> int:
@@ -163,6 +208,16 @@ def parse(raw_bytes: bytes, where: str) -> Manifest:
             raise _fail(where, f"{field!r} must be an integer or null")
     if not isinstance(doc.get("tree"), dict):
         raise _fail(where, "'tree' is missing")
+    world = doc.get("world_size", 1)
+    if type(world) is not int or not 1 <= world <= limits.MAX_WORLD_SIZE:
+        raise _fail(where, f"'world_size' is {world!r}, expected a positive integer")
+    per_rank = doc.get("per_rank")
+    if per_rank is not None and (
+        not isinstance(per_rank, list)
+        or len(per_rank) != world
+        or not all(isinstance(p, list) and all(isinstance(n, dict) for n in p) for p in per_rank)
+    ):
+        raise _fail(where, f"'per_rank' must list each of the {world} ranks' subtrees")
     files, header_sums = _files(doc.get("files"), where, sealed=version >= SEALED_SINCE)
     tensors = _tensors(doc.get("tensors"), files, where)
     _check_keys_unique(tensors, where)
@@ -245,7 +300,10 @@ def _tensors_unpaused(v: Any, files: dict[str, int], where: str) -> tuple[Tensor
                     f"holds ({files[c.file]})",
                 )
         _check_tiling(parsed, shape, i, where)
-        out.append(TensorInfo(dtype, tuple(shape), parsed, t.get("numpy") is True))
+        layout, rank = t.get("layout", "replicated"), t.get("rank")
+        if layout not in LAYOUTS or (rank is not None and (type(rank) is not int or rank < 0)):
+            raise _fail(where, f"tensor #{i} has an unknown layout {layout!r} (rank {rank!r})")
+        out.append(TensorInfo(dtype, tuple(shape), parsed, t.get("numpy") is True, layout, rank))
     return tuple(out)
 
 

@@ -7,10 +7,12 @@
 
 from ._async import AsyncCheckpointer, SaveFuture
 from ._job import SaveResult
-from ._load import VerifyReport, load, read_manifest, verify
+from ._load import load
+from ._open import read_manifest
 from ._rng import RNGState
 from ._save import save
 from ._tree import Stateful
+from ._verify import VerifyReport, verify
 from ._version import __version__
 from .data import ResumableSampler, SampleIndex, SeededDataset, seed_sample
 from .errors import (

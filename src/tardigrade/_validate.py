@@ -2,7 +2,7 @@
 
 ``load(into=...)`` reads tensor bytes straight into the live tensors (no second copy of the
 state), so anything that can refuse the checkpoint must refuse it before the read: the
-structure, shapes and dtypes (``_load._Matcher``), each stateful object's class
+structure, shapes and dtypes (``_match._Matcher``), each stateful object's class
 (:func:`same_class`) and each object's own validation (:func:`validate_state`), which gets the
 checkpoint's state with cheap stand-ins (:func:`standin`) where the tensors will be.
 """

@@ -26,8 +26,10 @@ from typing import Any
 from ._async import AsyncCheckpointer, SaveFuture
 from ._job import SaveResult
 from ._layout import STEP_NAME, deleting_name, is_committed, step_name, tidy
-from ._load import Key, load, open_manifest
+from ._load import load
 from ._lock import DirectoryLock
+from ._match import Key
+from ._open import open_manifest
 from ._save import save
 from ._units import gbps
 from .errors import (

@@ -22,8 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._load import _check_refs, _read_entries, open_manifest, verify
+from .._match import _plan_reads
+from .._open import _check_refs, open_manifest
+from .._read import _read_chunks
 from .._tree import SparseParts, decode, path_str
+from .._verify import verify
 from ..errors import TardigradeError
 from ..format.dtypes import COMPLEX_DTYPES, TORCH_DTYPES
 from ..format.manifest import Manifest
@@ -112,7 +115,8 @@ class _Side:
         """One stored tensor, read and checksum-verified."""
         info = self.m.tensors[e]
         dest = {e: torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])}
-        _read_entries(self.storage, self.name, self.m, {e}, dest, True, 2, {})
+        tasks = _plan_reads(self.m, {e}, dest, {})
+        _read_chunks(self.storage, self.name, self.m, tasks, True, 2)
         return dest[e]
 
 

@@ -1,0 +1,123 @@
+"""Opening a committed checkpoint: find and parse its manifest, check its tree's references.
+
+Every reader starts with ``open_manifest`` (``load``, ``verify``, ``CheckpointManager``, the
+CLI): a path without a manifest is no checkpoint. Readers that walk the state tree then call
+``_check_refs``, which refuses a tree that refers to a tensor the manifest does not list or
+holds a view that does not fit its tensor, and returns the tensors the tree needs. Neither
+touches a data file. Separate from the load pipeline because the manager and the CLI open
+checkpoints without loading them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InsufficientMemoryError,
+    TardigradeError,
+)
+from .format import limits
+from .format.dtypes import ITEMSIZE
+from .format.manifest import MANIFEST, Manifest, TensorInfo, parse
+from .storage import Storage, storage_for
+
+__all__ = ["open_manifest", "read_manifest"]
+
+
+def open_manifest(path: Any) -> tuple[Storage, str, Manifest]:
+    """The checkpoint's storage, its name there and its parsed, validated manifest."""
+    storage, name = storage_for(path)
+    if not storage.exists(f"{name}/{MANIFEST}"):
+        what = (
+            "it has no manifest.json, so the save that wrote it never committed"
+            if storage.exists(name)
+            else "nothing exists at this path"
+        )
+        raise CheckpointNotFoundError(
+            f"{storage.url(name)}: no committed checkpoint here ({what}). Check the path, or use "
+            "CheckpointManager.restore() to pick the newest complete checkpoint."
+        )
+    where = storage.url(f"{name}/{MANIFEST}")
+    try:
+        raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+        return storage, name, parse(raw, where)
+    except MemoryError as e:
+        if isinstance(e, TardigradeError):
+            raise
+        raise InsufficientMemoryError(
+            f"{where}: ran out of memory reading the manifest. Free memory (or raise this "
+            "process's memory limit) and load again."
+        ) from None
+
+
+def read_manifest(path: Any) -> dict[str, Any]:
+    """Read and validate a checkpoint's manifest without touching any tensor bytes.
+
+    ``path`` is the checkpoint directory. Returns the manifest as a dict (format version, step,
+    epoch, files, tensors, the state tree, metrics, metadata); its checksum is verified.
+
+    >>> info = tg.read_manifest("ckpt/step-100")   # doctest: +SKIP
+    >>> info["step"], len(info["tensors"])           # doctest: +SKIP
+    """
+    return open_manifest(path)[2].raw
+
+
+_SCALAR_TAGS = frozenset(("none", "bool", "int", "float", "str", "bytes", "dtype"))
+
+
+def _check_refs(tree: dict[str, Any], m: Manifest, where: str) -> set[int]:
+    """Every tensor reference must name a listed tensor, and views must fit inside it."""
+    refs: set[int] = set()
+    stack: list[Any] = [tree]
+    count = 0
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > limits.MAX_TREE_NODES:
+            raise CorruptCheckpointError(
+                f"{where}: state tree has more than {limits.MAX_TREE_NODES} nodes"
+            )
+        if isinstance(node, dict):
+            t = node.get("t")
+            if type(t) is str and t in _SCALAR_TAGS:
+                continue  # no tensor below (decode() rejects a scalar node holding one)
+            if t in ("tensor", "ndarray"):
+                e = node.get("e")
+                if type(e) is not int or not 0 <= e < len(m.tensors):
+                    raise CorruptCheckpointError(
+                        f"{where}: tree refers to tensor #{e!r}, which the manifest does not list"
+                    )
+                view = node.get("view")
+                if view is not None:
+                    _check_view(view, m.tensors[e], where)
+                refs.add(e)
+            else:
+                stack.extend(v for k, v in node.items() if k in ("v", "meta"))
+        elif isinstance(node, list):
+            stack.extend(node)
+    return refs
+
+
+def _check_view(view: Any, info: TensorInfo, where: str) -> None:
+    ok = isinstance(view, dict) and type(view.get("offset")) is int and view["offset"] >= 0
+    shape, stride = (view.get("shape"), view.get("stride")) if ok else (None, None)
+    ok = (
+        ok
+        and all(
+            isinstance(x, list)
+            and all(type(i) is int and 0 <= i <= limits.MAX_TORCH_EXTENT for i in x)
+            for x in (shape, stride)
+        )
+        and len(shape) == len(stride) <= limits.MAX_DIMS
+        # torch.as_strided refuses shapes whose sizes overflow int64, even empty ones.
+        and limits.fits_torch(shape, ITEMSIZE[info.dtype])
+        and view["offset"] <= math.prod(info.shape)
+    )
+    if ok and math.prod(shape):
+        extent = view["offset"] + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1
+        ok = extent <= math.prod(info.shape)
+    if not ok:
+        raise CorruptCheckpointError(f"{where}: a tensor view {view!r} does not fit its storage")

@@ -17,7 +17,8 @@ subclass also inherits the built-in exception a caller would naturally catch, so
           ├── InvalidArgumentError      (+ ValueError)         a bad argument to a public function
           ├── SaveError                 (+ RuntimeError)       a save failed (often in the background)
           ├── InsufficientMemoryError   (+ MemoryError)        not enough memory to read a checkpoint
-          └── StorageError              (+ OSError)            the storage backend failed
+          ├── StorageError              (+ OSError)            the storage backend failed
+          └── DistributedError          (+ RuntimeError)       ranks of a collective failed or lost each other
 
 Messages name the checkpoint, the key or file, what is wrong and what to do about it.
 """
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
+    "DistributedError",
     "InsufficientMemoryError",
     "InvalidArgumentError",
     "SaveError",
@@ -91,3 +93,18 @@ class SaveError(TardigradeError, RuntimeError):
 
 class StorageError(TardigradeError, OSError):
     """The storage backend failed to read, write or list."""
+
+
+class DistributedError(TardigradeError, RuntimeError):
+    """A collective step failed: a rank raised, died, hung, or did not make the same call.
+
+    Raised on every rank of the group. ``causes`` maps each failing rank to its error
+    (``"SaveError: disk full"``); it is empty when the failure was the transport itself (a
+    timeout or a lost connection), which this rank cannot attribute to a particular peer.
+    """
+
+    causes: dict[int, str]
+
+    def __init__(self, message: str, causes: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.causes = dict(causes or {})

@@ -18,6 +18,7 @@ BUILTIN = {
     tg.SaveError: RuntimeError,
     tg.InsufficientMemoryError: MemoryError,
     tg.StorageError: OSError,
+    tg.DistributedError: RuntimeError,
 }
 
 

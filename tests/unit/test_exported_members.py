@@ -10,6 +10,7 @@ EXPECTED = {
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
+    "DistributedError",
     "InsufficientMemoryError",
     "InvalidArgumentError",
     "Job",

@@ -1,0 +1,541 @@
+"""Collectives of one checkpoint operation: the same result or the same error on every rank.
+
+Every distributed phase of save and load (planning, the commit vote, the preemption flag) moves
+its bytes through a :class:`Ranks`. Three rules keep a group of ranks in step when things fail:
+
+1. The callables that compute a rank's contribution run inside a ``try``. Their outcome, bytes
+   or an error, travels with the data, so a rank that fails still takes part in every exchange
+   and the group never desynchronizes; then every rank raises the same error.
+2. Every collective starts with a small fixed-size header from every rank: status, payload length
+   and a tag derived from the call (``reduce`` + its ``what``). Ranks that disagree about which
+   call this is find out there, before any payload is paired with the wrong one.
+3. Every wait for the other ranks is bounded by the timeout. A rank that died, hangs, or never
+   made the call becomes a :class:`~tardigrade.errors.DistributedError` on the ranks that did,
+   instead of a hang.
+
+Payloads are bytes (JSON the callers encode) moved as CPU uint8 tensors: never pickle, never the
+``*_object`` collectives, which unpickle what peers send.
+
+>>> ranks = Ranks.current()  # None when torch.distributed is not initialized  # doctest: +SKIP
+>>> names = ranks.all_gather("save 'ckpt/step-100': keys", lambda: json.dumps(keys).encode())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import operator
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import errors
+from ..errors import DistributedError, InvalidArgumentError, TardigradeError
+
+__all__ = ["DEFAULT_TIMEOUT", "Ranks"]
+
+DEFAULT_TIMEOUT: float = 600.0
+"""Seconds any one wait for the other ranks may take before it becomes a DistributedError."""
+
+# An error crosses the wire as a class *name*; the receiving ranks rebuild it only from this
+# table, so a peer can never make a rank instantiate an arbitrary class.
+_WIRE_ERRORS: dict[str, type[TardigradeError]] = {
+    cls.__name__: cls
+    for cls in vars(errors).values()
+    if isinstance(cls, type) and issubclass(cls, TardigradeError)
+}
+
+# One rank's cause in an error message; bounds what a failing rank can make the others hold.
+_MAX_CAUSE_CHARS = 2000
+
+_OK = 0
+_FAILED = 1
+
+
+def _tag(op: str, what: str) -> int:
+    return zlib.crc32(f"{op}\0{what}".encode())
+
+
+def _seconds(timeout: float | datetime.timedelta) -> float:
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise InvalidArgumentError(
+            f"timeout={timeout!r}: expected a positive number of seconds or a datetime.timedelta"
+        )
+    return float(seconds)
+
+
+def _ranks_phrase(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """What failed, as it travels between ranks: a class name from the table and each cause."""
+
+    type: str | None  # a key of _WIRE_ERRORS, or None for DistributedError
+    causes: dict[int, str]
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException, during: str = "") -> _Failure:
+        # The nearest Tardigrade class in the MRO, so a private subclass still arrives as its
+        # public parent (and a ValueError as DistributedError).
+        name = next(
+            (k.__name__ for k in type(exc).__mro__ if _WIRE_ERRORS.get(k.__name__) is k), None
+        )
+        try:
+            text = f"{type(exc).__name__}: {exc}{during}"
+        except Exception:  # a __str__ that raises must not keep this rank out of the exchange
+            text = f"{type(exc).__name__}: (its message could not be formatted){during}"
+        if len(text) > _MAX_CAUSE_CHARS:
+            text = text[: _MAX_CAUSE_CHARS - 16] + " ...(truncated)"
+        return cls(name, {rank: text})
+
+    def encode(self) -> bytes:
+        causes = {str(r): c for r, c in self.causes.items()}
+        return json.dumps({"type": self.type, "causes": causes}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, rank: int) -> _Failure:
+        try:
+            doc = json.loads(data)
+            name = doc["type"]
+            causes = {int(r): str(c) for r, c in doc["causes"].items()}
+            if (name is not None and not isinstance(name, str)) or not causes:
+                raise ValueError(name)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return cls(None, {rank: f"(an error report that could not be read: {data[:200]!r})"})
+        return cls(name, causes)
+
+    @classmethod
+    def merge(cls, failures: list[_Failure]) -> _Failure:
+        causes: dict[int, str] = {}
+        for failure in failures:
+            causes.update(failure.causes)
+        lowest = min(failures, key=lambda f: min(f.causes))
+        return cls(lowest.type, dict(sorted(causes.items())))
+
+    def error(self, what: str, size: int) -> TardigradeError:
+        """The exception every rank raises: same class, same message, same ``causes``."""
+        failed = sorted(self.causes)
+        message = (
+            f"{what} failed on {_ranks_phrase(failed)} of {size}; every rank raises this error:\n"
+            + "\n".join(f"  rank {r}: {self.causes[r]}" for r in failed)
+        )
+        cls = _WIRE_ERRORS.get(self.type or "", DistributedError)
+        err: TardigradeError
+        try:
+            err = cls(message)
+        except Exception:  # a class whose constructor wants more than a message
+            err = DistributedError(message)
+        err.causes = dict(self.causes)  # type: ignore[attr-defined]
+        return err
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """One rank's result of running a callable: its bytes, or its failure and the exception."""
+
+    payload: bytes = b""
+    failure: _Failure | None = None
+    exc: Exception | None = None
+
+    @property
+    def wire(self) -> bytes:
+        return self.failure.encode() if self.failure is not None else self.payload
+
+
+def _run_callable(rank: int, role: str, fn: Callable[[], Any], during: str = "") -> _Outcome:
+    try:
+        out = fn()
+        if not isinstance(out, (bytes, bytearray, memoryview)):
+            raise TypeError(f"{role} returned {type(out).__name__}, expected bytes")
+        return _Outcome(payload=out if isinstance(out, bytes) else bytes(out))
+    except Exception as exc:
+        return _Outcome(failure=_Failure.of(rank, exc, during), exc=exc)
+
+
+def _to_tensor(data: bytes, size: int) -> torch.Tensor:
+    """``data`` in a uint8 tensor of ``size`` bytes, zero padded."""
+    out = torch.empty(size, dtype=torch.uint8)
+    view = out.numpy()
+    view[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    view[len(data) :] = 0
+    return out
+
+
+def _to_bytes(tensor: torch.Tensor, size: int) -> bytes:
+    return tensor[:size].numpy().tobytes()
+
+
+def _carries_cpu_over_gloo(group: Any) -> bool:
+    """Whether ``group`` moves CPU tensors with gloo ("gloo", "cpu:gloo,cuda:nccl")."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (AttributeError, ValueError, RuntimeError):
+        config = str(dist.get_backend(group))
+    backends = [
+        e.split(":")[-1] for e in config.lower().split(",") if e.startswith("cpu:") or ":" not in e
+    ]
+    return "gloo" in backends
+
+
+# A gloo group beside each non-gloo (NCCL) group, created on its first collective and kept for
+# the life of the process: creating one is itself a collective, so it must happen once.
+_GLOO_SIBLINGS: dict[Any, Any] = {}
+_GLOO_SIBLINGS_LOCK = threading.Lock()
+
+
+class Ranks:
+    """The processes of one group taking part in one collective checkpoint operation.
+
+    Every method is a collective: every rank of the group must call it, in the same order, with
+    the same ``what`` (a short description such as ``"save 'ckpt/step-100': plan"`` that also
+    names the step in errors). The callables passed in run inside a ``try``: when one raises on
+    any rank, every rank raises the same error. Its class is that of the lowest failing rank's
+    exception when that is a Tardigrade error (``SaveError`` stays ``SaveError``), else
+    :class:`~tardigrade.errors.DistributedError`; its message lists each failing rank's cause,
+    and its ``causes`` attribute maps those ranks to them. (Only ``Exception`` is caught: a
+    ``KeyboardInterrupt`` stops its rank at once, and the others see that rank as gone.)
+
+    Each wait for the other ranks is bounded by ``timeout`` seconds. When a rank died, hangs or
+    did not make the call, the others raise ``DistributedError`` within that time; the process
+    group is then in an unknown state and should not be used for further collectives.
+
+    Payloads travel as CPU tensors. On a gloo group (or one mapping CPU to gloo) the group itself
+    carries them; on any other (NCCL) group the first collective call creates a gloo group over
+    the same ranks, cached per group, so that first call must be made by every rank of the group
+    (as every collective must). A ``Ranks`` is used by one thread at a time; for coordination in
+    a background thread, :meth:`fork` one.
+
+    >>> ranks = Ranks.current()  # doctest: +SKIP
+    >>> if ranks is not None:  # doctest: +SKIP
+    ...     sizes = ranks.all_gather("save: sizes", lambda: str(nbytes).encode())
+    ...     stop = ranks.agree_max(int(preempted))
+    """
+
+    rank: int
+    """This process's rank within the group."""
+    size: int
+    """How many ranks the group has."""
+    coordinator: bool
+    """Whether this rank is the group's rank 0, the one that runs ``combine`` and ``produce``."""
+    timeout: float
+    """Seconds any one wait for the other ranks may take."""
+
+    def __init__(
+        self,
+        process_group: Any = None,
+        *,
+        timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        """Wrap ``process_group`` (the default group when None), already initialized."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidArgumentError(
+                "Ranks needs an initialized torch.distributed process group: call "
+                "torch.distributed.init_process_group() first (Ranks.current() returns None "
+                "when there is none)"
+            )
+        self.timeout = _seconds(timeout)
+        self._wait = datetime.timedelta(seconds=self.timeout)
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        rank = dist.get_rank(self.group)
+        if rank < 0:
+            raise InvalidArgumentError(
+                f"this process (global rank {dist.get_rank()}) is not a member of the process "
+                "group given to Ranks: pass a group this rank belongs to"
+            )
+        self.rank = rank
+        self.size = dist.get_world_size(self.group)
+        self.coordinator = rank == 0
+        self._transport: Any = None
+        self._root = 0  # the coordinator's global rank, which the gather/broadcast ops want
+
+    @classmethod
+    def current(
+        cls,
+        process_group: Any = None,
+        timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> Ranks | None:
+        """The ranks of ``process_group`` (default group), or None in a single-process program.
+
+        >>> Ranks.current() is None  # no init_process_group() in this process
+        True
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return cls(process_group, timeout=timeout)
+
+    def __repr__(self) -> str:
+        return f"Ranks(rank={self.rank}, size={self.size}, timeout={self.timeout:g})"
+
+    # -- the collectives -------------------------------------------------------------------
+
+    def all_gather(self, what: str, local: Callable[[], bytes]) -> list[bytes]:
+        """Every rank's ``local()`` bytes, in rank order, on every rank."""
+        mine = _run_callable(self.rank, "local()", local)
+        if self.size == 1:
+            self._raise_if_failed(what, [mine])
+            return [mine.payload]
+        headers = self._open(what, _tag("all_gather", what), mine)
+        return self._all_gather_bytes(
+            what, "gathering payloads", mine.payload, [h[1] for h in headers]
+        )
+
+    def reduce(
+        self,
+        what: str,
+        local: Callable[[], bytes],
+        combine: Callable[[list[bytes]], bytes],
+    ) -> bytes:
+        """``combine`` of every rank's ``local()`` bytes, run on the coordinator, on every rank.
+
+        The payloads are gathered on the coordinator only (it may receive large plans), each
+        padded to the longest one for the transfer; the combined bytes, or the error ``combine``
+        raised there, are then sent to every rank.
+        """
+        mine = _run_callable(self.rank, "local()", local)
+        if self.size == 1:
+            self._raise_if_failed(what, [mine])
+            result = _run_callable(
+                0, "combine()", lambda: combine([mine.payload]), " (raised by combine)"
+            )
+            self._raise_if_failed(what, [result])
+            return result.payload
+        headers = self._open(what, _tag("reduce", what), mine)
+        transport = self._transport_group(what)
+        lengths = [h[1] for h in headers]
+        longest = max(lengths)
+        payloads = [b""] * self.size
+        if longest:
+            sent = _to_tensor(mine.payload, longest)
+            received = (
+                [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+                if self.coordinator
+                else None
+            )
+            self._issue(
+                what,
+                "gathering payloads on the coordinator",
+                lambda: dist.gather(sent, received, dst=self._root, group=transport, async_op=True),
+            )
+            if received is not None:
+                payloads = [_to_bytes(t, n) for t, n in zip(received, lengths, strict=True)]
+        result = _Outcome()
+        if self.coordinator:
+            result = _run_callable(
+                self.rank, "combine()", lambda: combine(payloads), " (raised by combine)"
+            )
+        body = result.wire
+        status = _OK if result.failure is None else _FAILED
+        header = torch.tensor([status, len(body)], dtype=torch.int64)
+        self._issue(
+            what,
+            "receiving the combined result",
+            lambda: dist.broadcast(header, src=self._root, group=transport, async_op=True),
+        )
+        status, nbytes = (int(x) for x in header.tolist())
+        data = self._broadcast_bytes(what, "receiving the combined result", body, nbytes)
+        if status != _OK:
+            raise _Failure.decode(data, 0).error(what, self.size) from result.exc
+        return data
+
+    def broadcast(self, what: str, produce: Callable[[], bytes]) -> bytes:
+        """The coordinator's ``produce()`` bytes, on every rank (``produce`` runs only there)."""
+        mine = _run_callable(self.rank, "produce()", produce) if self.coordinator else _Outcome()
+        if self.size == 1:
+            self._raise_if_failed(what, [mine])
+            return mine.payload
+        headers = self._open(what, _tag("broadcast", what), mine)
+        return self._broadcast_bytes(what, "receiving the payload", mine.payload, headers[0][1])
+
+    def agree_max(self, value: int) -> int:
+        """The largest ``value`` any rank passed, on every rank: one tiny all-reduce, no header.
+
+        Cheap enough to call every training step (e.g. "did any rank get SIGTERM?").
+        """
+        try:
+            tensor = torch.tensor([operator.index(value)], dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            raise InvalidArgumentError(
+                f"agree_max({value!r}): expected an int that fits in 64 bits"
+            ) from exc
+        if self.size == 1:
+            return int(tensor.item())
+        transport = self._transport_group("agree_max")
+        self._issue(
+            "agree_max",
+            "agreeing on the largest value",
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=transport, async_op=True),
+        )
+        return int(tensor.item())
+
+    def barrier(self, what: str) -> None:
+        """Return once every rank has reached the same ``barrier(what)``."""
+        if self.size > 1:
+            self._open(what, _tag("barrier", what), _Outcome())
+
+    def fork(self) -> Ranks:
+        """A new gloo group over the same ranks, for a background thread's collectives.
+
+        Collective now: every rank of the group calls ``fork()`` at the same point. The new
+        group's collectives never interleave with this one's, so a background save can agree
+        with its peers while training runs collectives on the original group. Each fork is a
+        new process group kept until the process ends: fork once, not per operation.
+        """
+        ranks = dist.get_process_group_ranks(self.group)
+        start = time.monotonic()
+        try:
+            group = dist.new_group(
+                ranks=ranks,
+                backend="gloo",
+                timeout=self._wait,
+                # A subgroup's members alone call fork(): the others must not be waited for.
+                use_local_synchronization=len(ranks) != dist.get_world_size(),
+            )
+        except Exception as exc:
+            raise self._transport_error(
+                "fork()", "creating a gloo process group", exc, time.monotonic() - start
+            ) from exc
+        return Ranks(group, timeout=self.timeout)
+
+    # -- the steps they are made of --------------------------------------------------------
+
+    def _open(self, what: str, tag: int, mine: _Outcome) -> list[tuple[int, int, int]]:
+        """Exchange headers; raise on every rank if the calls differ or any rank failed.
+
+        Returns every rank's (status, payload length, tag) when all ranks succeeded.
+        """
+        transport = self._transport_group(what)
+        status = _OK if mine.failure is None else _FAILED
+        sent = torch.tensor([status, len(mine.wire), tag], dtype=torch.int64)
+        received = [torch.empty(3, dtype=torch.int64) for _ in range(self.size)]
+        self._issue(
+            what,
+            "exchanging headers",
+            lambda: dist.all_gather(received, sent, group=transport, async_op=True),
+        )
+        headers = [(int(s), int(n), int(t)) for s, n, t in (h.tolist() for h in received)]
+        others = [r for r, h in enumerate(headers) if h[2] != tag]
+        if others:
+            raise DistributedError(
+                f"{what}: {_ranks_phrase(others)} of {self.size} made a different collective "
+                f"call than rank {self.rank}, which called {what!r}. Every rank of the group must "
+                "make the same collective calls in the same order (does some rank skip a step, "
+                "or save/load with different arguments?)"
+            ) from mine.exc
+        failed = [r for r, h in enumerate(headers) if h[0] != _OK]
+        if failed:
+            # Only the failing ranks' error reports are exchanged, never the payloads.
+            lengths = [h[1] if h[0] != _OK else 0 for h in headers]
+            reports = self._all_gather_bytes(
+                what, "exchanging errors", mine.wire if mine.failure else b"", lengths
+            )
+            failure = _Failure.merge([_Failure.decode(reports[r], r) for r in failed])
+            raise failure.error(what, self.size) from mine.exc
+        return headers
+
+    def _raise_if_failed(self, what: str, outcomes: list[_Outcome]) -> None:
+        failures = [o for o in outcomes if o.failure is not None]
+        if failures:
+            merged = _Failure.merge([o.failure for o in failures if o.failure is not None])
+            raise merged.error(what, self.size) from failures[0].exc
+
+    def _all_gather_bytes(
+        self, what: str, step: str, data: bytes, lengths: list[int]
+    ) -> list[bytes]:
+        longest = max(lengths)
+        if not longest:
+            return [b""] * self.size
+        transport = self._transport_group(what)
+        sent = _to_tensor(data, longest)
+        received = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        self._issue(
+            what, step, lambda: dist.all_gather(received, sent, group=transport, async_op=True)
+        )
+        return [_to_bytes(t, n) for t, n in zip(received, lengths, strict=True)]
+
+    def _broadcast_bytes(self, what: str, step: str, data: bytes, nbytes: int) -> bytes:
+        if not nbytes:
+            return b""
+        transport = self._transport_group(what)
+        tensor = (
+            _to_tensor(data, nbytes) if self.coordinator else torch.empty(nbytes, dtype=torch.uint8)
+        )
+        self._issue(
+            what,
+            step,
+            lambda: dist.broadcast(tensor, src=self._root, group=transport, async_op=True),
+        )
+        return data if self.coordinator else _to_bytes(tensor, nbytes)
+
+    def _transport_group(self, what: str) -> Any:
+        if self._transport is None:
+            if _carries_cpu_over_gloo(self.group):
+                self._transport = self.group
+            else:
+                with _GLOO_SIBLINGS_LOCK:
+                    sibling = _GLOO_SIBLINGS.get(self.group)
+                    if sibling is None:
+                        ranks = dist.get_process_group_ranks(self.group)
+                        start = time.monotonic()
+                        try:
+                            sibling = dist.new_group(
+                                ranks=ranks,
+                                backend="gloo",
+                                timeout=self._wait,
+                                use_local_synchronization=len(ranks) != dist.get_world_size(),
+                            )
+                        except Exception as exc:
+                            raise self._transport_error(
+                                what,
+                                "creating the gloo group for CPU payloads",
+                                exc,
+                                time.monotonic() - start,
+                            ) from exc
+                        _GLOO_SIBLINGS[self.group] = sibling
+                self._transport = sibling
+            self._root = dist.get_global_rank(self._transport, 0)
+        return self._transport
+
+    def _issue(self, what: str, step: str, op: Callable[[], Any]) -> None:
+        """Run one async collective op and wait for it, at most ``timeout`` seconds."""
+        start = time.monotonic()
+        try:
+            work = op()
+            if not work.wait(timeout=self._wait):
+                raise TimeoutError("Operation timed out!")
+        except Exception as exc:
+            raise self._transport_error(what, step, exc, time.monotonic() - start) from exc
+
+    def _transport_error(
+        self, what: str, step: str, exc: Exception, waited: float
+    ) -> DistributedError:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        if len(text) > 300:
+            text = text[:300] + "..."
+        advice = (
+            f"A rank died, hangs, or did not call {what}; every rank of the group must call it. "
+            "Look for the first error in the other ranks' logs; this process group is now in an "
+            "unknown state and should not be used for further collectives."
+        )
+        if (
+            isinstance(exc, TimeoutError)
+            or "timed out" in text.lower()
+            or "timeout" in text.lower()
+        ):
+            return DistributedError(
+                f"{what}: rank {self.rank} of {self.size} gave up after {waited:.1f} s waiting "
+                f"for the other ranks ({step}; the timeout is {self.timeout:g} s). {advice}"
+            )
+        return DistributedError(
+            f"{what}: rank {self.rank} of {self.size} lost the other ranks ({step}): {text}. "
+            f"{advice}"
+        )

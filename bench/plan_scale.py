@@ -1,0 +1,74 @@
+"""Coordinator cost of a distributed save, simulated: ``python -m bench.plan_scale``.
+
+Feeds the global planner the local plans of N simulated ranks holding T tensors (half sharded
+by rows over every rank, as FSDP does, half replicated) and builds the manifest the
+coordinator would commit, without processes or I/O. Reports the time of each coordinator step
+and the manifest's size, for several N, so its growth can be read off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tardigrade._plan import LocalEntry, LocalPlan, global_plan_from_wire
+from tardigrade._sharding import Box
+from tardigrade._write import WrittenFile, manifest_doc, seal_checked
+from tardigrade.format.checksum import ALGORITHM
+
+
+def local_plans(world: int, tensors: int) -> list[bytes]:
+    out = []
+    for r in range(world):
+        shared = []
+        for i in range(tensors):
+            if i % 2 == 0:
+                rows = 64
+                box = Box((r * rows, 0), (rows * world, 256))
+                shared.append(LocalEntry("F32", (rows, 256), False, box, f"layers.{i}.weight"))
+            else:
+                shared.append(LocalEntry("F32", (256,), False, None, f"layers.{i}.bias"))
+        own = (LocalEntry("I64", (4,), False, None, "rng"),)
+        out.append(LocalPlan(tuple(shared), own).to_bytes(full=r == 0))
+    return out
+
+
+def run(world: int, tensors: int) -> dict[str, float]:
+    wire = local_plans(world, tensors)
+    t0 = time.perf_counter()
+    g = global_plan_from_wire(wire)
+    t1 = time.perf_counter()
+    written = {
+        f.name: WrittenFile(f.nbytes, "0" * 16, {it.key: "0" * 16 for it in f.items})
+        for p in g.ranks
+        for f in p.files
+    }
+    header = {"format": "tardigrade", "format_version": 4, "world_size": world,
+              "checksum_algorithm": ALGORITHM, "step": None, "epoch": None}  # fmt: skip
+    doc = manifest_doc(header, {"t": "dict", "v": []}, [[] for _ in range(world)], g, written)
+    manifest = seal_checked(doc, "simulated")
+    t2 = time.perf_counter()
+    return {
+        "plan_s": t1 - t0,
+        "manifest_s": t2 - t1,
+        "manifest_mb": len(manifest) / 1e6,
+        "wire_mb": sum(map(len, wire)) / 1e6,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[128, 256, 512, 1024])
+    ap.add_argument("--tensors", type=int, default=2000)
+    args = ap.parse_args()
+    print(f"{'ranks':>6} {'plan s':>8} {'manifest s':>11} {'manifest MB':>12} {'wire MB':>8}")
+    for world in args.ranks:
+        r = run(world, args.tensors)
+        print(
+            f"{world:>6} {r['plan_s']:>8.2f} {r['manifest_s']:>11.2f} {r['manifest_mb']:>12.1f}"
+            f" {r['wire_mb']:>8.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The global save planner, fed simulated ranks' local plans (no processes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tardigrade import InvalidArgumentError
+from tardigrade._plan import (
+    PER_RANK,
+    REPLICATED,
+    SHARDED,
+    LocalEntry,
+    LocalPlan,
+    global_plan,
+    global_plan_from_wire,
+)
+from tardigrade._sharding import Box
+
+MiB = 1024 * 1024
+
+
+def rows_plan(world: int, rank: int, rows: int, cols: int, name: str = "emb") -> LocalEntry:
+    lo, hi = round(rank * rows / world), round((rank + 1) * rows / world)
+    return LocalEntry("F32", (hi - lo, cols), False, Box((lo, 0), (rows, cols)), name)
+
+
+def items_by_rank(g):  # type: ignore[no-untyped-def]
+    return [[it for f in p.files for it in f.items] for p in g.ranks]
+
+
+def test_replicated_tensors_are_written_once_and_balanced_by_bytes() -> None:
+    shared = tuple(LocalEntry("F32", (1024, 1024), False, None, f"w{i}") for i in range(6))
+    plans = [LocalPlan(shared, ()) for _ in range(4)]
+    g = global_plan(plans)
+    assert all(t.layout == REPLICATED for t in g.tensors)
+    written = [sum(it.nbytes for it in items) for items in items_by_rank(g)]
+    assert sum(written) == 6 * 4 * MiB  # one copy in total
+    assert max(written) - min(written) <= 16 * MiB  # within one chunk of each other
+    assert global_plan(plans) == g  # deterministic
+
+
+def test_sharded_pieces_each_written_by_one_holder() -> None:
+    # A 2x2 mesh with the tensor sharded on dim 0 over mesh dim 0 and replicated over mesh
+    # dim 1: ranks (0, 1) hold the top half, ranks (2, 3) the bottom half.
+    def entry(rank: int) -> LocalEntry:
+        lo = 0 if rank < 2 else 5
+        return LocalEntry("F32", (5 if rank < 2 else 4, 3), False, Box((lo, 0), (9, 3)), "w")
+
+    g = global_plan([LocalPlan((entry(r),), ()) for r in range(4)])
+    assert g.tensors[0].layout == SHARDED and g.tensors[0].shape == (9, 3)
+    owners = {it.offsets: r for r, items in enumerate(items_by_rank(g)) for it in items}
+    assert set(owners) == {(0, 0), (5, 0)}
+    assert owners[(0, 0)] in (0, 1) and owners[(5, 0)] in (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("boxes", "what"),
+    [
+        ([((0, 0), (6, 3)), ((5, 0), (5, 3))], "overlap"),
+        ([((0, 0), (4, 3)), ((5, 0), (5, 3))], "gap"),
+    ],
+)
+def test_pieces_that_do_not_tile_the_tensor_are_refused_naming_the_key(
+    boxes: list[tuple[tuple[int, int], tuple[int, int]]], what: str
+) -> None:
+    plans = [
+        LocalPlan((LocalEntry("F32", shape, False, Box(off, (10, 3)), "model.emb"),), ())
+        for off, shape in boxes
+    ]
+    with pytest.raises(InvalidArgumentError, match=r"state\['model.emb'\].*exactly once"):
+        global_plan(plans)
+
+
+def test_ranks_holding_other_tensors_are_refused() -> None:
+    a = LocalPlan((LocalEntry("F32", (4,), False, None, "w"),), ())
+    b = LocalPlan((LocalEntry("F16", (4,), False, None, "w"),), ())
+    with pytest.raises(InvalidArgumentError, match="rank 1 saves other tensors than rank 0"):
+        global_plan([a, b])
+
+
+def test_per_rank_tensors_belong_to_their_rank() -> None:
+    plans = [LocalPlan((), (LocalEntry("I64", (r + 1,), False, None, "rng"),)) for r in range(3)]
+    g = global_plan(plans)
+    assert [t.layout for t in g.tensors] == [PER_RANK] * 3
+    assert [t.rank for t in g.tensors] == [0, 1, 2]
+    assert g.own_base == (0, 1, 2)
+    for r, items in enumerate(items_by_rank(g)):
+        assert [it.tensor for it in items] == [r]
+        assert items[0].entry == 0  # the rank's own first local entry
+
+
+def test_the_wire_form_plans_like_the_objects() -> None:
+    plans = [
+        LocalPlan(
+            (rows_plan(3, r, 100, 8), LocalEntry("F32", (7,), False, None, "b")),
+            (LocalEntry("I64", (2,), False, None, "pos"),),
+        )
+        for r in range(3)
+    ]
+    wire = [p.to_bytes(full=r == 0) for r, p in enumerate(plans)]
+    assert global_plan_from_wire(wire) == global_plan(plans)
+    # Non-coordinator payloads carry no JSON per shared tensor: only packed pieces.
+    assert len(wire[1]) < len(wire[0])
+
+
+def test_single_process_layout_is_unchanged() -> None:
+    shared = (LocalEntry("F32", (10,), False, None, "a"), LocalEntry("F64", (), False, None, "b"))
+    (plan,) = global_plan([LocalPlan(shared, ())]).ranks
+    assert [f.name for f in plan.files] == ["data-00000-of-00001.safetensors"]
+    assert [(it.key, it.offsets, it.shape) for it in plan.files[0].items] == [
+        ("b", (), ()),
+        ("a", (0,), (10,)),
+    ]
+
+
+def test_coordinator_work_and_plan_size_grow_linearly_with_ranks() -> None:
+    """A scaled-down run of the 1,024-rank simulation in bench/plan_scale.py."""
+
+    def items(world: int) -> int:
+        wire = [
+            LocalPlan(
+                tuple(rows_plan(world, r, 64 * world, 16, f"t{i}") for i in range(50)), ()
+            ).to_bytes(full=r == 0)
+            for r in range(world)
+        ]
+        g = global_plan_from_wire(wire)
+        return sum(len(f.items) for p in g.ranks for f in p.files)
+
+    small, big = items(16), items(64)
+    assert small == 16 * 50 and big == 64 * 50
+    assert math.isclose(big / small, 4)

@@ -100,6 +100,20 @@ class TrainState:
                     out[f"optim.state.{i}.{k}"] = (("optim", "state", i, k), v)
         return out
 
+    def train_step(self) -> None:
+        """One Adam step on synthetic gradients (the first creates the moments).
+
+        The gradients all alias one random buffer and are dropped afterwards: the state to
+        checkpoint is parameters + moments, and a step allocates little besides.
+        """
+        grad = torch.randn(self.width * self.width) * 1e-3
+        params = list(self.model.parameters())
+        for p in params:
+            p.grad = grad[: p.numel()].view_as(p)
+        self.optim.step()
+        for p in params:
+            p.grad = None
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
@@ -149,12 +163,14 @@ def state_nbytes(width: int) -> int:
     return DEPTH * (per_layer * BYTES_PER_PARAM + 2 * 4)
 
 
-def build_state(target_bytes: int, *, seed: int = 0) -> TrainState:
+def build_state(target_bytes: int, *, seed: int = 0, stepped: bool = True) -> TrainState:
     """An MLP of ``DEPTH`` square layers sized to ``target_bytes``, after one Adam step.
 
     The step uses synthetic gradients that all alias one random buffer, so building the state
     allocates little beyond the parameters and moments themselves: on this VM every fresh byte
-    faults in slowly, and each first save builds the state in a new process.
+    faults in slowly, and each first save builds the state in a new process. ``stepped=False``
+    stops before the step, as a fresh training run is before its first ``optimizer.step()``:
+    Adam has no moments yet (``TrainState.train_step`` creates them).
     """
     torch.manual_seed(seed)
     width = width_for(target_bytes)
@@ -166,12 +182,7 @@ def build_state(target_bytes: int, *, seed: int = 0) -> TrainState:
     model = torch.nn.Sequential(*layers)
     # foreach=False: one parameter at a time, so Adam's temporaries stay one layer large.
     optim = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
-    grad = torch.randn(width * width) * 1e-3
-    params = list(model.parameters())
-    for p in params:
-        p.grad = grad[: p.numel()].view_as(p)
-    optim.step()
-    # The state to checkpoint is parameters + moments; gradients are transient.
-    for p in params:
-        p.grad = None
-    return TrainState(model, optim, width)
+    state = TrainState(model, optim, width)
+    if stepped:
+        state.train_step()
+    return state

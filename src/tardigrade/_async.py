@@ -322,8 +322,9 @@ class AsyncCheckpointer:
         its files' tails itself). Returns the bytes newly being reserved (0 when the pool
         already holds them). Memory stays within ``max_staging_bytes``: under a budget only
         that much is reserved. A save started before the reservation is done uses the slabs
-        that are ready and faults in the rest beside the reservation thread.
-        ``wait_reserved()`` blocks until it is done. Raises UnsupportedTypeError for a state
+        that are ready and faults in the rest beside the reservation thread. State created
+        lazily (optimizer moments, at the first ``optimizer.step()``) is not covered until
+        ``reserve`` is called again once it exists. ``wait_reserved()`` blocks until it is done. Raises UnsupportedTypeError for a state
         that ``save`` would refuse.
         """
         with self._lock:

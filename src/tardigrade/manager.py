@@ -372,6 +372,9 @@ class CheckpointManager:
         self._signalled: int | None = None
         self._signals: list[int] = []
         self._async: AsyncCheckpointer | None = None
+        # step() calls since construction or restore(), or None once an async save has staged
+        # the whole state (see ``_regrow_staging``).
+        self._step_calls: int | None = 0
         signals = _check_signals(save_on_signals)
         _check_directory(self.directory)
         self._lock = DirectoryLock(self.directory, lease_seconds=lock_lease_seconds)
@@ -392,7 +395,8 @@ class CheckpointManager:
 
         So the first async save copies into touched memory instead of faulting it in while
         training waits. Only sizes are computed here (no tensor is copied). Called again after
-        ``restore``: state created lazily (optimizer moments) exists only from then on.
+        ``restore`` and from ``step`` (``_regrow_staging``): state created lazily (optimizer
+        moments) exists only from then on.
         """
         if self._async is None:
             return
@@ -401,6 +405,24 @@ class CheckpointManager:
         except TardigradeError as e:
             # The first save reports it (a leaf the format cannot store, ...).
             log.debug("tardigrade: not reserving staging memory: %s", e)
+
+    def _regrow_staging(self) -> None:
+        """Reserve staging for state created since the last reservation, until a save stages it.
+
+        In a fresh run the optimizer's moments (two thirds of an Adam state) appear at its first
+        ``step()``, after the manager reserved for the parameters alone; a later first save
+        would fault them in while training waits. Sizing the state costs a ``state_dict()``
+        walk (2-5 ms for a 250M-parameter model with Adam, 0.05-0.3 s with 4000 tensors), so it
+        is done on the 1st, 2nd, 4th, 8th, ... ``step()`` call only: the moments are found
+        right after the first optimizer step, or after a few steps that a gradient scaler
+        skipped. Reserving is idempotent: an unchanged state reserves nothing. A save due at
+        the first call (step 0 of a fresh run) is not helped: the moments did not exist before.
+        """
+        if self._step_calls is None:
+            return
+        self._step_calls += 1
+        if self._step_calls & (self._step_calls - 1) == 0:
+            self._reserve_staging()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -623,6 +645,7 @@ class CheckpointManager:
             self._last_epoch = m.epoch
             self._last_save_time = time.monotonic()
             log.info("tardigrade: restored %s", self.path(s))
+            self._step_calls = 0
             self._reserve_staging()
             return s
         if damaged is not None:
@@ -678,6 +701,8 @@ class CheckpointManager:
             self._advance(step, epoch)
             return saved
         saved = self._due(step, epoch) and self._save(step, epoch, metrics, sync=False)
+        if not saved:
+            self._regrow_staging()
         self._advance(step, epoch)
         return saved
 
@@ -783,6 +808,8 @@ class CheckpointManager:
                 assert fut is not None
                 fut.observed = True  # the manager reports the outcome itself
                 self._pending.append((step, fut))
+                # The pool now holds staging for the whole state: no more sizing in step().
+                self._step_calls = None
             else:
                 if self._async is not None:
                     self._drain(wait=True)

@@ -92,3 +92,37 @@ def test_quick_run_measures_every_tool(tmp_path: Path) -> None:
     assert all(t["pass"] is not None for t in results["targets"])
     # The checkpoints are deleted at the end of the run.
     assert not [p for p in files.rglob("*") if p.is_file()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setup", ["manager", "reserved"])
+def test_async_probe_measures_the_first_save_of_a_fresh_run(tmp_path: Path, setup: str) -> None:
+    """``python -m bench.async_probe``: by default the first save is a manager's, reached as
+    in training (manager built before the first optimizer step); every round is reported."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.async_probe",
+            "--size=8MB",
+            "--rounds=2",
+            "--gap=0",
+            f"--setup={setup}",
+            "--first-save-after=3",
+            f"--dir={tmp_path / 'files'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    if setup == "manager":
+        assert "manager created before the first optimizer step" in lines[0], lines
+    assert [line.split(" ")[:2] for line in lines[-3:-1]] == [["round", "0"], ["round", "1:"]]
+    assert "first save of" in lines[-3] and "async blocked" in lines[-3], lines
+    assert lines[-1].startswith("ratio first save"), lines
+    # Every checkpoint but the newest is deleted as the run goes (keep_last=1 in manager mode).
+    assert len(list((tmp_path / "files").rglob("manifest.json"))) <= 1

@@ -635,6 +635,72 @@ def test_manager_reserves_staging_for_its_state_at_construction(tmp_path: Path) 
     assert_same(tg.load(mgr.path(1)), state)
 
 
+class _CountingModel(nn.Module):
+    """A model that counts its ``state_dict()`` calls: how often the state is sized."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(512, 512)
+        self.sized = 0
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.sized += 1
+        return super().state_dict(*args, **kwargs)
+
+
+def _train_step(model: _CountingModel, optim: torch.optim.Optimizer) -> None:
+    optim.zero_grad()
+    model.lin(torch.randn(4, 512)).square().mean().backward()
+    optim.step()
+
+
+def test_manager_reserves_the_optimizer_state_created_after_it(tmp_path: Path) -> None:
+    """A fresh run builds the manager before the first optimizer step, when Adam has no moments
+    yet: the construction reserves the parameters only. ``step()`` sizes the state again (on
+    its 1st, 2nd, 4th, ... call, until a save), so the moments are reserved in the background
+    before the first save, which then copies into reserved memory only, and ``step()`` does
+    not walk the state at every call."""
+    model = _CountingModel()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": optim}
+    with tg.CheckpointManager(
+        tmp_path / "ckpt", state, every_steps=1000, save_on_signals=()
+    ) as mgr:
+        ckpt = mgr._async
+        assert ckpt is not None
+        assert ckpt.wait_reserved(timeout=60)
+        at_construction = ckpt.staging.allocated_bytes
+        # The first step() comes before any optimizer step (a gradient scaler skipped it).
+        assert not mgr.step(1)
+        _train_step(model, optim)  # the moments appear: the state is ~3x what was reserved
+        needed = ckpt.pool.plan(_async.image_sizes(state))
+        assert sum(needed) > 2 * at_construction
+        sized = model.sized
+        assert not mgr.step(2)  # the 2nd call sizes the state again and reserves the moments
+        assert ckpt.wait_reserved(timeout=60)
+        reserved = ckpt.staging
+        assert reserved.allocated_bytes >= sum(needed), (reserved, needed)
+        assert model.sized == sized + 1
+        for step in range(3, 16):
+            _train_step(model, optim)
+            assert not mgr.step(step)
+        # Sized on the 4th and 8th calls only (of 2 more to the 15th).
+        assert model.sized == sized + 3
+        mgr.save(16)
+        mgr.wait()
+        after = ckpt.staging
+        assert (after.allocations, after.allocated_bytes) == (
+            reserved.allocations,
+            reserved.allocated_bytes,
+        ), f"the first save faulted in staging memory after step() reserved it: {after}"
+        for step in range(17, 40):  # after a save, step() sizes nothing any more
+            assert not mgr.step(step)
+        assert model.sized == sized + 4  # the save's own flatten
+    loaded = tg.load(mgr.path(16))
+    assert_same(loaded["model"], model.state_dict())
+    assert_same(loaded["optim"]["state"], optim.state_dict()["state"])
+
+
 def _file_sizes_match_headers(path: Path) -> None:
     """Every data file is exactly its header plus the tensors its header lists."""
     for f in tg.read_manifest(path)["files"]:

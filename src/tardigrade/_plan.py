@@ -19,6 +19,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from ._sharding import Box
 from ._tree import Entry, Flat
 from .errors import InvalidArgumentError
 from .format.dtypes import ITEMSIZE
+from .format.jsonio import gc_paused
 from .format.tiling import TilingError, check_exact_tiling
 
 # A file smaller than this is not worth a thread of its own.
@@ -40,11 +42,11 @@ CHUNK_BYTES = 16 * 1024 * 1024
 REPLICATED, SHARDED, PER_RANK = "replicated", "sharded", "per_rank"
 
 
-@dataclass(frozen=True)
-class WriteItem:
+class WriteItem(NamedTuple):
     """One chunk of a checkpoint: rows ``[start, stop)`` of local entry ``entry`` (the whole
     tensor for 0-d), which are the box at ``offsets`` of ``shape`` of manifest tensor
-    ``tensor``."""
+    ``tensor``. (A named tuple: a distributed plan holds one per chunk of every rank, and the
+    coordinator makes a million of them for a large job.)"""
 
     entry: int
     key: str
@@ -210,8 +212,7 @@ class KeyMaker:
         return key
 
 
-@dataclass(frozen=True)
-class _Unit:
+class _Unit(NamedTuple):
     """A run of rows of one local tensor that some rank must write, and who can write it."""
 
     holders: tuple[int, ...]  # ranks holding these bytes; () = every rank
@@ -259,12 +260,15 @@ def _pieces(
     uniq, inverse = np.unique(boxes, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
     order = np.argsort(inverse, kind="stable")
-    cuts = np.searchsorted(inverse[order], np.arange(1, len(uniq)))
-    holders = [tuple(int(r) for r in g) for g in np.split(order, cuts)]
+    if len(uniq) == len(boxes):  # every rank its own piece (the usual case): no grouping
+        holders = [(r,) for r in order.tolist()]
+    else:
+        cuts = np.searchsorted(inverse[order], np.arange(1, len(uniq)))
+        holders = [tuple(g.tolist()) for g in np.split(order, cuts)]
     offs, sizes = uniq[:, :d], uniq[:, d:]
     pieces = [
-        (tuple(int(x) for x in o), tuple(int(x) for x in n), h)
-        for o, n, h in zip(offs, sizes, holders, strict=True)
+        (tuple(o), tuple(n), h)
+        for o, n, h in zip(offs.tolist(), sizes.tolist(), holders, strict=True)
     ]
     if d == 0:
         return pieces[:1]
@@ -338,6 +342,20 @@ def global_plan_from_wire(
 
 
 def _merge(
+    shared: tuple[LocalEntry, ...],
+    metas: list[str],
+    boxes: list[np.ndarray],
+    owns: list[tuple[LocalEntry, ...]],
+    max_files: int,
+    chunk_bytes: int,
+) -> GlobalPlan:
+    # A large job's plan is millions of small acyclic objects; each cycle collection started
+    # while building them would walk all of them again.
+    with gc_paused():
+        return _merge_unpaused(shared, metas, boxes, owns, max_files, chunk_bytes)
+
+
+def _merge_unpaused(
     shared: tuple[LocalEntry, ...],
     metas: list[str],
     boxes: list[np.ndarray],
@@ -436,15 +454,18 @@ def _assign(units: Sequence[_Unit], world: int) -> list[int]:
 
 def _files(items: list[WriteItem], rank: int, world: int, max_files: int) -> SavePlan:
     """Spread one rank's items over files of similar size."""
-    total = sum(it.nbytes for it in items)
+    total = sum([it.nbytes for it in items])
     n_files = max(1, min(max_files, math.ceil(total / MIN_FILE_BYTES)))
     # Largest first into the least loaded file balances bytes across writer threads.
     loads = [0] * n_files
     bins: list[list[WriteItem]] = [[] for _ in range(n_files)]
-    for item in sorted(items, key=lambda it: -it.nbytes):
-        k = loads.index(min(loads))
-        bins[k].append(item)
-        loads[k] += item.nbytes
+    if n_files == 1:
+        bins[0] = items
+    else:
+        for item in sorted(items, key=lambda it: -it.nbytes):
+            k = loads.index(min(loads))
+            bins[k].append(item)
+            loads[k] += item.nbytes
     prefix = "data" if world == 1 else f"data-r{rank:05d}"
     # In-file order: largest item size first keeps every tensor aligned to its dtype (as
     # safetensors does); the writer and the stager both follow this order.

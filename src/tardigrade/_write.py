@@ -28,7 +28,7 @@ from ._plan import PER_RANK, REPLICATED, FilePlan, GlobalPlan
 from .errors import SaveError, StorageError, TardigradeError
 from .format import safetensors as st
 from .format.checksum import Hasher, checksum
-from .format.jsonio import dumps
+from .format.jsonio import dumps, gc_paused
 from .format.manifest import MANIFEST, parse, seal
 
 
@@ -297,6 +297,17 @@ def manifest_doc(
     written: dict[str, WrittenFile],
 ) -> dict[str, Any]:
     """The manifest of a save: its header, the state tree, and every chunk of every rank."""
+    with gc_paused():  # a chunk record per chunk of every rank: no cycle collections meanwhile
+        return _manifest_doc(header, tree, per_rank, gplan, written)
+
+
+def _manifest_doc(
+    header: dict[str, Any],
+    tree: dict[str, Any],
+    per_rank: list[list[Any]],
+    gplan: GlobalPlan,
+    written: dict[str, WrittenFile],
+) -> dict[str, Any]:
     tensors: list[dict[str, Any]] = []
     for t in gplan.tensors:
         record: dict[str, Any] = {

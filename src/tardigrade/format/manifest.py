@@ -220,7 +220,8 @@ def parse(raw_bytes: bytes, where: str) -> Manifest:
         raise _fail(where, f"'per_rank' must list each of the {world} ranks' subtrees")
     files, header_sums = _files(doc.get("files"), where, sealed=version >= SEALED_SINCE)
     tensors = _tensors(doc.get("tensors"), files, where)
-    _check_keys_unique(tensors, where)
+    with gc_paused():  # a set of a million (file, key) tuples
+        _check_keys_unique(tensors, where)
     return Manifest(doc, tensors, files, header_sums)
 
 

@@ -100,17 +100,18 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
     fill = 0
     ranges: list[tuple[int, int, int]] = []
     entries = job.entries
+    devices: set[torch.device] = set()  # devices copying into a pending block
     try:
         for fp, stream in zip(job.plan.files, streams, strict=True):
-            device = False  # whether a device-to-host copy targets a pending block
 
             def hand_over(final: bool, stream: queue.SimpleQueue[Any] = stream) -> None:
-                nonlocal pending, device
-                if device:
-                    # Device-to-host copies into pinned slabs are asynchronous: the writer
-                    # must not read a slab before its bytes have landed.
-                    torch.cuda.synchronize()
-                    device = False
+                nonlocal pending
+                if devices:
+                    # Device-to-host copies into pinned slabs are asynchronous, on each source
+                    # device's own stream: the writer must not read a slab before the bytes
+                    # from every device have landed (not only the current device's).
+                    synchronize(devices)
+                    devices.clear()
                 blocks: list[Any] = [*pending, *([END] if final else [])]
                 if bounded:
                     copier.run()
@@ -160,7 +161,7 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
                     dst = buf[fill : fill + n]
                     if on_device:
                         dst.copy_(flat[pos : pos + n], non_blocking=True)
-                        device = True
+                        devices.add(flat.device)
                     else:
                         copier.add(dst.numpy(), flat[pos : pos + n].numpy())
                     if i is not None:
@@ -262,6 +263,18 @@ class _Copier:
         finally:
             for f in futures:
                 f.result()
+
+
+def synchronize(devices: set[torch.device]) -> None:
+    """Wait for the work queued on each of ``devices`` (CUDA or another accelerator)."""
+    for d in devices:
+        module = getattr(torch, d.type, None)
+        sync = getattr(module, "synchronize", None)
+        if sync is None:
+            raise SaveError(
+                f"cannot wait for copies from {d}: torch.{d.type}.synchronize is missing"
+            )
+        sync(d) if d.index is not None else sync()
 
 
 def image_sizes(state: Any) -> list[int]:

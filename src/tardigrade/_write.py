@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,18 +59,33 @@ END: Any = None
 ABORT: Any = object()
 
 
-def stream_borrowed(job: SaveJob) -> list[list[Any]]:
-    """Synchronous staging: segments that point straight at the live tensors (the caller waits)."""
-    streams = []
+# An accelerator tensor is copied to host in pieces of this size as its writer takes them.
+DEVICE_PIECE_BYTES = 64 * 1024 * 1024
+
+
+def _borrowed(entries: list[Any], fp: FilePlan) -> Iterator[Any]:
+    for i, item in enumerate(fp.items):
+        src = item_source(entries, item)
+        if src.device.type == "cpu":
+            yield Segment(i, memoryview(as_bytes(contiguous_cpu(src)).numpy()))
+            continue
+        # Copied to host piece by piece while the file is written: host memory holds one
+        # piece per writer thread, not a host copy of the whole state.
+        t = src.detach()
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        flat = as_bytes(t.contiguous())
+        for lo in range(0, flat.numel(), DEVICE_PIECE_BYTES):
+            piece = flat[lo : lo + DEVICE_PIECE_BYTES].to("cpu")
+            yield Segment(i, memoryview(piece.numpy()))
+    yield END
+
+
+def stream_borrowed(job: SaveJob) -> list[Iterator[Any]]:
+    """Synchronous staging: segments that point straight at the live tensors (the caller waits);
+    accelerator tensors are copied to host a bounded piece at a time, as each file is written."""
     entries = job.entries
-    for fp in job.plan.files:
-        stream: list[Any] = []
-        for i, item in enumerate(fp.items):
-            data = as_bytes(contiguous_cpu(item_source(entries, item)))
-            stream.append(Segment(i, memoryview(data.numpy())))
-        stream.append(END)
-        streams.append(stream)
-    return streams
+    return [_borrowed(entries, fp) for fp in job.plan.files]
 
 
 @dataclass(frozen=True)
@@ -169,7 +184,15 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
         failure = e
     # Drain the whole stream even after a failure: every segment must release its staging
     # buffer, or a caller blocked on the staging budget would wait forever.
-    for seg in segments:
+    stream = iter(segments)
+    while True:
+        try:
+            seg = next(stream)
+        except StopIteration:
+            break
+        except BaseException as e:  # a lazy stream failed making a segment (a device copy)
+            failure = failure or e
+            break
         if seg is END or seg is ABORT:
             if seg is ABORT and failure is None:
                 failure = SaveError(f"{job.storage.url(job.name)}: staging failed")

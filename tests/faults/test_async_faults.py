@@ -714,7 +714,7 @@ def test_sync_stream_with_extra_bytes_fails_the_save(
     real = _write.stream_borrowed
 
     def with_stray_segment(job: Any) -> list[list[Any]]:
-        streams = real(job)
+        streams = [list(s) for s in real(job)]
         end = streams[0].pop()
         streams[0] += [_write.Segment(0, memoryview(b"stray bytes")), end]
         return streams
@@ -724,5 +724,29 @@ def test_sync_stream_with_extra_bytes_fails_the_save(
         tg.save(tmp_path / "bad", make_state(seed=12, mib=2))
     assert_layout_error(info.value, tmp_path / "bad")
     assert "item 0" in str(info.value)
+    only_entries(tmp_path, "prev")
+    assert_intact(committed)
+
+
+def test_sync_stream_failing_midway_fails_the_save_cleanly(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    committed: tuple[Path, dict[str, Any]],
+) -> None:
+    """A synchronous save copies accelerator tensors to host lazily, while each file is
+    written: a copy that fails midway (a device error) fails the save, commits nothing and
+    leaves no staging behind."""
+    real = _write.item_source
+    calls = {"n": 0}
+
+    def failing(entries: Any, item: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first tensor is written by now
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return real(entries, item)
+
+    monkeypatch.setattr(_write, "item_source", failing)
+    with pytest.raises(SaveError, match="device-side assert"):
+        tg.save(tmp_path / "bad", make_state(seed=13, mib=2))
     only_entries(tmp_path, "prev")
     assert_intact(committed)

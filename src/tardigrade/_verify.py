@@ -7,6 +7,7 @@ selects, matches and restores nothing. ``load(verify="all")`` does the same chec
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from ._open import _check_refs, open_manifest
 from ._read import DEFAULT_READ_THREADS, _verify_file
 from ._units import gbps
+from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
 from .errors import ChecksumMismatchError, CorruptCheckpointError
 from .format.manifest import Chunk
 
@@ -36,7 +38,13 @@ class VerifyReport:
         return gbps(self.nbytes, self.seconds)
 
 
-def verify(path: Any, *, workers: int = DEFAULT_READ_THREADS) -> VerifyReport:
+def verify(
+    path: Any,
+    *,
+    workers: int = DEFAULT_READ_THREADS,
+    process_group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> VerifyReport:
     """Check every byte of a checkpoint against its checksums; raise CorruptCheckpointError if any fail.
 
     ``path`` is the checkpoint directory; ``workers`` data files are checked side by side
@@ -44,23 +52,64 @@ def verify(path: Any, *, workers: int = DEFAULT_READ_THREADS) -> VerifyReport:
     raises ``ChecksumMismatchError`` (changed bytes) or ``CorruptCheckpointError`` (anything
     else), naming every damaged file.
 
+    When ``torch.distributed`` is initialized the pass is collective: every rank of
+    ``process_group`` calls it, each checks a share of the files (balanced by bytes), and
+    every rank returns the same report or raises the same error. ``timeout`` bounds the wait
+    for the other ranks.
+
     >>> report = tg.verify("ckpt/step-100")     # doctest: +SKIP
     >>> print(report.nbytes, report.throughput_gbps)  # doctest: +SKIP
     """
     start = time.perf_counter()
-    storage, name, m = open_manifest(path)
-    where = storage.url(name)
-    for rank in range(m.world_size if "per_rank" in m.raw else 1):
-        _check_refs(m.tree_for(rank, "error", where), m, where)
-    by_file: dict[str, list[tuple[int, Chunk]]] = {f: [] for f in m.files}
-    for i, info in enumerate(m.tensors):
-        for c in info.chunks:
-            by_file[c.file].append((i, c))
+    ranks = Ranks.current(process_group, timeout=timeout)
+    seen: dict[str, Any] = {}
 
-    def one(file: str) -> int:
-        return _verify_file(storage, name, file, m, by_file[file])
+    def local() -> bytes:
+        storage, name, m = open_manifest(path)
+        where = storage.url(name)
+        for rank in range(m.world_size if "per_rank" in m.raw else 1):
+            _check_refs(m.tree_for(rank, "error", where), m, where)
+        by_file: dict[str, list[tuple[int, Chunk]]] = {f: [] for f in m.files}
+        for i, info in enumerate(m.tensors):
+            for c in info.chunks:
+                by_file[c.file].append((i, c))
 
-    files = sorted(m.files)
+        def one(file: str) -> int:
+            return _verify_file(storage, name, file, m, by_file[file])
+
+        files = sorted(m.files)
+        if ranks is not None:
+            # Largest first to the least loaded rank: every rank computes the same shares.
+            loads = [0] * ranks.size
+            mine = []
+            for f in sorted(files, key=lambda f: (-m.files[f], f)):
+                r = loads.index(min(loads))
+                loads[r] += m.files[f]
+                if r == ranks.rank:
+                    mine.append(f)
+            files_checked = mine
+        else:
+            files_checked = files
+        seen.update(where=where, step=m.step, files=len(files), tensors=len(m.tensors))
+        return str(_check_files(files_checked, one, workers, where)).encode()
+
+    if ranks is None:
+        nbytes = int(local())
+    else:
+        # The exchange makes damage found by any rank fail the pass on every rank.
+        nbytes = sum(int(d) for d in ranks.all_gather("tg.verify", local))
+    return VerifyReport(
+        seen["where"],
+        seen["step"],
+        seen["files"],
+        seen["tensors"],
+        nbytes,
+        time.perf_counter() - start,
+    )
+
+
+def _check_files(files: list[str], one: Callable[[str], int], workers: int, where: str) -> int:
+    """Verify ``files`` side by side; raise one error naming every damaged file."""
     errors: list[CorruptCheckpointError] = []
     nbytes = 0
     with ThreadPoolExecutor(max(1, min(workers, len(files) or 1))) as pool:
@@ -77,6 +126,4 @@ def verify(path: Any, *, workers: int = DEFAULT_READ_THREADS) -> VerifyReport:
             f"{where}: {len(errors)} of {len(files)} data file(s) failed verification:\n  "
             + "\n  ".join(str(e) for e in errors)
         )
-    return VerifyReport(
-        where, m.step, len(files), len(m.tensors), nbytes, time.perf_counter() - start
-    )
+    return nbytes

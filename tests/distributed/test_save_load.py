@@ -265,3 +265,26 @@ def test_the_global_plan_is_cached_while_the_layout_is_unchanged(tmp_path: Path)
     assert run_ranks(plan_cache_rank, 2, str(tmp_path)) == [2, 0]
     assert tg.load(tmp_path / "s2")["mine"] == 2
     assert tg.load(tmp_path / "s2", per_rank_fallback="rank0")["w"].sum() == 2 * 32 * 8
+
+
+def verify_rank(rank: int, world: int, ckpt: str) -> Any:
+    try:
+        report = tg.verify(ckpt)
+    except tg.TardigradeError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return [report.files, report.nbytes]
+
+
+def test_verify_is_collective_and_every_rank_sees_damage(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_ranks(save_rank, 2, str(ckpt))
+    whole = tg.verify(ckpt)
+    assert run_ranks(verify_rank, 2, str(ckpt)) == [[whole.files, whole.nbytes]] * 2
+    victim = sorted(ckpt.glob("data-r00001-*"))[-1]
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    out = run_ranks(verify_rank, 2, str(ckpt))
+    # One rank checks the damaged file; both raise, naming it.
+    assert all(o["error"] == "ChecksumMismatchError" for o in out), out
+    assert all(victim.name in o["message"] for o in out)

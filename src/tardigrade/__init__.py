@@ -11,6 +11,7 @@ from ._load import load
 from ._open import read_manifest
 from ._rng import RNGState
 from ._save import save
+from ._sharding import PerRank, Sharded
 from ._tree import Stateful
 from ._verify import VerifyReport, verify
 from ._version import __version__
@@ -47,6 +48,7 @@ __all__ = [
     "InvalidArgumentError",
     "Job",
     "JobRunner",
+    "PerRank",
     "RNGState",
     "ResumableSampler",
     "SampleIndex",
@@ -55,6 +57,7 @@ __all__ = [
     "SaveResult",
     "SaveStats",
     "SeededDataset",
+    "Sharded",
     "StateMismatchError",
     "Stateful",
     "StorageError",

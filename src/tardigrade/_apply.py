@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ._match import Path, _key_of, _Matcher, _plain_live, _plain_node
+from ._sharding import PerRank
 from ._tree import is_stateful, path_str
 from ._validate import validate_state
 from .errors import StateMismatchError
@@ -37,6 +38,9 @@ class _Applier:
         self, node: dict[str, Any], live: Any, value: Any, path: Path
     ) -> Iterator[tuple[Path, dict[str, Any], Any, Any]]:
         """Each (path, node, live object, state) that load_state_dict() is called with."""
+        if isinstance(live, PerRank):
+            yield from self.objects(node, live.value, value, path)
+            return
         tag = node.get("t")
         if path and _plain_node(node) and _plain_live(live):
             return
@@ -130,6 +134,9 @@ class _Applier:
 
     def put(self, node: dict[str, Any], live: Any, value: Any, path: Path) -> Any:
         """Replace plain values and copy tensors; stateful objects are already loaded."""
+        if isinstance(live, PerRank):
+            live.value = self.put(node, live.value, value, path)
+            return live
         tag = node.get("t")
         if path and _plain_node(node) and _plain_live(live):
             return value

@@ -18,8 +18,10 @@ from ._open import _check_refs, open_manifest
 from ._read import DEFAULT_READ_THREADS, _check_sizes, _empty, _read_chunks
 from ._tree import decode, path_str
 from ._validate import standin
+from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
 from .errors import InvalidArgumentError, StateMismatchError, TardigradeError
 from .format.dtypes import TORCH_DTYPES
+from .format.manifest import PER_RANK_FALLBACKS
 
 log = logging.getLogger("tardigrade")
 
@@ -34,6 +36,9 @@ def load(
     strict: bool = True,
     verify: bool | str = True,
     workers: int = DEFAULT_READ_THREADS,
+    per_rank_fallback: str = "rank0",
+    process_group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Any:
     """Load a checkpoint as a plain tree, or restore it in place into live state with ``into=``.
 
@@ -66,20 +71,59 @@ def load(
             (default ``True``); ``False`` skips the checksums of the bytes read (the manifest
             checksum and all structural validation still apply).
         ``workers``: data files read side by side (threads).
+        ``per_rank_fallback``: for a rank the save did not have, ``"rank0"`` (default) loads
+            rank 0's ``tg.PerRank`` values, ``"error"`` raises StateMismatchError.
+        ``process_group``: when ``torch.distributed`` is initialized the load is collective:
+            every rank of this group calls it; each reads only the bytes its live state needs
+            (any world size: sharded tensors are resharded), gets its own ``tg.PerRank``
+            values, and an error on any rank raises on every rank.
+        ``timeout``: seconds a rank waits for the others in a collective load.
 
     Returns the loaded tree (with ``into``, the tree that was applied).
 
     >>> tg.load("ckpt/step-100", into=state)          # doctest: +SKIP
     >>> weights = tg.load("ckpt/step-100", keys=["model"])["model"]  # doctest: +SKIP
     """
+    kw = dict(into=into, keys=keys, strict=strict, verify=verify, workers=workers)
+    ranks = Ranks.current(process_group, timeout=timeout)
+    if ranks is None:
+        return _load(path, rank=0, per_rank_fallback=per_rank_fallback, **kw)  # type: ignore[arg-type]
+    out: list[Any] = []
+
+    def local() -> bytes:
+        out.append(_load(path, rank=ranks.rank, per_rank_fallback=per_rank_fallback, **kw))  # type: ignore[arg-type]
+        return b""
+
+    # Every rank reads on its own; the exchange makes a failure on one rank fail them all.
+    ranks.all_gather("tg.load", local)
+    return out[0]
+
+
+def _load(
+    path: Any,
+    *,
+    into: Any,
+    keys: Sequence[Key] | None,
+    strict: bool,
+    verify: bool | str,
+    workers: int,
+    rank: int,
+    per_rank_fallback: str,
+) -> Any:
     if verify not in (True, False, "all"):
         raise InvalidArgumentError(f"verify must be True, False or 'all', got {verify!r}")
+    if per_rank_fallback not in PER_RANK_FALLBACKS:
+        raise InvalidArgumentError(
+            f"per_rank_fallback must be one of {list(PER_RANK_FALLBACKS)}, got "
+            f"{per_rank_fallback!r}"
+        )
     storage, name, m = open_manifest(path)
     where = storage.url(name)
-    _check_refs(m.tree, m, where)
+    full = m.tree_for(rank, per_rank_fallback, where)
+    _check_refs(full, m, where)
     # Validate the whole tree before walking it against keys or live state.
-    decode(m.tree, lambda node, p: None, where)
-    tree = m.tree if keys is None else _select(m.tree, keys, where)
+    decode(full, lambda node, p: None, where)
+    tree = full if keys is None else _select(full, keys, where)
     needed = _check_refs(tree, m, where)
     matcher = _Matcher(m, where, strict)
     applier = _Applier(matcher, strict, where)
@@ -100,14 +144,14 @@ def load(
     _check_sizes(storage, name, m, checked | {c.file for e in needed for c in m.tensors[e].chunks})
     dest = matcher.dest
     for e in needed:
-        if e not in dest:
+        if e not in dest and e not in matcher.sharded:
             info = m.tensors[e]
             dest[e] = _empty(info.shape, TORCH_DTYPES[info.dtype], f"{where}: tensor #{e}")
-    tasks = _plan_reads(m, needed, dest, _entry_paths(tree))
+    tasks = _plan_reads(m, needed, dest, _entry_paths(tree), matcher.sharded)
     try:
         _read_chunks(storage, name, m, tasks, bool(verify), workers, verify == "all")
     except TardigradeError as e:
-        if into is None or not matcher.dest:
+        if into is None or not (matcher.dest or matcher.sharded):
             raise
         # Bytes go straight into the live tensors (no second copy of the state), so damage
         # found mid-way leaves some of them overwritten: say which, and what to do.
@@ -124,6 +168,8 @@ def load(
         raise err from e
 
     def leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
+        if node["e"] in matcher.sharded:
+            return matcher.sharded[node["e"]][0]  # the live DTensor / tg.Sharded, filled
         t = dest[node["e"]]
         view = node.get("view")
         if view:

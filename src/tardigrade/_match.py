@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ._read import _ReadTask
+from ._sharding import Box, PerRank, Sharded, box_of, is_dtensor
 from ._tree import SPARSE_LAYOUTS, decode, is_stateful, path_str
 from ._validate import class_name, same_class
 from .errors import CorruptCheckpointError, InvalidArgumentError
@@ -128,6 +129,9 @@ class _Matcher:
         # owns them; None for tensors outside any object.
         self.in_place: dict[Path | None, list[str]] = {}
         self._owner: Path | None = None
+        # Live sharded leaves (DTensor, tg.Sharded): entry -> (live leaf, local tensor, box).
+        # Only the part of the stored tensor inside the box is read, into the local tensor.
+        self.sharded: dict[int, tuple[Any, torch.Tensor, Box]] = {}
 
     def match(
         self,
@@ -141,6 +145,8 @@ class _Matcher:
         """``lenient``: keys may differ. ``free``: the checkpoint decides the layout (nothing is
         a difference). ``module``: ``node`` is a module's state_dict, whose tensors are fixed
         and whose other values (extra state) are free."""
+        if isinstance(live, PerRank):
+            live = live.value  # the checkpoint's per-rank parts are this rank's already
         tag = node.get("t")
         p = path_str(path)
         if tag == "stateful":
@@ -250,6 +256,9 @@ class _Matcher:
         info = self.m.tensors[node["e"]]
         shape, dtype = _leaf_shape_dtype(node, info)  # a complex tensor's, not its real view's
         p = path_str(path)
+        if node["t"] == "tensor" and (isinstance(live, Sharded) or is_dtensor(live)):
+            self.match_sharded(node, live, path, shape, dtype, report)
+            return
         if node["t"] == "ndarray":
             if not isinstance(live, np.ndarray):
                 if report:
@@ -299,6 +308,40 @@ class _Matcher:
             # The bytes are read into the live complex tensor through its real view.
             self.dest[node["e"]] = torch.view_as_real(target) if target.is_complex() else target
             self.in_place.setdefault(self._owner, []).append(p)
+
+    def match_sharded(
+        self,
+        node: dict[str, Any],
+        live: Any,
+        path: tuple[Any, ...],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        report: bool,
+    ) -> None:
+        """A live piece of a global tensor receives its box of the stored tensor, whatever the
+        pieces were at save time (resharding)."""
+        p = path_str(path)
+        local, box = box_of(live, p)  # type: ignore[misc]
+        problem = None
+        if "view" in node or "complex" in node:
+            problem = "checkpoint holds a view or complex tensor, live value is sharded"
+        elif box.global_shape != shape or local.dtype != dtype:
+            problem = (
+                f"checkpoint has shape {list(shape)} {dtype}, live sharded tensor has global "
+                f"shape {list(box.global_shape)} {local.dtype}"
+            )
+        elif node["e"] in self.sharded or node["e"] in self.dest:
+            problem = "the stored tensor is read into another live tensor already"
+        elif local.device.type != "cpu" or not local.is_contiguous():
+            problem = (
+                f"the live local tensor must be a contiguous CPU tensor (is on {local.device})"
+            )
+        if problem is not None:
+            if report:
+                self.diffs.append(f"{p}: {problem}")
+            return
+        self.sharded[node["e"]] = (live, local.detach(), box)
+        self.in_place.setdefault(self._owner, []).append(p)
 
     def match_sparse(self, node: dict[str, Any], live: Any, path: tuple[Any, ...]) -> None:
         """A sparse tensor must meet a live one of its layout, size and dtype.
@@ -378,7 +421,11 @@ def _plain_node(node: Any) -> bool:
 
 def _plain_live(obj: Any, depth: int = 0) -> bool:
     """True if a live value holds no tensor, array or stateful object (so it may be replaced)."""
-    if isinstance(obj, (torch.Tensor, np.ndarray)) or is_stateful(obj) or depth > 100:
+    if (
+        isinstance(obj, (torch.Tensor, np.ndarray, PerRank, Sharded))
+        or is_stateful(obj)
+        or depth > 100
+    ):
         return False
     if isinstance(obj, Mapping):
         return all(_plain_live(v, depth + 1) for v in obj.values())
@@ -426,16 +473,49 @@ def _region(dest: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     return r
 
 
+def _overlap(
+    chunk: Chunk, box: Box, local: torch.Tensor
+) -> tuple[torch.Tensor, tuple[slice, ...] | None] | None:
+    """Where a stored chunk meets a live piece: the region of the piece it fills and the part
+    of the chunk that fills it (None: the whole chunk); None if they do not meet."""
+    target = local
+    part: list[slice] = []
+    whole = True
+    for d, (co, cn, bo, bn) in enumerate(
+        zip(chunk.offsets, chunk.shape, box.offsets, local.shape, strict=True)
+    ):
+        lo, hi = max(co, bo), min(co + cn, bo + bn)
+        if hi <= lo:  # disjoint, or nothing to read (an empty chunk or live piece)
+            return None
+        if lo != bo or hi - lo != bn:
+            target = target.narrow(d, lo - bo, hi - lo)
+        part.append(slice(lo - co, hi - co))
+        whole = whole and lo == co and hi - lo == cn
+    return target, (None if whole else tuple(part))
+
+
 def _plan_reads(
-    m: Manifest, needed: set[int], dest: dict[int, torch.Tensor], paths: dict[int, str]
+    m: Manifest,
+    needed: set[int],
+    dest: dict[int, torch.Tensor],
+    paths: dict[int, str],
+    sharded: dict[int, tuple[Any, torch.Tensor, Box]] | None = None,
 ) -> list[_ReadTask]:
-    """One read per chunk of each ``needed`` entry, into its region of the entry's ``dest``.
+    """One read per chunk of each ``needed`` entry, into its region of the entry's ``dest``;
+    for a live sharded leaf, one read per chunk that meets its box (the rest is not read).
 
     ``paths`` names the entries in messages (``_entry_paths``); an entry it lacks is
     ``tensor #N``.
     """
-    return [
-        _ReadTask(e, c, _region(dest[e], c), paths.get(e, f"tensor #{e}"))
-        for e in sorted(needed)
-        for c in m.tensors[e].chunks
-    ]
+    tasks = []
+    for e in sorted(needed):
+        path = paths.get(e, f"tensor #{e}")
+        if sharded and e in sharded:
+            _, local, box = sharded[e]
+            for c in m.tensors[e].chunks:
+                hit = _overlap(c, box, local)
+                if hit is not None:
+                    tasks.append(_ReadTask(e, c, hit[0], path, hit[1]))
+            continue
+        tasks.extend(_ReadTask(e, c, _region(dest[e], c), path) for c in m.tensors[e].chunks)
+    return tasks

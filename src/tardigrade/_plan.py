@@ -20,6 +20,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ._sharding import Box
 from ._tree import Entry, Flat
 from .errors import InvalidArgumentError
@@ -105,17 +107,46 @@ class LocalPlan:
     shared: tuple[LocalEntry, ...]
     own: tuple[LocalEntry, ...]
 
+    def meta(self) -> str:
+        """A digest of the shared leaves as every rank must agree on them: count, dtypes,
+        global shapes, which are sharded (not where each rank's piece sits)."""
+        h = hashlib.blake2b(digest_size=16)
+        for e in self.shared:
+            g = e.shape if e.box is None else e.box.global_shape
+            h.update(f"{e.dtype}{g}{e.numpy}{e.box is None};".encode())
+        return h.hexdigest()
+
+    def boxes(self) -> np.ndarray:
+        """The offsets and shape of each sharded piece, concatenated, as int64."""
+        flat: list[int] = []
+        for e in self.shared:
+            if e.box is not None:
+                flat += e.box.offsets
+                flat += e.shape
+        return np.array(flat, dtype=np.int64)
+
     def signature(self) -> str:
         """A digest of what the global plan depends on: equal signatures, equal plans."""
-        return hashlib.blake2b(self.to_bytes(), digest_size=16).hexdigest()
+        h = hashlib.blake2b(self.to_bytes(full=False), digest_size=16)
+        return h.hexdigest()
 
-    def to_bytes(self) -> bytes:
-        doc = {"shared": [e.to_json() for e in self.shared], "own": [e.to_json() for e in self.own]}
-        return json.dumps(doc, separators=(",", ":")).encode()
+    def to_bytes(self, *, full: bool = True) -> bytes:
+        """The wire form: a JSON header (this rank's own tensors, the agreed ``meta``, and
+        with ``full`` every shared leaf), a NUL, then the sharded pieces as int64 (``boxes``).
+
+        Only the coordinator's own plan needs ``full``: every other rank's shared leaves are
+        the coordinator's but for where its pieces sit, which travel as packed integers (a
+        job of 1,024 ranks holding 2,000 sharded tensors sends no JSON per tensor).
+        """
+        doc: dict[str, object] = {"meta": self.meta(), "own": [e.to_json() for e in self.own]}
+        if full:
+            doc["shared"] = [e.to_json() for e in self.shared]
+        return json.dumps(doc, separators=(",", ":")).encode() + b"\0" + self.boxes().tobytes()
 
     @staticmethod
     def from_bytes(raw: bytes) -> LocalPlan:
-        doc = json.loads(raw)
+        """A full plan (``to_bytes(full=True)``)."""
+        doc = json.loads(raw[: raw.index(b"\0")])
         return LocalPlan(
             tuple(LocalEntry.from_json(e) for e in doc["shared"]),
             tuple(LocalEntry.from_json(e) for e in doc["own"]),
@@ -216,60 +247,50 @@ def _rows(
     ]  # fmt: skip
 
 
-def _disagree(what: str, i: int, name: str, ranks: Sequence[int], detail: str) -> Exception:
-    return InvalidArgumentError(
-        f"state[{name!r}] (tensor #{i}): {what} differs between ranks {list(ranks)}: {detail}. "
-        "Every rank must save the same leaves; wrap values that differ per rank in tg.PerRank "
-        "and pieces of one tensor in tg.Sharded (or use DTensor)."
-    )
+def _pieces(
+    name: str, shape: tuple[int, ...], boxes: np.ndarray
+) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """The distinct pieces of one sharded tensor: (offsets, shape, ranks holding it).
 
-
-def _check_shared(plans: Sequence[LocalPlan]) -> None:
-    """Every rank must hold the same shared leaves: same count, kinds, dtypes, global shapes."""
-    first = plans[0].shared
-    for r, p in enumerate(plans[1:], 1):
-        if len(p.shared) != len(first):
-            raise InvalidArgumentError(
-                f"rank {r} saves {len(p.shared)} tensors outside tg.PerRank and rank 0 saves "
-                f"{len(first)}: every rank must save the same state tree (wrap what differs "
-                "per rank in tg.PerRank)."
-            )
-        if p.shared == first:
-            continue
-        for i, (a, b) in enumerate(zip(first, p.shared, strict=True)):
-            if (a.box is None) != (b.box is None):
-                raise _disagree("being sharded", i, a.name, [0, r], "sharded on one, not the other")
-            if a.dtype != b.dtype:
-                raise _disagree("the dtype", i, a.name, [0, r], f"{a.dtype} vs {b.dtype}")
-            ga = a.shape if a.box is None else a.box.global_shape
-            gb = b.shape if b.box is None else b.box.global_shape
-            if ga != gb:
-                raise _disagree("the shape", i, a.name, [0, r], f"{list(ga)} vs {list(gb)}")
-
-
-Piece = tuple[tuple[int, ...], tuple[int, ...]]  # offsets and shape of a box
-
-
-def _pieces(plans: Sequence[LocalPlan], i: int) -> dict[Piece, list[int]]:
-    """The distinct pieces of sharded tensor ``i``, each with the ranks holding it."""
-    pieces: dict[Piece, list[int]] = {}
-    for r, p in enumerate(plans):
-        e = p.shared[i]
-        assert e.box is not None
-        pieces.setdefault((e.box.offsets, e.shape), []).append(r)
-    shape = plans[0].shared[i].box.global_shape  # type: ignore[union-attr]
-    boxes = [(o, tuple(a + n for a, n in zip(o, s, strict=True))) for o, s in pieces if 0 not in s]
+    ``boxes`` holds each rank's piece as a row of offsets then shape. Raises
+    InvalidArgumentError unless the pieces cover the tensor exactly once.
+    """
+    d = len(shape)
+    uniq, inverse = np.unique(boxes, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    order = np.argsort(inverse, kind="stable")
+    cuts = np.searchsorted(inverse[order], np.arange(1, len(uniq)))
+    holders = [tuple(int(r) for r in g) for g in np.split(order, cuts)]
+    offs, sizes = uniq[:, :d], uniq[:, d:]
+    pieces = [
+        (tuple(int(x) for x in o), tuple(int(x) for x in n), h)
+        for o, n, h in zip(offs, sizes, holders, strict=True)
+    ]
+    if d == 0:
+        return pieces[:1]
+    full = np.array(shape, dtype=np.int64)
     try:
-        if sum(math.prod(s) for _, s in pieces) != math.prod(shape):
+        if bool(np.any(offs + sizes > full)):
+            raise TilingError("a piece reaches past the tensor")
+        if sum(math.prod(n) for _, n, _ in pieces) != math.prod(shape):
             raise TilingError("their volumes do not add up to the tensor's")
-        check_exact_tiling(boxes, list(shape), max(64, 4 * len(boxes)))
+        live = np.all(sizes > 0, axis=1)
+        if bool(np.all(offs[:, 1:] == 0)) and bool(np.all(sizes[:, 1:] == full[1:])):
+            # Row slabs, the usual sharding: sorted, each must start where the last ended.
+            starts = np.sort(offs[live, 0])
+            ends = np.sort(offs[live, 0] + sizes[live, 0])
+            if len(starts) and (starts[0] != 0 or np.any(starts[1:] != ends[:-1])):
+                raise TilingError("the row ranges overlap or leave a gap")
+        else:
+            boxes_ = [(o, tuple(a + b for a, b in zip(o, n, strict=True))) for o, n, _ in pieces
+                      if 0 not in n]  # fmt: skip
+            check_exact_tiling(boxes_, list(shape), max(64, 4 * len(boxes_)))
     except TilingError as e:
-        name = plans[0].shared[i].name
         raise InvalidArgumentError(
             f"state[{name!r}]: the ranks' pieces of this sharded tensor (global shape "
             f"{list(shape)}) do not cover it exactly once ({e}); pieces: "
-            + ", ".join(f"rank {rs[0]}: offsets {list(o)} shape {list(s)}"
-                        for (o, s), rs in list(pieces.items())[:8])
+            + ", ".join(f"rank {h[0]}: offsets {list(o)} shape {list(n)}"
+                        for o, n, h in pieces[:8])
         ) from None  # fmt: skip
     return pieces
 
@@ -283,34 +304,82 @@ def global_plan(
     """Merge every rank's local plan into the tensor table and each rank's files.
 
     Deterministic: the same local plans give the same global plan. Raises
-    InvalidArgumentError naming the leaf when ranks disagree on the shared state or the
-    pieces of a sharded tensor do not tile it exactly once.
+    InvalidArgumentError when ranks disagree on the shared leaves or the pieces of a sharded
+    tensor do not tile it exactly once.
     """
-    world = len(plans)
-    _check_shared(plans)
-    shared = plans[0].shared
+    return _merge(
+        plans[0].shared,
+        [p.meta() for p in plans],
+        [p.boxes() for p in plans],
+        [p.own for p in plans],
+        max_files,
+        chunk_bytes,
+    )
+
+
+def global_plan_from_wire(
+    payloads: Sequence[bytes],
+    *,
+    max_files: int = DEFAULT_MAX_FILES,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> GlobalPlan:
+    """``global_plan`` of ``LocalPlan.to_bytes`` payloads, the first one ``full``."""
+    metas, boxes, owns = [], [], []
+    shared: tuple[LocalEntry, ...] = ()
+    for r, raw in enumerate(payloads):
+        cut = raw.index(b"\0")
+        doc = json.loads(raw[:cut])
+        if r == 0:
+            shared = tuple(LocalEntry.from_json(e) for e in doc["shared"])
+        metas.append(doc["meta"])
+        owns.append(tuple(LocalEntry.from_json(e) for e in doc["own"]))
+        boxes.append(np.frombuffer(raw[cut + 1 :], dtype=np.int64))
+    return _merge(shared, metas, boxes, owns, max_files, chunk_bytes)
+
+
+def _merge(
+    shared: tuple[LocalEntry, ...],
+    metas: list[str],
+    boxes: list[np.ndarray],
+    owns: list[tuple[LocalEntry, ...]],
+    max_files: int,
+    chunk_bytes: int,
+) -> GlobalPlan:
+    world = len(metas)
+    for r in range(1, world):
+        if metas[r] != metas[0]:
+            raise InvalidArgumentError(
+                f"rank {r} saves other tensors than rank 0 outside tg.PerRank (a different "
+                "number, dtype, global shape or sharding): every rank must save the same "
+                "state tree; wrap what differs per rank in tg.PerRank."
+            )
+    table = np.stack(boxes) if world and len(boxes[0]) else np.zeros((world, 0), np.int64)
     tensors: list[TensorRecord] = []
     units: list[_Unit] = []
     if world == 1:
         # One process: files of similar size, tensors split only to balance them (the
         # layout of every single-process checkpoint so far).
-        total = sum(math.prod(e.shape) * ITEMSIZE[e.dtype] for e in (*shared, *plans[0].own))
+        total = sum(math.prod(e.shape) * ITEMSIZE[e.dtype] for e in (*shared, *owns[0]))
         n_files = max(1, min(max_files, math.ceil(total / MIN_FILE_BYTES)))
         chunk_bytes = max(1, math.ceil(total / n_files))
+    pos = 0
     for i, e in enumerate(shared):
         if e.box is None:
             tensors.append(TensorRecord(e.dtype, e.shape, e.numpy, REPLICATED))
             units += _rows(e, i, i, (0,) * len(e.shape), (), chunk_bytes)
             continue
-        tensors.append(TensorRecord(e.dtype, e.box.global_shape, e.numpy, SHARDED))
-        for (offsets, shape), holders in _pieces(plans, i).items():
-            held = LocalEntry(e.dtype, shape, e.numpy, None, e.name)
-            h = () if len(holders) == world else tuple(holders)
+        shape = e.box.global_shape
+        tensors.append(TensorRecord(e.dtype, shape, e.numpy, SHARDED))
+        d = len(shape)
+        for offsets, size, holders in _pieces(e.name, shape, table[:, pos : pos + 2 * d]):
+            held = LocalEntry(e.dtype, size, e.numpy, None, e.name)
+            h = () if len(holders) == world else holders
             units += _rows(held, i, i, offsets, h, chunk_bytes)
+        pos += 2 * d
     own_base = []
-    for r, p in enumerate(plans):
+    for r, own in enumerate(owns):
         own_base.append(len(tensors))
-        for j, e in enumerate(p.own):
+        for j, e in enumerate(own):
             tensors.append(TensorRecord(e.dtype, e.shape, e.numpy, PER_RANK, r))
             t = len(tensors) - 1
             units += _rows(e, len(shared) + j, t, (0,) * len(e.shape), (r,), chunk_bytes)
@@ -318,20 +387,16 @@ def global_plan(
     unique = KeyMaker()
     per_rank: list[list[WriteItem]] = [[] for _ in range(world)]
     for u, r in zip(units, owners, strict=True):
-        split = u.start != 0 or u.stop != (u.shape[0] if u.shape else 1)
-        tensor = tensors[u.tensor]
-        if tensor.layout == SHARDED:
+        if tensors[u.tensor].layout == SHARDED:
             wanted = f"{u.name}@{','.join(map(str, u.offsets))}"
-        elif split:
+        elif u.start != 0 or u.stop != (u.shape[0] if u.shape else 1):
             wanted = f"{u.name}@{u.start}"
         else:
             wanted = u.name
-        key = unique(wanted)
         per_rank[r].append(
-            WriteItem(
-                u.entry, key, u.start, u.stop, u.nbytes, u.tensor, u.offsets, u.shape, u.dtype
-            )
-        )
+            WriteItem(u.entry, unique(wanted), u.start, u.stop, u.nbytes, u.tensor, u.offsets,
+                      u.shape, u.dtype)
+        )  # fmt: skip
     return GlobalPlan(
         tuple(tensors),
         tuple(_files(items, r, world, max_files) for r, items in enumerate(per_rank)),

@@ -55,6 +55,9 @@ class _ReadTask:
     chunk: Chunk  # which bytes: data file, key in its header, checksum
     target: torch.Tensor  # where they land: a tensor, or a view of one, of the chunk's shape
     path: str  # display path of the leaf, for messages
+    # Only this part of the chunk lands in ``target`` (a live piece of a resharded tensor);
+    # the whole chunk is still read, since its checksum covers all of it.
+    part: tuple[slice, ...] | None = None
 
 
 def _check_sizes(storage: Storage, name: str, m: Manifest, files: set[str]) -> None:
@@ -112,7 +115,7 @@ def _read_file(
                     "or restore it from a backup."
                 )
             region = task.target
-            direct = region.is_contiguous()
+            direct = region.is_contiguous() and task.part is None
             target = region if direct else _empty(c.shape, region.dtype, f"{src.name}: {c.key!r}")
             hasher = Hasher() if verify else None
             if target.numel():
@@ -120,7 +123,7 @@ def _read_file(
             if hasher is not None:
                 _check_sum(src, c.key, f" (for {task.path})", c.checksum, hasher)
             if not direct:
-                region.copy_(target)
+                region.copy_(target if task.part is None else target[task.part])
             nbytes += h.end - h.begin
         if unread:
             _check_chunks(src, header, m, unread)

@@ -14,6 +14,9 @@ from typing import Any
 from ._async import SaveFuture, default_checkpointer
 from ._job import SaveResult, make_job
 from ._write import stream_borrowed, write_and_commit
+from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
+from .distributed._save import save_collective
+from .errors import InvalidArgumentError
 
 __all__ = ["SaveResult", "save"]
 
@@ -28,6 +31,8 @@ def save(
     step: int | None = None,
     epoch: int | None = None,
     metrics: Mapping[str, float] | None = None,
+    process_group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> SaveResult | SaveFuture | None:
     """Save ``state`` atomically to the directory ``path``.
 
@@ -50,12 +55,26 @@ def save(
         ``metadata``: a dict of JSON values stored in the manifest (``tardigrade inspect``).
         ``step``, ``epoch``: counters recorded in the manifest (non-negative ints or None).
         ``metrics``: a dict of name -> number recorded in the manifest (e.g. for ``keep_best``).
+        ``process_group``: when ``torch.distributed`` is initialized the save is collective:
+            every rank of this group (default: the whole job) calls ``save`` with its own
+            state, and each writes its own files into one checkpoint (see the README's
+            Distributed section). Ignored in a single-process program.
+        ``timeout``: seconds any rank waits for the others in a collective save before every
+            rank raises ``DistributedError`` (a rank died, hangs, or did not call ``save``).
 
     >>> tg.save("ckpt/step-100", {"model": model, "optim": opt, "step": 100})  # doctest: +SKIP
     >>> fut = tg.save("ckpt/step-200", state, async_=True)  # doctest: +SKIP
     >>> fut.result()  # doctest: +SKIP
     """
     kw = dict(overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics)
+    ranks = Ranks.current(process_group, timeout=timeout)
+    if ranks is not None:
+        if async_:
+            raise InvalidArgumentError(
+                "async_=True is not supported in a collective save yet; save synchronously "
+                "(every rank writes its own files in parallel)"
+            )
+        return save_collective(ranks, path, state, **kw)  # type: ignore[arg-type]
     if async_:
         return default_checkpointer().save(path, state, **kw)  # type: ignore[arg-type]
     # The synchronous save is the same pipeline with a stager that borrows the live tensors

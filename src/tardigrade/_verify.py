@@ -50,7 +50,8 @@ def verify(path: Any, *, workers: int = DEFAULT_READ_THREADS) -> VerifyReport:
     start = time.perf_counter()
     storage, name, m = open_manifest(path)
     where = storage.url(name)
-    _check_refs(m.tree, m, where)
+    for rank in range(m.world_size if "per_rank" in m.raw else 1):
+        _check_refs(m.tree_for(rank, "error", where), m, where)
     by_file: dict[str, list[tuple[int, Chunk]]] = {f: [] for f in m.files}
     for i, info in enumerate(m.tensors):
         for c in info.chunks:

@@ -424,7 +424,8 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
         written = write_files(job, staging, streams)
         assert job.gplan is not None
         subs = job.flat.per_rank
-        trees = [per_rank_trees([f.tree for f in subs], [len(f.entries) for f in subs], 0)]
+        base = job.gplan.own_base[0]
+        trees = [per_rank_trees([f.tree for f in subs], [len(f.entries) for f in subs], base)]
         doc = manifest_doc(job.header, job.flat.tree, trees, job.gplan, written)
         manifest = seal_checked(doc, job.storage.url(job.name))
         commit_staging(job, staging, manifest)

@@ -85,10 +85,11 @@ class _Side:
         require_single(path)
         self.storage, self.name, self.m = open_manifest(path)
         self.where = self.storage.url(self.name)
-        _check_refs(self.m.tree, self.m, self.where)
+        self.tree = self.m.tree_for(0, "rank0", self.where)  # rank 0's tg.PerRank values
+        _check_refs(self.tree, self.m, self.where)
         self.leaves: dict[tuple[Any, ...], Any] = {}
         self.containers: dict[tuple[Any, ...], str] = {}
-        tree = decode(self.m.tree, self._tensor, self.where)
+        tree = decode(self.tree, self._tensor, self.where)
         self._walk(tree, ())
 
     def _tensor(self, node: dict[str, Any], path: tuple[Any, ...]) -> _Tensor:

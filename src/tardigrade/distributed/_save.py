@@ -1,0 +1,323 @@
+"""A collective save: every rank writes its own files into one staging location, rank 0 commits.
+
+The phases, each one exchange through :class:`Ranks` (an error on any rank raises the same
+error on every rank, and nothing is committed):
+
+1. **begin**: every rank flattens its state and describes it (the local plan's signature and a
+   digest of its state tree); the coordinator checks that the ranks agree on the tree and
+   what is at the path, and, when every rank's tensors are laid out as at the previous save,
+   reuses that save's plan and opens the staging location at once;
+2. **plan** (only when the layout changed): local plans are gathered, the coordinator builds
+   the global plan (who writes which chunk, which files) and hands each rank its own;
+3. **write + commit**: every rank writes its files into the staging location and sends back
+   their sizes and checksums and its per-rank subtrees; the coordinator builds the manifest,
+   checks it as a reader would, and commits. A failure anywhere removes the staging location.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .._job import SaveJob, SaveResult, check_target, make_header
+from .._plan import (
+    DEFAULT_MAX_FILES,
+    FilePlan,
+    GlobalPlan,
+    LocalPlan,
+    SavePlan,
+    WriteItem,
+    global_plan_from_wire,
+    local_plan,
+)
+from .._tree import Flat, flatten, path_str
+from .._write import (
+    WrittenFile,
+    as_save_error,
+    commit_staging,
+    manifest_doc,
+    per_rank_trees,
+    save_result,
+    seal_checked,
+    stream_borrowed,
+    write_files,
+)
+from ..errors import InvalidArgumentError
+from ..format.jsonio import dumps
+from ..storage import Storage, storage_for
+from ._collectives import Ranks
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _plan_to_json(plan: SavePlan) -> list[Any]:
+    return [
+        [
+            fp.name,
+            [
+                [i.entry, i.key, i.start, i.stop, i.nbytes, i.tensor, list(i.offsets),
+                 list(i.shape), i.dtype]
+                for i in fp.items
+            ],
+        ]
+        for fp in plan.files
+    ]  # fmt: skip
+
+
+def _plan_from_json(v: list[Any]) -> SavePlan:
+    return SavePlan(
+        tuple(
+            FilePlan(
+                name,
+                tuple(
+                    WriteItem(e, k, a, b, n, t, tuple(o), tuple(s), d)
+                    for e, k, a, b, n, t, o, s, d in items
+                ),
+            )
+            for name, items in v
+        )
+    )
+
+
+@dataclass
+class _Cached:
+    """The last plan of this process's group: reused while no rank's layout changes."""
+
+    plan_id: str
+    signature: str
+    plan: SavePlan
+    gplan: GlobalPlan | None  # on the coordinator
+
+
+_cache: dict[tuple[int, int], _Cached] = {}
+
+
+def _cache_key(ranks: Ranks) -> tuple[int, int]:
+    return (id(ranks.group), ranks.size)
+
+
+def first_difference(a: Any, b: Any, path: tuple[Any, ...] = ()) -> tuple[Any, ...]:
+    """The path of the first node where two state skeletons differ (for error messages)."""
+    if isinstance(a, dict) and isinstance(b, dict) and a.get("t") == b.get("t"):
+        va, vb = a.get("v"), b.get("v")
+        if a.get("t") in ("dict", "odict", "counter") and isinstance(va, list):
+            if isinstance(vb, list) and len(va) == len(vb):
+                for (ka, xa), (kb, xb) in zip(va, vb, strict=True):
+                    key = ka.get("v") if isinstance(ka, dict) else ka
+                    if ka != kb:
+                        return (*path, key)
+                    if xa != xb:
+                        return first_difference(xa, xb, (*path, key))
+            return path
+        if isinstance(va, list) and isinstance(vb, list) and len(va) == len(vb):
+            for i, (xa, xb) in enumerate(zip(va, vb, strict=True)):
+                if xa != xb:
+                    return first_difference(xa, xb, (*path, i))
+        if isinstance(va, dict) and isinstance(vb, dict):
+            return first_difference(va, vb, path)
+    return path
+
+
+def _raise_diverged(trees: list[bytes]) -> bytes:
+    docs = [json.loads(t) for t in trees]
+    bad = [r for r, d in enumerate(docs) if d != docs[0]]
+    a, b = docs[0], docs[bad[0]]
+    if a["tree"] == b["tree"]:
+        # Same values; a tensor differs in dtype, global shape or being sharded.
+        for x, y in zip(a["tensors"], b["tensors"], strict=False):
+            if x != y:
+                kind = lambda t: f"{t[1]}{t[2]}" + ("" if t[3] else " sharded")  # noqa: E731
+                raise InvalidArgumentError(
+                    f"state[{x[0]!r}] differs between rank 0 ({kind(x)}) and rank(s) {bad} "
+                    f"(rank {bad[0]}: {kind(y)}): every rank must save tensors of the same "
+                    "dtype and global shape; wrap pieces of one tensor in tg.Sharded (or use "
+                    "DTensor) and each rank's own tensors in tg.PerRank."
+                )
+    where = path_str(first_difference(a["tree"], b["tree"]))
+    raise InvalidArgumentError(
+        f"{where} differs between rank 0 and rank(s) {bad}: outside tg.PerRank every rank "
+        "must save the same values. Wrap what is each rank's own (RNG state, data position, "
+        "counters) in tg.PerRank, or make the ranks agree."
+    )
+
+
+class _Save:
+    """One collective save, as seen by one rank."""
+
+    def __init__(self, ranks: Ranks, path: Any, state: Any, kw: dict[str, Any]) -> None:
+        self.ranks = ranks
+        self.path = path
+        self.state = state
+        self.kw = kw
+        self.started = time.perf_counter()
+        self.storage: Storage | None = None
+        self.name = ""
+        self.flat: Flat | None = None
+        self.lp: LocalPlan | None = None
+        self.header: dict[str, Any] = {}
+        self.staging: str | None = None
+        self.cached = _cache.get(_cache_key(ranks))
+
+    # -- phase 1 -----------------------------------------------------------------------------
+
+    def describe(self) -> bytes:
+        kw = self.kw
+        if not isinstance(kw["overwrite"], bool):
+            raise InvalidArgumentError(f"overwrite must be a bool, got {kw['overwrite']!r}")
+        self.storage, self.name = storage_for(self.path)
+        self.header = make_header(
+            step=kw["step"], epoch=kw["epoch"], metrics=kw["metrics"], metadata=kw["metadata"],
+            world_size=self.ranks.size,
+        )  # fmt: skip
+        self.flat = flatten(self.state)
+        self.lp = local_plan(self.flat)
+        sig = self.lp.signature()
+        c = self.cached
+        return _json(
+            {
+                # The tree and the tensors' dtypes and global shapes: what ranks must agree on.
+                "tree": hashlib.blake2b(
+                    dumps(self.flat.tree) + self.lp.meta().encode(), digest_size=16
+                ).hexdigest(),
+                "plan": c.plan_id if c is not None and c.signature == sig else None,
+            }
+        )
+
+    def open(self, payloads: list[bytes]) -> bytes:
+        """Coordinator: check agreement and the target; reuse the plan if nobody's changed."""
+        docs = [json.loads(p) for p in payloads]
+        if any(d["tree"] != docs[0]["tree"] for d in docs):
+            return _json({"diverged": True})
+        assert self.storage is not None
+        check_target(self.storage, self.name, self.kw["overwrite"])
+        c = self.cached
+        if c is not None and c.gplan is not None and all(d["plan"] == c.plan_id for d in docs):
+            return _json({"plan_id": c.plan_id, **self._begin()})
+        return _json({"plan_id": None})
+
+    def _begin(self) -> dict[str, Any]:
+        assert self.storage is not None
+        save_id = self.header["save_id"]
+        self.staging = self.storage.begin(self.name, save_id)
+        return {"save_id": save_id, "staging": self.staging}
+
+    def tree_bytes(self) -> bytes:
+        assert self.flat is not None and self.lp is not None
+        tensors = [
+            [e.name, e.dtype, list(e.shape if e.box is None else e.box.global_shape), e.box is None]
+            for e in self.lp.shared
+        ]
+        return _json({"tree": json.loads(dumps(self.flat.tree)), "tensors": tensors})
+
+    # -- phase 2 -----------------------------------------------------------------------------
+
+    def plan(self, payloads: list[bytes]) -> bytes:
+        """Coordinator: the global plan, cached, and every rank's own part of it."""
+        gplan = global_plan_from_wire(payloads, max_files=self.kw["max_files"])
+        plan_id = uuid.uuid4().hex
+        assert self.lp is not None
+        _cache[_cache_key(self.ranks)] = _Cached(
+            plan_id, self.lp.signature(), gplan.ranks[0], gplan
+        )
+        return _json(
+            {
+                "plan_id": plan_id,
+                "plans": [_plan_to_json(p) for p in gplan.ranks],
+                **self._begin(),
+            }
+        )
+
+    # -- the whole save ----------------------------------------------------------------------
+
+    def run(self) -> SaveResult:
+        ranks = self.ranks
+        verdict = json.loads(ranks.reduce("tg.save (begin)", self.describe, self.open))
+        if verdict.get("diverged"):
+            # A second exchange, on this error path only, to name what differs.
+            ranks.reduce("tg.save (comparing state trees)", self.tree_bytes, _raise_diverged)
+            raise AssertionError("unreachable: the comparison always raises")
+        assert self.lp is not None and self.flat is not None and self.storage is not None
+        if verdict["plan_id"] is None:
+            verdict = json.loads(ranks.reduce("tg.save (planning)", self.lp.to_bytes, self.plan))
+            plan = _plan_from_json(verdict["plans"][ranks.rank])
+            if not ranks.coordinator:
+                _cache[_cache_key(ranks)] = _Cached(
+                    verdict["plan_id"], self.lp.signature(), plan, None
+                )
+        c = _cache[_cache_key(ranks)]
+        self.header["save_id"] = verdict["save_id"]
+        job = SaveJob(
+            self.storage, self.name, self.flat, c.plan, self.header, self.kw["overwrite"],
+            self.started, c.gplan,
+        )  # fmt: skip
+        staging = verdict["staging"]
+
+        def write() -> bytes:
+            try:
+                written = write_files(job, staging, stream_borrowed(job))
+            except Exception as e:  # reaches every rank as the SaveError a save raises
+                err = as_save_error(job, e)
+                if err is e:
+                    raise
+                raise err from e
+            return _json(
+                {
+                    "files": {
+                        n: [w.size, w.header_checksum, w.checksums] for n, w in written.items()
+                    },
+                    "per_rank": [sub.tree for sub in self.flat.per_rank],  # type: ignore[union-attr]
+                    "own": [len(sub.entries) for sub in self.flat.per_rank],  # type: ignore[union-attr]
+                }
+            )
+
+        def commit(payloads: list[bytes]) -> bytes:
+            assert c.gplan is not None
+            written: dict[str, WrittenFile] = {}
+            trees = []
+            for r, p in enumerate(payloads):
+                d = json.loads(p)
+                for n, (size, head, sums) in d["files"].items():
+                    written[n] = WrittenFile(size, head, sums)
+                trees.append(per_rank_trees(d["per_rank"], d["own"], c.gplan.own_base[r]))
+            doc = manifest_doc(self.header, self.flat.tree, trees, c.gplan, written)  # type: ignore[union-attr]
+            manifest = seal_checked(doc, job.storage.url(job.name))
+            commit_staging(job, staging, manifest)
+            return _json({"nbytes": sum(w.size for w in written.values()) + len(manifest),
+                          "files": len(written)})  # fmt: skip
+
+        try:
+            done = json.loads(ranks.reduce("tg.save (write and commit)", write, commit))
+        except BaseException as e:
+            if ranks.coordinator:
+                job.storage.delete(staging)
+            err = as_save_error(job, e)
+            if err is e:
+                raise
+            raise err from e
+        return save_result(job, done["nbytes"], done["files"])
+
+
+def save_collective(
+    ranks: Ranks,
+    path: Any,
+    state: Any,
+    *,
+    overwrite: bool = False,
+    metadata: Any = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    metrics: Any = None,
+    max_files: int = DEFAULT_MAX_FILES,
+) -> SaveResult:
+    """Save ``state`` collectively: every rank of ``ranks`` calls this with its own state."""
+    kw = dict(
+        overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics,
+        max_files=max_files,
+    )  # fmt: skip
+    return _Save(ranks, path, state, kw).run()

@@ -1,10 +1,12 @@
-"""The golden checkpoints of every format version keep loading (``v1/ckpt`` ... ``v3/ckpt``).
+"""The golden checkpoints of every format version keep loading (``v1/ckpt`` ... ``v4/ckpt``).
 
 Each was made once by its ``vN/make_fixture.py`` from the same state and seeds, so every value
 is checked against the same literals or deterministic re-creation written out here (not
 imported from the scripts, so editing a script cannot silently change the expectations).
 v3 adds a ``"leaves"`` subtree with every leaf kind v3 introduced (checked by
-``test_v3_leaves``). The fixtures are only read; their bytes are pinned by hash.
+``test_v3_leaves``). v4 is a different, tiny state saved by two ranks (a sharded tensor, a
+replicated one, per-rank values; ``test_v4_*``). The fixtures are only read; their bytes are
+pinned by hash.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Golden:
     manifest_sha256: str
     files: list[dict[str, Any]]  # the manifest's "files" list
     data_sha256: str = DATA_SHA256
+    # file name -> sha256, for fixtures with more than the one data file ``data_sha256`` pins
+    data_files: tuple[tuple[str, str], ...] = ()
 
     @property
     def data_bytes(self) -> int:
@@ -87,6 +91,33 @@ GOLDEN = [
     ),
 ]
 GOLDEN_V3 = GOLDEN[2]
+GOLDEN_V4 = Golden(
+    4,
+    "ef8093cc9ab0449fb83ae7c21cd5fc10",
+    "484585ab127bd99c98828e061077847d0f72f5bbc8f206473a04f175e9552a1c",
+    [
+        {
+            "name": "data-r00000-00000-of-00001.safetensors",
+            "size": 220,
+            "header_checksum": "8f544d4e7f89954e",
+        },
+        {
+            "name": "data-r00001-00000-of-00001.safetensors",
+            "size": 284,
+            "header_checksum": "345fd3e7ac46712e",
+        },
+    ],
+    data_files=(
+        (
+            "data-r00000-00000-of-00001.safetensors",
+            "8d16f267322475fee0273c00ee0a8dbf52cd79086b1c84a78bbc93aa01c4d3b8",
+        ),
+        (
+            "data-r00001-00000-of-00001.safetensors",
+            "8a984c0773d51cc80829195c7ecc1fc8bcec77bf2f42b015ef84ec1e6b578d4b",
+        ),
+    ),
+)
 
 
 @pytest.fixture(params=GOLDEN, ids=[f"v{g.version}" for g in GOLDEN])
@@ -97,10 +128,8 @@ def golden(request: pytest.FixtureRequest) -> Golden:
 @pytest.fixture(autouse=True)
 def _fixture_is_never_rewritten(golden: Golden):
     """The fixture's bytes are pinned, before and after every test here."""
-    pinned = {
-        "data-00000-of-00001.safetensors": golden.data_sha256,
-        "manifest.json": golden.manifest_sha256,
-    }
+    pinned = dict(golden.data_files) or {"data-00000-of-00001.safetensors": golden.data_sha256}
+    pinned["manifest.json"] = golden.manifest_sha256
 
     def digests() -> dict[str, str]:
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in golden.ckpt.iterdir()}
@@ -518,3 +547,66 @@ def test_v3_leaves_restore_into_live_objects(golden: Golden) -> None:
     )
     assert live["csr"].layout == torch.sparse_csr and live["csr"].values().tolist()[0] == 1.5
     assert type(live["counter"]) is Counter and live["counter"]["b"] == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# format v4: a checkpoint saved by two ranks, read back in one process
+
+V4_EMB = torch.tensor(
+    [
+        [-3.0, -2.5, -2.0],
+        [-1.5, -1.0, -0.5],
+        [0.0, 0.5, 1.0],
+        [1.5, 2.0, 2.5],
+        [3.0, 3.5, 4.0],
+    ]
+)
+
+
+@pytest.mark.parametrize("golden", [GOLDEN_V4], ids=["v4"])
+def test_v4_manifest(golden: Golden) -> None:
+    m = tg.read_manifest(golden.ckpt)
+    assert m["format_version"] == 4
+    assert m["save_id"] == golden.save_id
+    assert m["world_size"] == 2
+    assert m["step"] == 7
+    assert m["metadata"] == {"purpose": "golden v4"}
+    assert m["files"] == golden.files
+    layouts = [(t.get("layout", "replicated"), t.get("rank")) for t in m["tensors"]]
+    assert layouts == [("sharded", None), ("replicated", None), ("per_rank", 0), ("per_rank", 1)]
+    # the uneven row split: rank 0 wrote rows 0-2, rank 1 rows 3-4
+    emb = m["tensors"][0]
+    assert [(c["file"][:11], c["offsets"], c["shape"]) for c in emb["chunks"]] == [
+        ("data-r00000", [0, 0], [3, 3]),
+        ("data-r00001", [3, 0], [2, 3]),
+    ]
+    report = tg.verify(golden.ckpt)
+    assert report.files == 2 and report.nbytes == golden.data_bytes
+
+
+@pytest.mark.parametrize("golden", [GOLDEN_V4], ids=["v4"])
+def test_v4_loads_in_one_process(golden: Golden) -> None:
+    state = tg.load(golden.ckpt)
+    assert list(state) == ["emb", "bias", "step", "mine"]
+    assert_tensor(state["emb"], V4_EMB)  # whole, gathered from both ranks' files
+    assert_tensor(state["bias"], torch.tensor([0.25, -1.0, 3.5]))
+    assert state["step"] == 7
+    # one process is rank 0: it gets rank 0's per-rank values
+    assert state["mine"]["rank"] == 0
+    assert_tensor(state["mine"]["seen"], torch.tensor([0, 1], dtype=torch.int64))
+
+
+@pytest.mark.parametrize("golden", [GOLDEN_V4], ids=["v4"])
+def test_v4_restores_a_piece_into_live_state(golden: Golden) -> None:
+    live = {
+        "emb": tg.Sharded(torch.zeros(2, 3), (3, 0), (5, 3)),
+        "bias": torch.zeros(3),
+        "step": 0,
+        "mine": tg.PerRank({"rank": -1, "seen": torch.zeros(2, dtype=torch.int64)}),
+    }
+    tg.load(golden.ckpt, into=live)
+    assert_tensor(live["emb"].local, V4_EMB[3:])
+    assert_tensor(live["bias"], torch.tensor([0.25, -1.0, 3.5]))
+    assert live["step"] == 7
+    assert live["mine"].value["rank"] == 0
+    assert_tensor(live["mine"].value["seen"], torch.tensor([0, 1], dtype=torch.int64))

@@ -15,11 +15,14 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from .. import load, read_manifest
+from .._load import _load
+from .._open import open_manifest
+from .._read import DEFAULT_READ_THREADS
 from .._tree import decode
 from ..errors import CheckpointExistsError, InvalidArgumentError
 from ._listing import require_single
 from ._output import human_bytes
+from .inspect import per_rank_paths
 
 HELP = "write a checkpoint's tensors (e.g. the model weights) to one .safetensors file"
 
@@ -32,7 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Write the tensors of CKPT (or of the subtrees named by --keys) into one "
             "safetensors file, named by their path in the state joined with dots, e.g. "
             "'model.fc.weight'. Values that are not tensors (counters, learning rates) are "
-            "left out. Only the selected tensors are read, and each is verified."
+            "left out. Only the selected tensors are read, and each is verified. A sharded "
+            "tensor of a distributed checkpoint is written whole, gathered from its pieces. "
+            "Values saved as tg.PerRank differ per rank and are left out unless --rank names "
+            "the rank whose values to write."
         ),
     )
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory")
@@ -49,6 +55,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="name tensors relative to the single KEY given (fc.weight, not model.fc.weight), "
         "so the file loads straight into the module",
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="of a distributed checkpoint, also export rank R's tg.PerRank values "
+        "(default: leave per-rank values out)",
     )
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     p.set_defaults(run=run)
@@ -115,12 +129,18 @@ def collect(
     prefix: tuple[str, ...],
     out: dict[str, torch.Tensor],
     sparse: list[str] | None = None,
+    leave_out: frozenset[tuple[str, ...]] = frozenset(),
+    left_out: list[str] | None = None,
 ) -> int:
     """Gather tensors under ``value`` into ``out`` by dotted path; return non-tensors skipped.
 
     Sparse tensors are left out too (a safetensors file holds dense tensors only); their
-    paths go to ``sparse``.
+    paths go to ``sparse``. Subtrees at a path in ``leave_out`` go to ``left_out`` unread.
     """
+    if prefix in leave_out:
+        if left_out is not None:
+            left_out.append(".".join(prefix) or "the whole state")
+        return 0
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(np.ascontiguousarray(value))
     if isinstance(value, torch.Tensor) and value.layout != torch.strided:
@@ -137,9 +157,15 @@ def collect(
         out[name] = value
         return 0
     if isinstance(value, dict):
-        return sum(collect(v, (*prefix, str(k)), out, sparse) for k, v in value.items())
+        return sum(
+            collect(v, (*prefix, str(k)), out, sparse, leave_out, left_out)
+            for k, v in value.items()
+        )
     if isinstance(value, (list, tuple)):
-        return sum(collect(v, (*prefix, str(i)), out, sparse) for i, v in enumerate(value))
+        return sum(
+            collect(v, (*prefix, str(i)), out, sparse, leave_out, left_out)
+            for i, v in enumerate(value)
+        )
     return 1
 
 
@@ -171,34 +197,71 @@ def run(args: argparse.Namespace) -> int:
     if args.no_prefix and len(keys) != 1:
         raise InvalidArgumentError("--no-prefix needs exactly one --keys KEY")
     require_single(args.ckpt)
-    manifest = read_manifest(args.ckpt)
+    m = open_manifest(args.ckpt)[2]
+    manifest = m.raw
     where = os.path.abspath(args.ckpt)
-    resolved = [resolve_key(manifest["tree"], k, where) for k in keys]
+    if args.rank is not None and not 0 <= args.rank < m.world_size:
+        raise InvalidArgumentError(
+            f"--rank {args.rank}: {where} was saved by {m.world_size} rank(s); give a rank from "
+            f"0 to {m.world_size - 1}"
+        )
+    rank = 0 if args.rank is None else args.rank
+    # A PerRank value has no one global meaning; without --rank no rank's value is exported.
+    per_rank = (
+        frozenset()
+        if args.rank is not None or "per_rank" not in manifest
+        else frozenset(per_rank_paths(m.tree).values())
+    )
+    resolved = [resolve_key(m.tree_for(rank, "error", where), k, where) for k in keys]
+    # Everything selected is read into memory at once before the file is written.
+    read = dict(
+        into=None,
+        strict=True,
+        verify=True,
+        workers=DEFAULT_READ_THREADS,
+        rank=rank,
+        per_rank_fallback="error",
+    )
     if resolved and all(n > 0 for _, n in resolved):
         # load(keys=...) selects dict keys; a path that goes on into a list loads the list.
-        tree = load(args.ckpt, keys=[p[:n] for p, n in resolved])
+        tree = _load(args.ckpt, keys=[p[:n] for p, n in resolved], **read)  # type: ignore[arg-type]
     else:
-        tree = load(args.ckpt)
+        tree = _load(args.ckpt, keys=None, **read)  # type: ignore[arg-type]
 
     tensors: dict[str, torch.Tensor] = {}
     sparse: list[str] = []
+    left_out: list[str] = []
     skipped = 0
     if resolved:
         for p, _ in resolved:
             value = tree
             for k in p:
                 value = value[k]
-            prefix = () if args.no_prefix else tuple(str(k) for k in p)
-            skipped += collect(value, prefix, tensors, sparse)
+            at = tuple(str(k) for k in p)
+            prefix = () if args.no_prefix else at
+            leave = frozenset(
+                prefix + q[len(at) :] if q[: len(at)] == at else prefix
+                for q in per_rank
+                if q[: len(at)] == at or at[: len(q)] == q
+            )
+            skipped += collect(value, prefix, tensors, sparse, leave, left_out)
     else:
-        skipped = collect(tree, (), tensors, sparse)
+        skipped = collect(tree, (), tensors, sparse, per_rank, left_out)
+    note = (
+        f"; tg.PerRank values left out (they differ per rank; pass --rank R to export rank R's): "
+        f"{', '.join(left_out)}"
+        if left_out
+        else ""
+    )
     if not tensors:
         what = "under " + ", ".join(keys) if keys else "in the checkpoint"
-        raise InvalidArgumentError(f"{where}: no tensors {what}; nothing to export")
+        raise InvalidArgumentError(f"{where}: no tensors {what}; nothing to export{note}")
 
     metadata = {"format": "pt", "tardigrade_source": where}
     if manifest.get("step") is not None:
         metadata["tardigrade_step"] = str(manifest["step"])
+    if args.rank is not None:
+        metadata["tardigrade_rank"] = str(args.rank)
     # Write beside OUT and rename, so OUT is never left half-written.
     fd, tmp = tempfile.mkstemp(prefix=".tardigrade-export-", suffix=".tmp", dir=out_dir)
     os.close(fd)
@@ -221,5 +284,6 @@ def run(args: argparse.Namespace) -> int:
             if sparse
             else ""
         )
+        + note
     )
     return 0

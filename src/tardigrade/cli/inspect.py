@@ -11,9 +11,10 @@ import base64
 import json
 import math
 import os
+import re
 from typing import Any
 
-from .. import read_manifest
+from .._open import open_manifest
 from .._tree import decode
 from ..errors import CorruptCheckpointError, InvalidArgumentError, TardigradeError
 from ..format.dtypes import COMPLEX_DTYPES, ITEMSIZE
@@ -56,6 +57,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--depth", type=int, default=None, metavar="N", help="expand the tree N levels deep"
     )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="of a distributed checkpoint's tg.PerRank values, show only rank R's",
+    )
     p.set_defaults(run=run)
 
 
@@ -63,16 +71,29 @@ def run(args: argparse.Namespace) -> int:
     if args.depth is not None and args.depth < 1:
         raise InvalidArgumentError(f"--depth {args.depth}: must be at least 1")
     require_single(args.ckpt)
-    m = read_manifest(args.ckpt)
+    manifest = open_manifest(args.ckpt)[2]
+    m = manifest.raw
+    ranks = _shown_ranks(m, args.rank, args.ckpt)
     if args.json:
         print(json.dumps(m, indent=2))
         return 0
     where = os.path.abspath(args.ckpt)
-    # The manifest's tree is untrusted input: validate it whole before walking it.
-    decode(m["tree"], lambda node, path: None, where)
+    # The manifest's tree is untrusted input: validate it whole before walking it. Each
+    # tg.PerRank part is checked in rank 0's view of the tree and then on its own.
+    decode(manifest.tree_for(0, "rank0", where), lambda node, path: None, where)
+    for r, parts in enumerate(m.get("per_rank") or []):
+        if len(parts) != len(m["per_rank"][0]):
+            raise CorruptCheckpointError(
+                f"{where}: rank {r} has {len(parts)} tg.PerRank part(s) and rank 0 has "
+                f"{len(m['per_rank'][0])}; the manifest is damaged or was not written by "
+                "Tardigrade"
+            )
+        for part in parts:
+            decode(part, lambda node, path: None, where)
     try:
         head = summary(args.ckpt, m)
         tree = render_tree(m, depth=args.depth)
+        per_rank = render_per_rank(m, ranks, depth=args.depth)
     except (KeyError, TypeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"{where}: the manifest is malformed ({type(e).__name__}: {e}); it was damaged or not "
@@ -82,7 +103,24 @@ def run(args: argparse.Namespace) -> int:
     print()
     print("state")
     print("\n".join(tree))
+    if per_rank:
+        print()
+        print("\n".join(per_rank))
     return 0
+
+
+def _shown_ranks(m: dict[str, Any], rank: int | None, ckpt: str) -> list[int]:
+    """The ranks whose tg.PerRank values to show: all of them, or the one asked for."""
+    saved = len(m.get("per_rank") or [])
+    if rank is None:
+        return list(range(saved))
+    world = m.get("world_size", 1)
+    if not 0 <= rank < world:
+        raise InvalidArgumentError(
+            f"--rank {rank}: {os.path.abspath(ckpt)} was saved by {world} rank(s); give a rank "
+            f"from 0 to {world - 1}"
+        )
+    return [rank] if saved else []
 
 
 def tensor_nbytes(info: dict[str, Any]) -> int:
@@ -107,6 +145,11 @@ def summary(path: str, m: dict[str, Any]) -> list[str]:
         f"  created       {_or_dash(m.get('created'))}",
         f"  world size    {_or_dash(m.get('world_size'))}",
     ]
+    if m.get("per_rank"):
+        lines.append(
+            f"  per rank      {len(m['per_rank'][0])} tg.PerRank value(s) on each of "
+            f"{len(m['per_rank'])} ranks"
+        )
     if m.get("metrics"):
         lines.append(
             "  metrics       " + ", ".join(f"{k}={v:.6g}" for k, v in m["metrics"].items())
@@ -176,7 +219,28 @@ def key_text(node: Any) -> str:
     return scalar_text(node) if isinstance(node, dict) else "?"
 
 
-def _tensor_text(node: dict[str, Any], tensors: list[dict[str, Any]]) -> str:
+_RANK_FILE = re.compile(r"data-r(\d+)-")
+
+
+def layout_text(info: dict[str, Any], world_size: int) -> str:
+    """How the saving ranks held a tensor: ``sharded (3 chunks from 2 ranks)``, ``per rank 1``.
+
+    Said only of distributed checkpoints, so single-process listings read as they always did.
+    """
+    layout = info.get("layout", "replicated")
+    if layout == "sharded":
+        chunks = info.get("chunks") or []
+        writers = set()
+        for c in chunks:
+            found = _RANK_FILE.match(str(c.get("file") if isinstance(c, dict) else ""))
+            writers.add(int(found.group(1)) if found else -1)
+        return f"  sharded ({len(chunks)} chunk(s) from {len(writers)} rank(s))"
+    if layout == "per_rank":
+        return f"  per rank {info.get('rank')}"
+    return "  replicated" if world_size > 1 else ""
+
+
+def _tensor_text(node: dict[str, Any], tensors: list[dict[str, Any]], world_size: int = 1) -> str:
     e = node.get("e")
     if type(e) is not int or not 0 <= e < len(tensors):
         return "<tensor missing from the manifest>"
@@ -189,7 +253,8 @@ def _tensor_text(node: dict[str, Any], tensors: list[dict[str, Any]]) -> str:
     dtype = info["dtype"]
     if node.get("complex") in COMPLEX_DTYPES:  # stored as its real view: [..., 2]
         dtype, shape = node["complex"], shape[:-1]
-    return f"{kind}{dtype}{list(shape)}  {human_bytes(nbytes)}{extra}"
+    layout = layout_text(info, world_size)
+    return f"{kind}{dtype}{list(shape)}  {human_bytes(nbytes)}{extra}{layout}"
 
 
 def _sparse_text(node: dict[str, Any], tensors: list[dict[str, Any]]) -> str:
@@ -229,9 +294,16 @@ def _plain_list_text(tag: str, items: list[dict[str, Any]]) -> str:
     return f"{tag}[{len(items)}] of {'/'.join(kinds)}: [{head}, ..., {last}]"
 
 
-def render_tree(m: dict[str, Any], depth: int | None = None) -> list[str]:
-    """The state tree as indented ``key: value`` lines."""
+def render_tree(
+    m: dict[str, Any],
+    depth: int | None = None,
+    root: dict[str, Any] | None = None,
+    label: str = "",
+    level: int = -1,
+) -> list[str]:
+    """The state tree (or the subtree ``root``) as indented ``key: value`` lines."""
     tensors = m.get("tensors") or []
+    world_size = m.get("world_size", 1)
     lines: list[str] = []
 
     def children(node: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -266,7 +338,10 @@ def render_tree(m: dict[str, Any], depth: int | None = None) -> list[str]:
             lines.append(f"{prefix}{tag}{scalar_text(node)}")
             return
         if t in ("tensor", "ndarray"):
-            lines.append(f"{prefix}{tag}{_tensor_text(node, tensors)}")
+            lines.append(f"{prefix}{tag}{_tensor_text(node, tensors, world_size)}")
+            return
+        if t == "per_rank":
+            lines.append(f"{prefix}{tag}tg.PerRank #{node.get('i')} (one value per rank, below)")
             return
         if t == "sparse":
             lines.append(f"{prefix}{tag}{_sparse_text(node, tensors)}")
@@ -292,7 +367,45 @@ def render_tree(m: dict[str, Any], depth: int | None = None) -> list[str]:
             return
         lines.append(f"{prefix}{tag}<unknown node {t!r}>")
 
-    tree = m.get("tree")
+    tree = m.get("tree") if root is None else root
     if isinstance(tree, dict):
-        walk(tree, "", -1)
+        walk(tree, label, level)
     return [ln for ln in lines if ln]
+
+
+def per_rank_paths(tree: dict[str, Any]) -> dict[int, tuple[str, ...]]:
+    """Where each ``tg.PerRank`` part sits in the state tree: part number -> its printed keys."""
+    found: dict[int, tuple[str, ...]] = {}
+    stack: list[tuple[Any, tuple[str, ...]]] = [(tree, ())]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        t, v = node.get("t"), node.get("v")
+        if t == "per_rank" and type(node.get("i")) is int:
+            found[node["i"]] = path
+        elif t == "stateful":
+            stack.append((v, path))
+        elif t in ("dict", "odict", "counter") and isinstance(v, list):
+            for item in v:
+                if isinstance(item, list) and len(item) == 2:
+                    stack.append((item[1], (*path, key_text(item[0]))))
+        elif t in ("list", "tuple") and isinstance(v, list):
+            stack.extend((c, (*path, str(i))) for i, c in enumerate(v))
+    return found
+
+
+def render_per_rank(m: dict[str, Any], ranks: list[int], depth: int | None = None) -> list[str]:
+    """Each of ``ranks``' ``tg.PerRank`` values, under the path they hold in the state."""
+    per_rank = m.get("per_rank") or []
+    if not ranks:
+        return []
+    paths = per_rank_paths(m["tree"])
+    lines = [f"per rank ({len(per_rank)} ranks)"]
+    for r in ranks:
+        lines.append(f"  rank {r}")
+        for i, part in enumerate(per_rank[r]):
+            label = "/".join(paths[i]) or "(the whole state)" if i in paths else f"#{i}"
+            part_lines = render_tree(m, depth=depth, root=part, label=label, level=0)
+            lines += ["    " + ln for ln in part_lines]
+    return lines

@@ -7,9 +7,14 @@ Spawning ranks dominates the wall time, so each spawned run checks as much as it
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import signal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -226,3 +231,137 @@ def test_fsdp2_adam_resumes_bit_identically(tmp_path: Path) -> None:
     # optimizer had not created are read as its pieces too, not as whole tensors).
     data = sum(f["size"] for f in m["files"])
     assert all(o["read"] < 0.6 * data for o in out), (out, data)
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP with dropout: SIGKILLed after a save, resumed on 2 ranks and on 1 process
+
+DDP_LEN, DDP_BATCH, DDP_K = 40, 4, 3  # 2 ranks x 4 = 8 samples a step: epoch 1 starts at step 5
+
+
+def ddp_dataset() -> Any:
+    g = torch.Generator().manual_seed(7)
+    return torch.utils.data.TensorDataset(
+        torch.randn(DDP_LEN, 8, generator=g), torch.arange(DDP_LEN)
+    )
+
+
+def ddp_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 1))
+
+
+def ddp_state(rank: int, world: int, model: nn.Module, seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed + rank)  # each rank's own dropout stream
+    sampler = tg.ResumableSampler(DDP_LEN, seed=3, rank=rank, world_size=world)
+    return {
+        "model": model,
+        "optim": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        "data": sampler,
+        "rng": tg.PerRank(tg.RNGState()),
+        "step": 0,
+    }
+
+
+def ddp_train(net: nn.Module, state: dict[str, Any], batch: int, steps: int) -> dict[str, Any]:
+    """``steps`` steps from the state's position; the losses and sample indices of each."""
+    sampler = state["data"]
+    loader = torch.utils.data.DataLoader(
+        ddp_dataset(), batch_size=batch, sampler=sampler, generator=sampler.generator
+    )
+    out: dict[str, Any] = {"losses": [], "indices": []}
+    it = iter(loader)
+    for _ in range(steps):
+        try:
+            x, idx = next(it)
+        except StopIteration:  # the epoch ended; the sampler has moved to the next one
+            it = iter(loader)
+            x, idx = next(it)
+        loss = net(x).square().mean()
+        loss.backward()
+        state["optim"].step()
+        state["optim"].zero_grad()
+        state["step"] += 1
+        out["losses"].append(loss.item())
+        out["indices"].append(idx.tolist())
+    return out
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """Parameters, momentum buffers and the data position, exactly (float32 survives JSON)."""
+    moments = state["optim"].state_dict()["state"]
+    return {
+        "params": [p.flatten().tolist() for p in state["model"].parameters()],
+        "momentum": [moments[i]["momentum_buffer"].flatten().tolist() for i in sorted(moments)],
+        "data": state["data"].state_dict(),
+    }
+
+
+def ddp_first_rank(rank: int, world: int, root: str) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ref = ddp_state(rank, world, ddp_model(0), seed=100)
+    reference = ddp_train(DistributedDataParallel(ref["model"]), ref, DDP_BATCH, 2 * DDP_K)
+    reference.update(snapshot(ref))
+
+    state = ddp_state(rank, world, ddp_model(0), seed=100)
+    ddp = DistributedDataParallel(state["model"])
+    # DDP's own keys carry its "module." prefix; the wrapped module's are the model's.
+    assert all(k.startswith("module.") for k in ddp.state_dict())
+    assert list(ddp.module.state_dict()) == ["0.weight", "0.bias", "3.weight", "3.bias"]
+    run = ddp_train(ddp, state, DDP_BATCH, DDP_K)
+    reference["at_save"] = {**run, **snapshot(state)}
+    tg.save(f"{root}/ckpt", state)  # state["model"] is ddp.module
+    reference["at_save"]["next_draw"] = torch.rand(4).tolist()  # what the saved RNG gives next
+    Path(root, f"reference-{rank}.json").write_text(json.dumps(reference))
+    os.kill(os.getpid(), signal.SIGKILL)  # the job dies right after the save
+
+
+def ddp_resume_rank(rank: int, world: int, root: str) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
+
+    state = ddp_state(rank, world, ddp_model(1), seed=999)  # another init, another RNG
+    tg.load(f"{root}/ckpt", into=state)
+    assert state["step"] == DDP_K
+    out = ddp_train(DistributedDataParallel(state["model"]), state, DDP_BATCH, DDP_K)
+    return {**out, **snapshot(state)}
+
+
+def test_ddp_with_dropout_resumes_after_sigkill_on_2_ranks_and_on_1(tmp_path: Path) -> None:
+    assert (
+        run_ranks(ddp_first_rank, 2, str(tmp_path), timeout=120) == [{"died": -signal.SIGKILL}] * 2
+    )
+    refs = [json.loads((tmp_path / f"reference-{r}.json").read_text()) for r in range(2)]
+    resumed = run_ranks(ddp_resume_rank, 2, str(tmp_path), timeout=120)
+    for ref, res in zip(refs, resumed, strict=True):
+        assert ref["losses"][:DDP_K] == ref["at_save"]["losses"]  # the same run up to the save
+        assert res["losses"] == ref["losses"][DDP_K:]
+        assert res["indices"] == ref["indices"][DDP_K:]
+        for k in ("params", "momentum", "data"):
+            assert res[k] == ref[k], k
+    assert refs[0]["losses"] != refs[1]["losses"]  # the ranks did see different data
+    assert refs[0]["data"]["epoch"] == 1  # the resumed steps crossed into the next epoch
+
+    # One process, no DDP: the same checkpoint into a bare model and a 1-rank sampler.
+    saved_rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        state = ddp_state(0, 1, ddp_model(1), seed=999)
+        tg.load(tmp_path / "ckpt", into=state)
+        at_save = refs[0]["at_save"]
+        got = snapshot(state)
+        for k in ("params", "momentum", "data"):
+            assert got[k] == at_save[k], k
+        assert refs[1]["at_save"]["params"] == at_save["params"]  # DDP: the same everywhere
+        assert torch.rand(4).tolist() == at_save["next_draw"]  # rank 0's RNG
+        assert refs[1]["at_save"]["next_draw"] != at_save["next_draw"]
+        # One rank's batch of 2B is what the two ranks' batches of B were, interleaved.
+        one = ddp_train(state["model"], state, 2 * DDP_BATCH, DDP_K)
+        both = [
+            [i for pair in zip(a, b, strict=True) for i in pair]
+            for a, b in zip(refs[0]["indices"][DDP_K:], refs[1]["indices"][DDP_K:], strict=True)
+        ]
+        assert one["indices"] == both
+    finally:
+        random.setstate(saved_rng[0])
+        np.random.set_state(saved_rng[1])
+        torch.set_rng_state(saved_rng[2])

@@ -39,6 +39,13 @@ def _key_of(node: Any, where: str) -> Any:
     return decode(node, no_tensor, where)
 
 
+def _items(node: Any, where: str) -> list[tuple[Any, dict[str, Any]]]:
+    """The (key, child node) pairs of a dict node; none for any other node."""
+    if not isinstance(node, dict) or node.get("t") not in ("dict", "odict"):
+        return []
+    return [(_key_of(k, where), v) for k, v in node.get("v") or ()]
+
+
 def _select(tree: dict[str, Any], keys: Sequence[Key], where: str) -> dict[str, Any]:
     """A copy of ``tree`` that holds only the requested paths (nodes marked ``pruned``)."""
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
@@ -166,6 +173,8 @@ class _Matcher:
                     self.diffs.append(self.other_class[id(node)])
                 return
             sd = live.state_dict()
+            if isinstance(live, torch.optim.Optimizer):
+                sd = self.lazy_moments(node, live, sd)
             self.live_sd[id(node)] = sd
             is_module = isinstance(live, torch.nn.Module)
             outer = self._owner is None
@@ -227,6 +236,49 @@ class _Matcher:
             self.match_sparse(node, live, path)
         else:
             self.replaced(tag, live, p)
+
+    def lazy_moments(
+        self, node: dict[str, Any], optim: torch.optim.Optimizer, sd: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``sd`` with a live target for each saved moment its optimizer has not created yet,
+        where the parameter is a DTensor: an empty DTensor laid out like the parameter.
+
+        An optimizer creates its moments at its first ``step()``, so a fresh one has none to
+        read into. Read as a whole tensor, a sharded moment would cost every rank the whole
+        global tensor and reach ``load_state_dict()`` as a plain tensor, which ``step()``
+        refuses to mix with DTensor gradients; laid out like its parameter, each rank reads
+        only its own piece and the optimizer gets the DTensor it would have made itself.
+        """
+        state = next(
+            (v for k, v in _items(node["v"], self.where) if k == "state"),
+            None,
+        )
+        live_state = sd.get("state")
+        if state is None or not isinstance(live_state, Mapping):
+            return sd
+        params = {
+            pid: p
+            for g_live, g in zip(sd.get("param_groups", ()), optim.param_groups, strict=False)
+            for pid, p in zip(g_live.get("params", ()), g["params"], strict=False)
+        }
+        added: dict[Any, dict[str, Any]] = {}
+        for pid, moments in _items(state, self.where):
+            param = params.get(pid)
+            if not is_dtensor(param):
+                continue
+            have = live_state.get(pid) or {}
+            for name, leaf in _items(moments, self.where):
+                if name in have or leaf.get("t") != "tensor" or "view" in leaf:
+                    continue
+                info = self.m.tensors[leaf["e"]]
+                if "complex" in leaf or info.shape != tuple(param.shape):
+                    continue
+                standin = torch.empty_like(param, dtype=TORCH_DTYPES[info.dtype])
+                added.setdefault(pid, dict(have))[name] = standin
+        if not added:
+            return sd
+        # A new dict: the live optimizer's own state is changed only by load_state_dict().
+        return {**sd, "state": {**live_state, **added}}
 
     def match_free(self, node: dict[str, Any], live: Any, path: tuple[Any, ...]) -> None:
         """State whose layout the checkpoint decides: find read targets, report nothing."""

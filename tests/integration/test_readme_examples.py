@@ -66,3 +66,12 @@ def test_augmentation_example_resumes_the_same_augmented_batch(tmp_path: Path) -
     run = run_example(unseeded, tmp_path / "unseeded")
     assert run.returncode != 0, "without SeededDataset the resumed batch should differ"
     assert "AssertionError" in run.stderr and claim.strip() in run.stderr, run.stderr
+
+
+def test_rows_of_a_table_example_loads_those_rows(tmp_path: Path) -> None:
+    """The "Some rows of a table" example (Distributed section) runs and checks its rows."""
+    code = readme_block("rows = tg.Sharded(")
+    assert "assert torch.equal(rows.local, table[a:b])" in code
+    run = run_example(code + "print('ROWS OK')\n", tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines() == ["ROWS OK"], run.stdout + run.stderr

@@ -28,11 +28,16 @@ def full(name: str, shape: tuple[int, ...] = (ROWS, COLS)) -> torch.Tensor:
 
 
 def state_on(rank: int, world: int, *, fill: bool) -> dict[str, Any]:
-    """A sharded table, a replicated (DDP) tensor, plain values and per-rank values."""
+    """Sharded tables (tg.Sharded, DTensor), a replicated (DDP) tensor, plain and per-rank values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     lo, hi = rank * ROWS // world, (rank + 1) * ROWS // world
     make = (lambda t: t.clone()) if fill else torch.zeros_like
+    mesh = init_device_mesh("cpu", (world,))
     return {
         "emb": tg.Sharded(make(full("emb")[lo:hi]), (lo, 0), (ROWS, COLS)),
+        "dt": distribute_tensor(make(full("dt")), mesh, [Shard(1)]),
         "ddp": make(full("ddp")),
         "step": 7 if fill else 0,
         "mine": tg.PerRank({"rank": rank if fill else -1, "t": make(torch.full((5,), rank * 1.0))}),
@@ -40,7 +45,7 @@ def state_on(rank: int, world: int, *, fill: bool) -> dict[str, Any]:
 
 
 def tensors(state: dict[str, Any]) -> list[torch.Tensor]:
-    return [state["emb"].local, state["ddp"], state["mine"].value["t"]]
+    return [state["emb"].local, state["dt"].to_local(), state["ddp"], state["mine"].value["t"]]
 
 
 def gate_writes() -> threading.Event:
@@ -98,7 +103,8 @@ def test_async_collective_save_snapshots_state_while_training_runs_collectives(
 ) -> None:
     assert run_ranks(in_flight_rank, 2, str(tmp_path)) == [1, 1]
     tree = tg.load(tmp_path / "a")
-    assert torch.equal(tree["emb"], full("emb")) and torch.equal(tree["ddp"], full("ddp"))
+    for k in ("emb", "dt", "ddp"):
+        assert torch.equal(tree[k], full(k)), k
     assert tg.verify(tmp_path / "b").files == len(tg.read_manifest(tmp_path / "b")["files"])
     assert tg.load(tmp_path / "c", per_rank_fallback="rank0")["n"] == 0
 

@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -526,15 +526,13 @@ class AsyncCheckpointer:
         self,
         ranks: Any,
         path: str | os.PathLike[str],
-        state: Any,
-        *,
-        overwrite: bool = False,
-        metadata: Mapping[str, Any] | None = None,
-        step: int | None = None,
-        epoch: int | None = None,
-        metrics: Mapping[str, float] | None = None,
+        stage: Callable[[Any, SlabPool], Callable[[], SaveResult]],
     ) -> SaveFuture:
         """A collective async save over ``ranks`` (every rank calls it); see ``tg.save``.
+
+        ``stage(forked_ranks, pool)`` stages this rank's state in the caller's thread and
+        returns the rest of the save, which runs in the background
+        (``distributed._save.stage_collective``).
 
         Returns once this rank's tensors are copied to host memory; a background thread then
         runs the collective protocol on a fork of the group (made here, collectively, at the
@@ -542,9 +540,6 @@ class AsyncCheckpointer:
         it. A save in flight is waited for first: skipping one on some ranks only would leave
         the others waiting, so ``if_busy="skip"`` is refused here.
         """
-        from .distributed._collectives import Ranks
-        from .distributed._save import stage_collective
-
         with self._lock:
             if self._closed:
                 raise InvalidArgumentError("this AsyncCheckpointer is closed; create a new one")
@@ -568,10 +563,7 @@ class AsyncCheckpointer:
             if group is None:
                 group = self._forks[key] = ranks.fork().group
             started = time.perf_counter()
-            background = stage_collective(
-                Ranks(group, timeout=ranks.timeout), path, state, self.pool,
-                overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics,
-            )  # fmt: skip
+            background = stage(type(ranks)(group, timeout=ranks.timeout), self.pool)
             blocking = time.perf_counter() - started
 
             def run() -> SaveResult:

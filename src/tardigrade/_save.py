@@ -7,6 +7,7 @@ host memory first (``_async``) and writes in the background.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -15,7 +16,7 @@ from ._async import SaveFuture, default_checkpointer
 from ._job import SaveResult, make_job
 from ._write import stream_borrowed, write_and_commit
 from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
-from .distributed._save import save_collective
+from .distributed._save import save_collective, stage_collective
 
 __all__ = ["SaveResult", "save"]
 
@@ -72,7 +73,8 @@ def save(
     ranks = Ranks.current(process_group, timeout=timeout)
     if ranks is not None:
         if async_:
-            return default_checkpointer().save_collective(ranks, path, state, **kw)  # type: ignore[arg-type]
+            stage = functools.partial(stage_collective, path=path, state=state, **kw)
+            return default_checkpointer().save_collective(ranks, path, stage)
         return save_collective(ranks, path, state, **kw)  # type: ignore[arg-type]
     if async_:
         return default_checkpointer().save(path, state, **kw)  # type: ignore[arg-type]

@@ -175,7 +175,7 @@ def skip_rank(rank: int, world: int, root: str) -> Any:
     from tardigrade.distributed._collectives import Ranks
 
     try:
-        ckpt.save_collective(Ranks.current(), f"{root}/x", {"w": torch.ones(2)})
+        ckpt.save_collective(Ranks.current(), f"{root}/x", lambda ranks, pool: lambda: None)  # type: ignore[arg-type,return-value]
     except tg.InvalidArgumentError as e:
         return error(e)
     return "saved"

@@ -335,10 +335,10 @@ def save_collective(
 
 def stage_collective(
     ranks: Ranks,
-    path: Any,
-    state: Any,
     pool: SlabPool,
     *,
+    path: Any,
+    state: Any,
     overwrite: bool = False,
     metadata: Any = None,
     step: int | None = None,

@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -29,8 +29,8 @@ import torch
 from ._job import SaveJob, SaveResult, as_bytes, file_header, item_source, make_job
 from ._plan import plan_files
 from ._staging import Slab, SlabPool, StagingStats
-from ._tree import flatten
-from ._write import ABORT, END, Block, write_and_commit
+from ._tree import Entry, flatten
+from ._write import ABORT, END, Block, Segment, write_and_commit
 from .errors import InvalidArgumentError, SaveError, TardigradeError
 
 log = logging.getLogger("tardigrade")
@@ -184,6 +184,97 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any
             stream.put(b)
 
 
+class StagedEntries:
+    """Every local tensor's bytes, copied into pool slabs: a collective async save's snapshot.
+
+    A collective save learns which rows of which tensors this rank writes only from the global
+    plan, agreed in the background; staging cannot wait for it, so it copies each tensor whole
+    (packed back to back, a tensor may straddle slabs) and ``streams`` cuts the plan's items
+    out of the copy once the plan is known.
+    """
+
+    def __init__(self) -> None:
+        self.slabs: list[Slab] = []
+        # Per entry: its bytes per row (0 for a 0-d tensor), and its runs as (byte offset, data).
+        self.rows: list[int] = []
+        self.spans: list[list[tuple[int, memoryview]]] = []
+        self.nbytes = 0
+
+    def streams(self, job: SaveJob) -> list[list[Any]]:
+        """The writers' segment streams for ``job``'s plan, read from the staged copy."""
+        out = []
+        for fp in job.plan.files:
+            stream: list[Any] = []
+            for i, item in enumerate(fp.items):
+                lo = item.start * self.rows[item.entry]
+                hi = lo + item.nbytes
+                for at, data in self.spans[item.entry]:
+                    a, b = max(lo, at), min(hi, at + data.nbytes)
+                    if a < b:
+                        stream.append(Segment(i, data[a - at : b - at]))
+            stream.append(END)
+            out.append(stream)
+        return out
+
+    def release(self) -> None:
+        """Give the slabs back to the pool (once the writers are done with them)."""
+        slabs, self.slabs = self.slabs, []
+        for slab in slabs:
+            slab.done_one()
+            slab.seal()
+
+
+def stage_entries(entries: list[Entry], pool: SlabPool) -> StagedEntries:
+    """Copy every entry's bytes into pool slabs, as ``stage_copy`` does for a file image.
+
+    Host copies run in parallel (``_Copier``); device copies land in pinned slabs
+    asynchronously and are waited for before returning. The pool must hold the whole state
+    (no budget): the writers start only once the global plan is agreed, after staging.
+    """
+    staged = StagedEntries()
+    copier = _Copier()
+    device = False
+    sources = []
+    for e in entries:
+        src = e.tensor.detach()
+        if not src.is_contiguous() or src.is_conj() or src.is_neg():
+            src = src.resolve_conj().resolve_neg().contiguous()
+        flat = as_bytes(src)
+        sources.append(flat)
+        staged.rows.append(flat.numel() // src.shape[0] if src.dim() and src.shape[0] else 0)
+        staged.spans.append([])
+    remaining = sum(f.numel() for f in sources)
+    staged.nbytes = remaining
+    buf: Any = None
+    fill = 0
+    try:
+        for k, flat in enumerate(sources):
+            pos = 0
+            while pos < flat.numel():
+                if buf is None or fill == buf.numel():
+                    slab = pool.acquire(remaining)
+                    staged.slabs.append(slab)
+                    buf, fill = slab.claim(), 0
+                n = min(flat.numel() - pos, buf.numel() - fill)
+                dst = buf[fill : fill + n]
+                if flat.device.type != "cpu":
+                    dst.copy_(flat[pos : pos + n], non_blocking=True)
+                    device = True
+                else:
+                    copier.add(dst.numpy(), flat[pos : pos + n].numpy())
+                staged.spans[k].append((pos, memoryview(dst.numpy())))
+                fill += n
+                pos += n
+                remaining -= n
+        copier.run()
+        if device:
+            torch.cuda.synchronize()
+    except BaseException:
+        staged.release()
+        raise
+    return staged
+
+
 def _write_staged(job: SaveJob, readers: list[Any], staged: threading.Event) -> SaveResult:
     """Write and commit in the background; report how long staging blocked the caller.
 
@@ -317,6 +408,8 @@ class AsyncCheckpointer:
         self.if_busy = if_busy
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="tardigrade-save")
         self._last: SaveFuture | None = None
+        # Per process group: the forked group a collective async save coordinates on.
+        self._forks: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
         self._closed = False
         _live.add(self)
@@ -438,6 +531,64 @@ class AsyncCheckpointer:
                 background = self._executor.submit(_write_staged, job, readers, staged)
             fut = SaveFuture(job.storage.url(job.name), background)
             fut.blocking_seconds = job.blocking_seconds
+            fut._staged.set()
+            self._last = fut
+            return fut
+
+    def save_collective(
+        self,
+        ranks: Any,
+        path: str | os.PathLike[str],
+        stage: Callable[[Any, SlabPool], Callable[[], SaveResult]],
+    ) -> SaveFuture:
+        """A collective async save over ``ranks`` (every rank calls it); see ``tg.save``.
+
+        ``stage(forked_ranks, pool)`` stages this rank's state in the caller's thread and
+        returns the rest of the save, which runs in the background
+        (``distributed._save.stage_collective``).
+
+        Returns once this rank's tensors are copied to host memory; a background thread then
+        runs the collective protocol on a fork of the group (made here, collectively, at the
+        group's first async save), so the training's own collectives never interleave with
+        it. A save in flight is waited for first: skipping one on some ranks only would leave
+        the others waiting, so ``if_busy="skip"`` is refused here.
+        """
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError("this AsyncCheckpointer is closed; create a new one")
+            if self.if_busy != "wait":
+                raise InvalidArgumentError(
+                    "if_busy='skip' cannot be used for a collective save: the ranks would have "
+                    "to agree on which saves to skip. Use if_busy='wait' (the default)"
+                )
+            if self.pool.max_bytes is not None:
+                raise InvalidArgumentError(
+                    "max_staging_bytes is not supported for a collective async save yet: each "
+                    "rank stages its whole state before the ranks agree on who writes what. "
+                    "Use max_staging_bytes=None"
+                )
+            last = self._last
+            if last is not None:
+                last.exception()  # wait; its error, if any, is raised just below
+            self._raise_unobserved()
+            key = (id(ranks.group), ranks.size)
+            group = self._forks.get(key)
+            if group is None:
+                group = self._forks[key] = ranks.fork().group
+            started = time.perf_counter()
+            background = stage(type(ranks)(group, timeout=ranks.timeout), self.pool)
+            blocking = time.perf_counter() - started
+
+            def run() -> SaveResult:
+                result = background()
+                return dataclasses.replace(
+                    result,
+                    blocking_seconds=blocking,
+                    total_seconds=max(result.total_seconds, blocking),
+                )
+
+            fut = SaveFuture(os.fspath(path), self._executor.submit(run))
+            fut.blocking_seconds = blocking
             fut._staged.set()
             self._last = fut
             return fut

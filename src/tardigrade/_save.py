@@ -7,6 +7,7 @@ host memory first (``_async``) and writes in the background.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -15,8 +16,7 @@ from ._async import SaveFuture, default_checkpointer
 from ._job import SaveResult, make_job
 from ._write import stream_borrowed, write_and_commit
 from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
-from .distributed._save import save_collective
-from .errors import InvalidArgumentError
+from .distributed._save import save_collective, stage_collective
 
 __all__ = ["SaveResult", "save"]
 
@@ -58,7 +58,10 @@ def save(
         ``process_group``: when ``torch.distributed`` is initialized the save is collective:
             every rank of this group (default: the whole job) calls ``save`` with its own
             state, and each writes its own files into one checkpoint (see the README's
-            Distributed section). Ignored in a single-process program.
+            Distributed section). Ignored in a single-process program. With ``async_=True``
+            each rank returns once its own tensors are staged, and the collective protocol
+            runs in the background on a forked gloo group; errors reach every rank's
+            ``SaveFuture``.
         ``timeout``: seconds any rank waits for the others in a collective save before every
             rank raises ``DistributedError`` (a rank died, hangs, or did not call ``save``).
 
@@ -70,10 +73,8 @@ def save(
     ranks = Ranks.current(process_group, timeout=timeout)
     if ranks is not None:
         if async_:
-            raise InvalidArgumentError(
-                "async_=True is not supported in a collective save yet; save synchronously "
-                "(every rank writes its own files in parallel)"
-            )
+            stage = functools.partial(stage_collective, path=path, state=state, **kw)
+            return default_checkpointer().save_collective(ranks, path, stage)
         return save_collective(ranks, path, state, **kw)  # type: ignore[arg-type]
     if async_:
         return default_checkpointer().save(path, state, **kw)  # type: ignore[arg-type]

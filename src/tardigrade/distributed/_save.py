@@ -20,9 +20,13 @@ import hashlib
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from .._async import stage_entries
 from .._job import SaveJob, SaveResult, check_target, make_header
 from .._plan import (
     DEFAULT_MAX_FILES,
@@ -34,6 +38,7 @@ from .._plan import (
     global_plan_from_wire,
     local_plan,
 )
+from .._staging import SlabPool
 from .._tree import Flat, flatten, path_str
 from .._write import (
     WrittenFile,
@@ -163,6 +168,11 @@ class _Save:
         self.header: dict[str, Any] = {}
         self.staging: str | None = None
         self.cached = _cache.get(_cache_key(ranks))
+        # What rank sends at "begin" and how the writers get their bytes. An async save
+        # describes and stages in the caller's thread and runs the rest in the background:
+        # it replaces both (a failure while staging is then raised, on every rank, at begin).
+        self.begin_payload: Callable[[], bytes] = self.describe
+        self.make_streams: Callable[[SaveJob], list[Any]] = stream_borrowed
 
     # -- phase 1 -----------------------------------------------------------------------------
 
@@ -237,7 +247,7 @@ class _Save:
 
     def run(self) -> SaveResult:
         ranks = self.ranks
-        verdict = json.loads(ranks.reduce("tg.save (begin)", self.describe, self.open))
+        verdict = json.loads(ranks.reduce("tg.save (begin)", self.begin_payload, self.open))
         if verdict.get("diverged"):
             # A second exchange, on this error path only, to name what differs.
             ranks.reduce("tg.save (comparing state trees)", self.tree_bytes, _raise_diverged)
@@ -260,7 +270,7 @@ class _Save:
 
         def write() -> bytes:
             try:
-                written = write_files(job, staging, stream_borrowed(job))
+                written = write_files(job, staging, self.make_streams(job))
             except Exception as e:  # reaches every rank as the SaveError a save raises
                 err = as_save_error(job, e)
                 if err is e:
@@ -321,3 +331,62 @@ def save_collective(
         max_files=max_files,
     )  # fmt: skip
     return _Save(ranks, path, state, kw).run()
+
+
+def stage_collective(
+    ranks: Ranks,
+    pool: SlabPool,
+    *,
+    path: Any,
+    state: Any,
+    overwrite: bool = False,
+    metadata: Any = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    metrics: Any = None,
+    max_files: int = DEFAULT_MAX_FILES,
+) -> Callable[[], SaveResult]:
+    """The caller's half of an async collective save; returns the half to run in the background.
+
+    Here, in the caller's thread: flatten the state (``state_dict()`` calls), describe it, and
+    copy every local tensor into ``pool`` slabs, so training may mutate the state once this
+    returns. The returned callable runs the whole protocol on ``ranks`` (a fork, so it never
+    meets the training's collectives) from the staged copy, and gives the slabs back. A
+    failure here is not raised here: it is raised at "begin" on every rank alike, as the
+    synchronous save raises it, so no rank is left waiting for a peer that gave up.
+    """
+    kw = dict(
+        overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics,
+        max_files=max_files,
+    )  # fmt: skip
+    save = _Save(ranks, path, state, kw)
+    staged = None
+    try:
+        payload = save.describe()
+        assert save.flat is not None
+        entries = [*save.flat.entries, *save.flat.own_entries()]
+        staged = stage_entries(entries, pool)
+    except Exception as exc:
+        failure = exc
+
+        def fail() -> bytes:
+            raise failure
+
+        save.begin_payload = fail
+    else:
+        save.begin_payload = lambda: payload
+        save.make_streams = staged.streams
+        # Only shapes are needed from here on: holding no live tensor means the background
+        # cannot read memory that training mutates, nor keep freed tensors alive.
+        for e in entries:
+            e.tensor = torch.empty(e.tensor.shape, dtype=e.tensor.dtype, device="meta")
+    save.state = None
+
+    def background() -> SaveResult:
+        try:
+            return save.run()
+        finally:
+            if staged is not None:
+                staged.release()
+
+    return background

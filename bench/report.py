@@ -143,7 +143,7 @@ def loop_stats(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, A
 class Target:
     name: str
     value: float | None  # None when a tool it needs did not run
-    op: str  # ">=" or "<="
+    op: str  # ">=", "<=" or "<"
     bound: float
     unit: str = ""
 
@@ -151,7 +151,9 @@ class Target:
     def passed(self) -> bool | None:
         if self.value is None:
             return None
-        return self.value >= self.bound if self.op == ">=" else self.value <= self.bound
+        if self.op == ">=":
+            return self.value >= self.bound
+        return self.value < self.bound if self.op == "<" else self.value <= self.bound
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "pass": self.passed}

@@ -307,8 +307,8 @@ def _timed_rows(group: dict[str, Any], ratio: bool) -> list[list[str]]:
     return rows
 
 
-def table(results: dict[str, Any], summary: dict[str, Any], goals: list[Target]) -> str:
-    """The human-readable report of one run."""
+def table(results: dict[str, Any], summary: dict[str, Any], goals: list[Target] | None) -> str:
+    """The human-readable report of one run's single-process part, then ``goals`` if given."""
     m = results["meta"]
     n = m["repeats"]
     timed = ["median s", "min s", "max s", "GB/s"]
@@ -414,11 +414,17 @@ def table(results: dict[str, Any], summary: dict[str, Any], goals: list[Target])
         )
     if extras:
         parts += ["", "Extra numbers reported by tools (medians)", *extras]
+    if goals is not None:
+        parts += ["", targets_table(goals)]
+    return "\n".join(parts)
+
+
+def targets_table(goals: list[Target]) -> str:
+    """The targets as PASS/MISS lines (``n/a`` where a tool they need did not run)."""
     rows = []
     for g in goals:
         sep = " " if g.unit == "GB/s" else ""
         value = "n/a" if g.value is None else f"{g.value:.2f}{sep}{g.unit}"
         verdict = {True: "PASS", False: "MISS", None: "n/a"}[g.passed]
         rows.append([g.name, value, f"{g.op} {g.bound:g}{sep}{g.unit}", verdict])
-    parts += ["", "Targets", _grid(["target", "value", "goal", ""], rows)]
-    return "\n".join(parts)
+    return "\n".join(["Targets", _grid(["target", "value", "goal", ""], rows)])

@@ -337,14 +337,24 @@ def _plan_cache(rank: int, layout: Layout, opts: DistOptions) -> list[dict[str, 
     return out
 
 
-def _rank_work(rank: int, layout: Layout, opts: DistOptions) -> dict[str, Any]:
-    return {
-        "rank": rank,
-        **_sharded_rounds(rank, layout, opts),
-        "replicated": _replicated_save(rank, layout, opts),
-        "agree_max_s": _agree_latency(opts),
-        "plan_saves": _plan_cache(rank, layout, opts),
-    }
+def _rank_work(rank: int, layout: Layout, opts: DistOptions, launched: float) -> dict[str, Any]:
+    phases = {"start_s": time.time() - launched}  # interpreter, imports, joining the group
+    t0 = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal t0
+        phases[name] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+
+    out: dict[str, Any] = {"rank": rank, **_sharded_rounds(rank, layout, opts)}
+    lap("sharded_s")
+    out["replicated"] = _replicated_save(rank, layout, opts)
+    lap("replicated_s")
+    out["agree_max_s"] = _agree_latency(opts)
+    lap("agree_s")
+    out["plan_saves"] = _plan_cache(rank, layout, opts)
+    lap("plan_cache_s")
+    return {**out, "phases": phases}
 
 
 def _rank_main(
@@ -352,6 +362,7 @@ def _rank_main(
     port: int,
     layout: Layout,
     opts: DistOptions,
+    launched: float,
     writer: multiprocessing.connection.Connection,
 ) -> None:
     try:
@@ -362,7 +373,7 @@ def _rank_main(
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=layout.world,
                                 timeout=wait)  # fmt: skip
-        report = {"ok": _rank_work(rank, layout, opts)}
+        report = {"ok": _rank_work(rank, layout, opts, launched)}
     except BaseException as exc:
         report = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     writer.send_bytes(json.dumps(report).encode())
@@ -377,10 +388,14 @@ def _rank_main(
 def _reshard_main(
     layout: Layout,
     opts: DistOptions,
-    expected: dict[str, list[float]],
+    inbox: multiprocessing.connection.Connection,
     writer: multiprocessing.connection.Connection,
 ) -> None:
+    """Started with the ranks (its imports overlap theirs); loads once ``inbox`` says what the
+    full tensors' ends must be, i.e. once the ranks have written their checkpoints."""
     try:
+        expected = json.loads(inbox.recv_bytes())
+        inbox.close()
         torch.set_num_threads(1)
         # Pre-faulted, as a live model's memory is.
         full = _nest({p: torch.zeros(s) for p, s in layout.shapes().items()})
@@ -437,6 +452,15 @@ def _start(
     return proc, reader
 
 
+def _stop(proc: Any) -> None:
+    """Wait a grace period for ``proc`` to end, then SIGKILL it."""
+    proc.join(timeout=_EXIT_GRACE_S)
+    if proc.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=5)
+
+
 def _results(
     procs: list[tuple[Any, multiprocessing.connection.Connection]], timeout_s: float
 ) -> list[Any]:
@@ -459,11 +483,7 @@ def _results(
                     out[i] = {"error": f"died with exit code {procs[i][0].exitcode}"}
     finally:
         for proc, reader in procs:
-            proc.join(timeout=_EXIT_GRACE_S)
-            if proc.is_alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-                proc.join(timeout=5)
+            _stop(proc)
             reader.close()
     failed = [(procs[i][0].name, r) for i, r in sorted(out.items()) if "ok" not in r]
     if failed:
@@ -484,12 +504,15 @@ def run(opts: DistOptions, log: Log) -> dict[str, Any]:
         f"({layout.total_bytes / 1e9:.3f} GB in all, width {layout.width}), in {opts.dir}"
     )
     ctx = multiprocessing.get_context("spawn")
+    go_reader, go_writer = ctx.Pipe(duplex=False)
+    resharder = _start(ctx, _reshard_main, (layout, opts, go_reader), "resharding load")
+    go_reader.close()
     try:
         store, port = _loopback_store(opts.timeout_s)
         try:
             ranks = _results(
                 [
-                    _start(ctx, _rank_main, (r, port, layout, opts), f"rank {r}")
+                    _start(ctx, _rank_main, (r, port, layout, opts, time.time()), f"rank {r}")
                     for r in range(opts.world)
                 ],
                 opts.timeout_s,
@@ -505,16 +528,18 @@ def run(opts: DistOptions, log: Log) -> dict[str, Any]:
                             f"distributed rank {r['rank']} {tag} {kind} {name}: "
                             f"{s['seconds']:.3f} s, RSS +{s['peak_rss_above'] / 1e9:.3f} GB"
                         )
+            log(
+                f"distributed rank {r['rank']} phases: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items())
+            )
         # The full tensors' ends: rank 0's first element and the last rank's last.
         expected = {
             k: [ranks[0]["fingerprint"][k][0], ranks[-1]["fingerprint"][k][1]]
             for k in ranks[0]["fingerprint"]
         }
         log(f"distributed: {opts.world} -> 1 resharding load in one process")
-        (reshard,) = _results(
-            [_start(ctx, _reshard_main, (layout, opts, expected), "resharding load")],
-            opts.timeout_s,
-        )
+        go_writer.send_bytes(json.dumps(expected).encode())
+        (reshard,) = _results([resharder], opts.timeout_s)
         for rd in reshard["rounds"]:
             for name, s in rd["load"].items():
                 log(
@@ -522,6 +547,9 @@ def run(opts: DistOptions, log: Log) -> dict[str, Any]:
                     f"RSS +{s['peak_rss_above'] / 1e9:.3f} GB"
                 )
     finally:
+        go_writer.close()  # a resharder still waiting reads EOF and ends
+        _stop(resharder[0])
+        resharder[1].close()
         if not opts.keep_files:
             remove(opts.dir)
     for r in ranks:

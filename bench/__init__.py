@@ -16,5 +16,7 @@ Modules:
 - ``fresh``   the first save of a fresh process, one subprocess per tool.
 - ``loop``    the training loop: steps/s with no checkpoints, Tardigrade async, DCP async.
 - ``run``     the orchestration: first saves, then rounds in one process.
+- ``distributed`` 2 ranks on gloo: collective save/load vs DCP and the raw write, 2 -> 1 load,
+  replicated bytes, the agreement collective, the plan cache (``--no-distributed`` skips it).
 - ``report``  statistics, targets, the printed table.
 """

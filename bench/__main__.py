@@ -8,9 +8,10 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from . import loop
-from .report import summarise, table, targets
+from . import distributed, loop
+from .report import Target, summarise, table, targets, targets_table
 from .run import Options, run
 from .state import DEFAULT_STATE_BYTES, parse_size
 
@@ -34,7 +35,15 @@ reports each one's wall time over the loop without checkpoints as overhead %.
 host after ~2 s idle, after which fresh allocations fault in at ~0.5 GB/s. Idling gives every
 tool the same start, as between two real checkpoints; --settle 0 measures saves back to back.
 
-A default run (3 GB, 3 repeats + 1 warm-up) takes about 7-9 minutes on a 2-core VM.
+Then the distributed part (--no-distributed skips it, --distributed-only runs it alone): 2 ranks
+on gloo, each holding its rows of a DTensor state (MLP weights + Adam moments, Shard(0)) of
+--dist-size per rank (a fraction of {distributed.DEFAULT_RANK_BYTES / 1e9:g} GB or bytes with a unit; by default
+the same fraction as --size), save and load with Tardigrade and DCP next to a raw O_DIRECT write,
+a 2 -> 1 resharding load in one process, a replicated (DDP-style) save, the per-step agreement
+collective and the plan cache.
+
+A default run (3 GB, 3 repeats + 1 warm-up) takes about 7-9 minutes on a 2-core VM, plus a few
+minutes for the distributed part (1 GB per rank).
 """
 
 
@@ -90,6 +99,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--keep-files", action="store_true", help="keep the checkpoints written under --dir"
     )
+    p.add_argument(
+        "--dist-size",
+        help="the distributed part's sharded state per rank: a fraction of "
+        f"{distributed.DEFAULT_RANK_BYTES / 1e9:g} GB or bytes with a unit (default: the same "
+        "fraction as --size)",
+    )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--no-distributed", action="store_true", help="skip the 2-rank distributed part"
+    )
+    which.add_argument(
+        "--distributed-only", action="store_true", help="run only the 2-rank distributed part"
+    )
     args = p.parse_args(argv)
     base = QUICK if args.quick else DEFAULTS
     for key, value in base.items():
@@ -97,6 +119,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, key, value)
     try:
         args.target_bytes = parse_size(args.size)
+        args.dist_bytes = (
+            round(args.target_bytes / DEFAULT_STATE_BYTES * distributed.DEFAULT_RANK_BYTES)
+            if args.dist_size is None
+            else parse_size(
+                args.dist_size, whole=distributed.DEFAULT_RANK_BYTES, option="--dist-size"
+            )
+        )
     except ValueError as e:
         p.error(str(e))
     if args.repeats < 1:
@@ -133,19 +162,37 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.repeats < 3:
         log(f"note: {args.repeats} repeat(s); use at least 3 for numbers worth comparing")
-    results = run(opts, log)
+    results: dict[str, Any] = {}
+    summary: dict[str, Any] = {}
+    goals: list[Target] = []
+    sections = []
+    if not args.distributed_only:
+        results = run(opts, log)
+        summary = summarise(results)
+        goals = targets(summary, results["meta"]["cpu_count"] or 1)
+        sections.append(table(results, summary, None))
+    if not args.no_distributed:
+        dist_opts = distributed.DistOptions(
+            rank_bytes=args.dist_bytes,
+            repeats=args.repeats,
+            settle_s=args.settle,
+            dir=opts.dir / "distributed",
+            keep_files=args.keep_files,
+        )
+        results["distributed"] = distributed.run(dist_opts, log)
+        summary["distributed"] = distributed.summarise(results["distributed"])
+        goals += distributed.targets(summary["distributed"])
+        sections.append(distributed.table(results["distributed"], summary["distributed"]))
     if args.dir is None and not args.keep_files:
         try:
-            opts.dir.rmdir()  # ours, and empty once run() removed the checkpoints
+            opts.dir.rmdir()  # ours, and empty once the runs removed the checkpoints
         except OSError:
             pass
-    summary = summarise(results)
-    goals = targets(summary, results["meta"]["cpu_count"] or 1)
     results["summary"] = summary
     results["targets"] = [g.to_json() for g in goals]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    print(table(results, summary, goals))
+    print("\n\n".join([*sections, targets_table(goals)]))
     print(f"\nall numbers: {out}")
     return 0
 

@@ -143,7 +143,7 @@ def loop_stats(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, A
 class Target:
     name: str
     value: float | None  # None when a tool it needs did not run
-    op: str  # ">=" or "<="
+    op: str  # ">=", "<=" or "<"
     bound: float
     unit: str = ""
 
@@ -151,7 +151,9 @@ class Target:
     def passed(self) -> bool | None:
         if self.value is None:
             return None
-        return self.value >= self.bound if self.op == ">=" else self.value <= self.bound
+        if self.op == ">=":
+            return self.value >= self.bound
+        return self.value < self.bound if self.op == "<" else self.value <= self.bound
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "pass": self.passed}
@@ -305,8 +307,8 @@ def _timed_rows(group: dict[str, Any], ratio: bool) -> list[list[str]]:
     return rows
 
 
-def table(results: dict[str, Any], summary: dict[str, Any], goals: list[Target]) -> str:
-    """The human-readable report of one run."""
+def table(results: dict[str, Any], summary: dict[str, Any], goals: list[Target] | None) -> str:
+    """The human-readable report of one run's single-process part, then ``goals`` if given."""
     m = results["meta"]
     n = m["repeats"]
     timed = ["median s", "min s", "max s", "GB/s"]
@@ -412,11 +414,17 @@ def table(results: dict[str, Any], summary: dict[str, Any], goals: list[Target])
         )
     if extras:
         parts += ["", "Extra numbers reported by tools (medians)", *extras]
+    if goals is not None:
+        parts += ["", targets_table(goals)]
+    return "\n".join(parts)
+
+
+def targets_table(goals: list[Target]) -> str:
+    """The targets as PASS/MISS lines (``n/a`` where a tool they need did not run)."""
     rows = []
     for g in goals:
         sep = " " if g.unit == "GB/s" else ""
         value = "n/a" if g.value is None else f"{g.value:.2f}{sep}{g.unit}"
         verdict = {True: "PASS", False: "MISS", None: "n/a"}[g.passed]
         rows.append([g.name, value, f"{g.op} {g.bound:g}{sep}{g.unit}", verdict])
-    parts += ["", "Targets", _grid(["target", "value", "goal", ""], rows)]
-    return "\n".join(parts)
+    return "\n".join(["Targets", _grid(["target", "value", "goal", ""], rows)])

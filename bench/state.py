@@ -31,27 +31,27 @@ _UNITS = {
 }
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, *, whole: int = DEFAULT_STATE_BYTES, option: str = "--size") -> int:
     """Target state bytes from ``--size``: a fraction of the default state, or bytes with a unit.
 
-    ``"1"`` is the default ~3 GB state, ``"0.05"`` 5% of it; ``"20MB"``, ``"1.5GB"`` or
-    ``"512MiB"`` ask for that many bytes of tensors.
+    ``"1"`` is the default ~3 GB state (``whole``), ``"0.05"`` 5% of it; ``"20MB"``, ``"1.5GB"``
+    or ``"512MiB"`` ask for that many bytes of tensors.
 
     >>> parse_size("20MB")
     20000000
+    >>> parse_size("0.5", whole=1_000_000_000)
+    500000000
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
     if m is None or (m.group(2) and m.group(2).lower() not in _UNITS):
         raise ValueError(
-            f"--size {text!r}: give a fraction of the default 3 GB state (e.g. 0.05) or a size "
-            f"with a unit ({', '.join(sorted(_UNITS))}), e.g. 20MB"
+            f"{option} {text!r}: give a fraction of the default {whole / 1e9:.3g} GB state "
+            f"(e.g. 0.05) or a size with a unit ({', '.join(sorted(_UNITS))}), e.g. 20MB"
         )
     value = float(m.group(1))
-    nbytes = (
-        int(value * _UNITS[m.group(2).lower()]) if m.group(2) else int(value * DEFAULT_STATE_BYTES)
-    )
+    nbytes = int(value * _UNITS[m.group(2).lower()]) if m.group(2) else int(value * whole)
     if nbytes <= 0:
-        raise ValueError(f"--size {text!r}: the state must be larger than 0 bytes")
+        raise ValueError(f"{option} {text!r}: the state must be larger than 0 bytes")
     return nbytes
 
 

@@ -29,6 +29,7 @@ def test_quick_run_measures_every_tool(tmp_path: Path) -> None:
             "--quick",
             "--size=20MB",
             "--repeats=1",
+            "--no-distributed",  # test_quick_distributed_run covers it
             f"--dir={files}",
             f"--out={out}",
         ],
@@ -39,8 +40,10 @@ def test_quick_run_measures_every_tool(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Targets" in proc.stdout
+    assert "Distributed" not in proc.stdout
 
     results = json.loads(out.read_text())
+    assert "distributed" not in results
     tools = results["meta"]["tools"]
     assert set(tools["save"]) >= TOOLS
     assert set(tools["load"]) >= TOOLS
@@ -91,6 +94,69 @@ def test_quick_run_measures_every_tool(tmp_path: Path) -> None:
     assert len(ratios) == len(measured) and all(x > 0 for x in ratios)
     assert all(t["pass"] is not None for t in results["targets"])
     # The checkpoints are deleted at the end of the run.
+    assert not [p for p in files.rglob("*") if p.is_file()]
+
+
+DIST_TARGETS = {
+    "2-rank tg.save / DCP save",
+    "2-rank tg.save / raw O_DIRECT write (same bytes)",
+    "2-rank tg.load(into) / DCP load",
+    "2 -> 1 resharding tg.load / DCP load",
+    "2-rank tg peak RSS per rank above live (worst: save, load, 2->1 load)",
+    "2-rank replicated tg.save: bytes on disk / one copy",
+    "2-rank agree_max on gloo (mean)",
+    "2-rank planning exchanges in saves after the first (plan cache)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_quick_distributed_run(tmp_path: Path) -> None:
+    """``python -m bench --distributed-only``: 2 gloo ranks, every distributed target."""
+    out = tmp_path / "results.json"
+    files = tmp_path / "files"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--distributed-only",
+            "--dist-size=4MB",
+            f"--dir={files}",
+            f"--out={out}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Distributed: 2 ranks on gloo" in proc.stdout
+    assert "Steady-state saves" not in proc.stdout  # the single-process part did not run
+
+    results = json.loads(out.read_text())
+    d = results["distributed"]
+    assert d["meta"]["world"] == 2
+    assert 3e6 < d["meta"]["rank_bytes"] < 5e6
+    assert [r["rank"] for r in d["ranks"]] == [0, 1]
+    assert all(len(r["rounds"]) == 2 and r["rounds"][0]["warmup"] for r in d["ranks"])
+    s = results["summary"]["distributed"]
+    assert set(s["save"]) == {"raw_write_direct", "tardigrade", "dcp"}
+    assert set(s["load"]) == set(s["reshard"]) == {"tardigrade", "dcp"}
+    for group in ("save", "load", "reshard"):
+        for name, x in s[group].items():
+            assert x["median_s"] > 0 and x["gbps"] > 0 and x["peak_rss_above_bytes"] >= 0, name
+    # Replicated tensors are written once in total, not once per rank.
+    assert 1.0 <= s["replicated"]["written_over_one_copy"] < 1.5
+    assert 0 < s["agree_max_ms"] < 1000
+    # Only the first save of an unchanged layout plans.
+    assert s["plan_cache"]["planned"] == [True, False, False, False, False]
+
+    assert {t["name"] for t in results["targets"]} == DIST_TARGETS
+    assert all(t["pass"] is not None for t in results["targets"])
+    for name in DIST_TARGETS:
+        assert name in proc.stdout, name
     assert not [p for p in files.rglob("*") if p.is_file()]
 
 

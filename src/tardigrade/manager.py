@@ -582,19 +582,18 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints on disk, ascending (rank 0's listing everywhere)."""
-        return self._agreed(
-            f"CheckpointManager({self.directory!r}).steps()", self._steps_here, json.dumps
-        )
+        return self._agreed(f"CheckpointManager({self.directory!r}).steps()", self._steps_here)
 
-    def _agreed(self, what: str, here: Callable[[], Any], encode: Callable[[Any], str]) -> Any:
-        """``here()``, computed by rank 0 and sent to every rank in a distributed job.
+    def _agreed(self, what: str, here: Callable[[], Any]) -> Any:
+        """``here()`` (a JSON value), computed by rank 0 and sent to every rank in a distributed
+        job; its error, if it raises there, is raised on every rank.
 
         Ranks reading a shared directory can see it at different moments (a network file
         system's attribute cache): a decision taken from what each rank sees would differ.
         """
         if self._ranks is None:
             return here()
-        return json.loads(self._ranks.broadcast(what, lambda: encode(here()).encode()))
+        return json.loads(self._ranks.broadcast(what, lambda: json.dumps(here()).encode()))
 
     def _steps_here(self) -> list[int]:
         try:
@@ -619,7 +618,6 @@ class CheckpointManager:
             self._agreed(
                 f"CheckpointManager({self.directory!r}).exists({step!r})",
                 lambda: self._exists_here(step),
-                json.dumps,
             )
         )
 
@@ -725,7 +723,6 @@ class CheckpointManager:
         found = self._agreed(
             f"CheckpointManager({self.directory!r}).restore({step!r})",
             lambda: self._candidates_here(step),
-            json.dumps,
         )
         committed, candidates = found["steps"], found["candidates"]
         damaged: str | None = None  # a candidate that failed after bytes reached the live state
@@ -736,7 +733,6 @@ class CheckpointManager:
                 epoch = self._agreed(
                     f"CheckpointManager({self.directory!r}).restore(): manifest of step {s}",
                     lambda s=s: open_manifest(self.path(s))[2].epoch,
-                    json.dumps,
                 )
                 loading = True
                 # One pass: each byte is read once, into the live state, and every byte of the

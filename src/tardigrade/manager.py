@@ -834,7 +834,8 @@ class CheckpointManager:
         """Report a finished training step; save if a policy says so. Returns whether it saved.
 
         Steps must increase. After a preemption signal this saves synchronously and sets
-        ``should_stop``.
+        ``should_stop``. In a distributed job every rank calls it with the same step: it saves
+        on every rank or on none, and a signal that reached any rank stops them all here.
         """
         self._check_open("step")
         if type(step) is not int or step < 0:

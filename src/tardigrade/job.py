@@ -3,7 +3,7 @@
 ``JobRunner.run()`` runs ``init`` once (skipped when resuming), checkpoints epoch 0, then runs
 epochs, checkpointing after each, until ``stop()`` is true; then the ``download`` phase (e.g.
 gather sharded parameters) and the ``exit`` phase (e.g. export the final model). It returns the
-last epoch. A failed save never stops the job when the manager runs with
+last epoch. In a distributed job every rank runs it, and every rank stops at the same epoch. A failed save never stops the job when the manager runs with
 ``on_save_error="warn"``. A preemption signal (the manager's ``save_on_signals``) stops it after
 the epoch in which it arrived, once that epoch is saved.
 """
@@ -57,6 +57,13 @@ class JobRunner:
     ``exit`` do not run, since the job is not finished: the restarted job resumes after that
     epoch and runs them at its end.
 
+    In a distributed job (the manager's ``process_group``) every rank runs ``run()``: each
+    phase runs on every rank, the epochs are the same everywhere, the job stops on every rank
+    as soon as ``stop()`` is true on any rank or a signal reached any rank, and ``download``
+    and ``exit`` run on every rank. ``download`` gathers sharded parameters with collectives
+    that every rank takes part in (``dtensor.full_tensor()``, ``dist.gather``); ``exit``
+    typically writes the export on rank 0 only (``if dist.get_rank() == 0``).
+
     >>> with tg.CheckpointManager("ckpt", state) as mgr:                    # doctest: +SKIP
     ...     last = tg.JobRunner(job, mgr).run()
     """
@@ -90,10 +97,10 @@ class JobRunner:
         else:
             log.info("tardigrade: job resumes after epoch %d", epoch)
         while not mgr.should_stop:
-            finished = self.job.stop()
             # A signal that arrived during restore, during the async save of the last epoch or
-            # in stop() finds nothing new to save: _stop_on_signal commits what is in flight.
-            if mgr._stop_on_signal() or finished:
+            # in stop() finds nothing new to save: _stop_here commits what is in flight. In a
+            # distributed job it also stops every rank when stop() is true on any of them.
+            if mgr._stop_here(bool(self.job.stop())):
                 break
             epoch += 1
             self.job.epoch(epoch)

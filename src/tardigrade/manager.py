@@ -9,6 +9,7 @@ epoch intervals, a maximum kept, automatic restore of the latest), Caffe2's
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import math
 import os
@@ -32,6 +33,7 @@ from ._match import Key
 from ._open import open_manifest
 from ._save import save
 from ._units import gbps
+from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
 from .errors import (
     CheckpointExistsError,
     CheckpointLockedError,
@@ -48,6 +50,10 @@ from .errors import (
 from .storage.local import LocalStorage
 
 log = logging.getLogger("tardigrade")
+
+# The info line saying that async_save falls back to synchronous saves in a distributed job is
+# written once per process, not once per manager.
+_SYNC_FALLBACK_LOGGED = False
 
 # -- signals ---------------------------------------------------------------------------------
 # One handler per signal for the whole process, relaying it to every open manager that asked
@@ -307,6 +313,18 @@ class CheckpointManager:
             for the whole state, kept for reuse).
         ``lock_lease_seconds``: how long a lock whose holder runs on another machine stays
             valid without a heartbeat (a holder on this machine frees it when it dies).
+        ``process_group``: in a distributed job (``torch.distributed`` initialized) the group
+            whose ranks share this manager (default: the whole job); ignored otherwise.
+        ``timeout``: seconds any rank waits for the others in one of the manager's collectives
+            (its saves and loads included) before every rank raises ``DistributedError``.
+
+    In a distributed job the constructor, ``step``, ``save``, ``restore``, ``steps``,
+    ``latest``, ``exists``, ``load`` and ``close`` are collective: every rank of the group calls
+    them, in the same order. Each decision (whether this step saves, whether to stop after a
+    signal that reached any rank, which checkpoint ``restore`` picks) is the same on every rank;
+    the directory checks, the lock, retention and the cleanup run on the group's rank 0 only.
+    Saves are synchronous there (``async_save`` falls back, with an info line), since a
+    collective save cannot run in the background yet.
     """
 
     def __init__(
@@ -327,6 +345,8 @@ class CheckpointManager:
         save_on_signals: Iterable[int] = (signal.SIGTERM,),
         max_staging_bytes: int | None = None,
         lock_lease_seconds: float = 30.0,
+        process_group: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise InvalidArgumentError(f"directory must be a path, got {directory!r}")
@@ -376,9 +396,19 @@ class CheckpointManager:
         # the whole state (see ``_regrow_staging``).
         self._step_calls: int | None = 0
         signals = _check_signals(save_on_signals)
-        _check_directory(self.directory)
+        # None in a single process; then nothing below talks to other ranks.
+        self._ranks = Ranks.current(process_group, timeout)
+        self._process_group = process_group
+        self._timeout = timeout
         self._lock = DirectoryLock(self.directory, lease_seconds=lock_lease_seconds)
-        self._take_lock()
+        if self._ranks is None:
+            _check_directory(self.directory)
+            self._take_lock()
+        else:
+            self._open_collectively()
+            if async_save:
+                self._note_sync_fallback()
+                async_save = False
         try:
             self._install_signals(signals)
             self._async = (
@@ -389,6 +419,39 @@ class CheckpointManager:
             self._lock.release()
             raise
         self._reserve_staging()
+
+    def _open_collectively(self) -> None:
+        """Check the directory and take its lock on rank 0; raise its error on every rank."""
+        ranks = self._ranks
+        assert ranks is not None
+
+        def check_and_lock() -> bytes:
+            _check_directory(self.directory)
+            self._take_lock()
+            return b""
+
+        # A directory another job holds raises CheckpointLockedError on every rank; a rank
+        # that passed another directory makes a different call, a DistributedError everywhere.
+        try:
+            ranks.broadcast(f"CheckpointManager({self.directory!r})", check_and_lock)
+        except BaseException:
+            self._lock.release()  # taken here, but another rank failed: not ours to keep
+            raise
+
+    def _note_sync_fallback(self) -> None:
+        global _SYNC_FALLBACK_LOGGED
+        if not _SYNC_FALLBACK_LOGGED and self._coordinating:
+            _SYNC_FALLBACK_LOGGED = True
+            log.info(
+                "tardigrade: async_save falls back to synchronous saves in a distributed job "
+                "(collective saves cannot run in the background yet); every rank writes its "
+                "own files in parallel"
+            )
+
+    @property
+    def _coordinating(self) -> bool:
+        """Whether this process does the directory's housekeeping (rank 0, or the only one)."""
+        return self._ranks is None or self._ranks.coordinator
 
     def _reserve_staging(self) -> None:
         """Start faulting in the async staging memory for ``state``, in the background.
@@ -479,17 +542,25 @@ class CheckpointManager:
         raises (a failed save in "raise" mode, or an exception delivered asynchronously, such
         as PyTorch's "DataLoader worker killed" from its SIGCHLD handler): the directory lock
         is always released. The first error is raised at the end.
+
+        In a distributed job every rank calls it: rank 0 releases the lock only once every rank
+        has reached ``close()``, so no rank is still saving into a directory no job holds.
         """
+        self._close(meet=True)
+
+    def _close(self, *, meet: bool) -> None:
         if self._closed:
             return
         self._closed = True
         errors: list[BaseException] = []
-        for part in (
-            lambda: self._drain(wait=True),
-            self._close_async,
-            self._remove_signals,
-            self._lock.release,
-        ):
+        _run_to_end(lambda: self._drain(wait=True), errors)
+        if meet and self._ranks is not None:
+            try:
+                # Once, not retried as the parts below are: each try may wait the timeout.
+                self._ranks.barrier(f"CheckpointManager({self.directory!r}).close()")
+            except Exception as e:
+                errors.append(e)
+        for part in (self._close_async, self._remove_signals, self._lock.release):
             _run_to_end(part, errors)
         if errors:
             raise errors[0]
@@ -497,8 +568,11 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # Leaving on an exception, this rank may be the only one here: waiting for the others
+        # in close() would hold it (and its error) for the whole timeout, while the others
+        # find it gone at their next collective.
+        self._close(meet=exc_type is None)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -507,7 +581,21 @@ class CheckpointManager:
     # -- listing ---------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Steps of the committed checkpoints on disk, ascending."""
+        """Steps of the committed checkpoints on disk, ascending (rank 0's listing everywhere)."""
+        return self._agreed(f"CheckpointManager({self.directory!r}).steps()", self._steps_here)
+
+    def _agreed(self, what: str, here: Callable[[], Any]) -> Any:
+        """``here()`` (a JSON value), computed by rank 0 and sent to every rank in a distributed
+        job; its error, if it raises there, is raised on every rank.
+
+        Ranks reading a shared directory can see it at different moments (a network file
+        system's attribute cache): a decision taken from what each rank sees would differ.
+        """
+        if self._ranks is None:
+            return here()
+        return json.loads(self._ranks.broadcast(what, lambda: json.dumps(here()).encode()))
+
+    def _steps_here(self) -> list[int]:
         try:
             names = os.listdir(self.directory)
         except (FileNotFoundError, NotADirectoryError):
@@ -525,7 +613,15 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def exists(self, step: int) -> bool:
-        """Whether a committed checkpoint for ``step`` exists."""
+        """Whether a committed checkpoint for ``step`` exists (rank 0's answer everywhere)."""
+        return bool(
+            self._agreed(
+                f"CheckpointManager({self.directory!r}).exists({step!r})",
+                lambda: self._exists_here(step),
+            )
+        )
+
+    def _exists_here(self, step: int) -> bool:
         return is_committed(self.path(step))
 
     def path(self, step: int) -> str:
@@ -542,9 +638,16 @@ class CheckpointManager:
             )
         self._loading.add(step)
         try:
-            return load(self.path(step), keys=keys)
+            return load(self.path(step), keys=keys, **self._collective)
         finally:
             self._loading.discard(step)
+
+    @property
+    def _collective(self) -> dict[str, Any]:
+        """The arguments that make ``save``/``load`` collective over this manager's group."""
+        if self._ranks is None:
+            return {}
+        return {"process_group": self._process_group, "timeout": self._timeout}
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -561,6 +664,39 @@ class CheckpointManager:
         """Remove tmp dirs of dead writers; put back a checkpoint a crashed replace moved aside."""
         if self._lock.held and self._still_ours("cleaning up leftovers"):
             tidy(self.directory)
+
+    def _candidates_here(self, step: int | None) -> dict[str, list[int]]:
+        """Clean up, then the committed steps and those ``restore(step)`` tries, newest first."""
+        if os.path.isdir(self.directory):
+            self._remove_leftovers()
+        committed = self._steps_here()
+        if step is not None:
+            if not self._exists_here(step):
+                raise CheckpointNotFoundError(
+                    f"{self.path(step)}: no committed checkpoint for step {step}; available: "
+                    f"{committed}"
+                )
+            return {"steps": committed, "candidates": [step]}
+        for n in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else ():
+            if STEP_NAME.match(n) and not is_committed(os.path.join(self.directory, n)):
+                log.warning(
+                    "tardigrade: skipping checkpoint %s: it has no manifest.json (a save "
+                    "that never committed, or a copy still in progress); kept on disk for "
+                    "inspection, and moved aside if this run saves that step again",
+                    os.path.join(self.directory, n),
+                )
+        return {"steps": committed, "candidates": committed[::-1]}
+
+    def _live_touched(self, e: BaseException) -> bool:
+        """Whether a failed restore of one candidate changed the live state (on any rank)."""
+        if self._ranks is None:
+            return bool(getattr(e, "live_overwritten", False))
+        # The same error reaches every rank: a rank it names failed, after bytes landed only
+        # when its own error says so; a rank it does not name restored the whole candidate.
+        mine = self._ranks.rank not in getattr(e, "causes", {}) or bool(
+            getattr(e.__cause__, "live_overwritten", False)
+        )
+        return bool(self._ranks.agree_max(int(mine)))
 
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest committed checkpoint that verifies into ``state``; return its step.
@@ -583,33 +719,25 @@ class CheckpointManager:
         # Our own async save still in flight has a .tmp-* staging directory that the cleanup
         # below would take for a dead writer's leftover: let it commit (or fail) first.
         self._drain(wait=True)
-        if os.path.isdir(self.directory):
-            self._remove_leftovers()
-        if step is not None:
-            if not self.exists(step):
-                raise CheckpointNotFoundError(
-                    f"{self.path(step)}: no committed checkpoint for step {step}; available: "
-                    f"{self.steps()}"
-                )
-            candidates = [step]
-        else:
-            candidates = list(reversed(self.steps()))
-            for n in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else ():
-                if STEP_NAME.match(n) and not is_committed(os.path.join(self.directory, n)):
-                    log.warning(
-                        "tardigrade: skipping checkpoint %s: it has no manifest.json (a save "
-                        "that never committed, or a copy still in progress); kept on disk for "
-                        "inspection, and moved aside if this run saves that step again",
-                        os.path.join(self.directory, n),
-                    )
+        # Rank 0 cleans up and lists; every rank then tries the same candidates in order.
+        found = self._agreed(
+            f"CheckpointManager({self.directory!r}).restore({step!r})",
+            lambda: self._candidates_here(step),
+        )
+        committed, candidates = found["steps"], found["candidates"]
         damaged: str | None = None  # a candidate that failed after bytes reached the live state
         for s in candidates:
             self._loading.add(s)
+            loading = False
             try:
-                m = open_manifest(self.path(s))[2]
+                epoch = self._agreed(
+                    f"CheckpointManager({self.directory!r}).restore(): manifest of step {s}",
+                    lambda s=s: open_manifest(self.path(s))[2].epoch,
+                )
+                loading = True
                 # One pass: each byte is read once, into the live state, and every byte of the
                 # checkpoint (unread tensors and headers included) is checked on the way.
-                load(self.path(s), into=self.state, verify="all")
+                load(self.path(s), into=self.state, verify="all", **self._collective)
             except StateMismatchError:
                 raise  # the live state does not fit: an older checkpoint would not fit either
             except (
@@ -626,7 +754,7 @@ class CheckpointManager:
                 # some live tensors may hold them: the next older checkpoint rewrites every
                 # live tensor (a full checkpoint of this state covers them all) and calls each
                 # load_state_dict(), or restore raises rather than train from a mix.
-                if getattr(e, "live_overwritten", False):
+                if loading and self._live_touched(e):
                     damaged = self.path(s)
                 if step is not None:
                     raise
@@ -640,11 +768,12 @@ class CheckpointManager:
             finally:
                 self._loading.discard(s)
             self._restored_step = s
-            self._abandoned = {x for x in self.steps() if x > s}
+            self._abandoned = {x for x in committed if x > s}
             self._last_step = s
-            self._last_epoch = m.epoch
+            self._last_epoch = epoch
             self._last_save_time = time.monotonic()
-            log.info("tardigrade: restored %s", self.path(s))
+            if self._coordinating:
+                log.info("tardigrade: restored %s", self.path(s))
             self._step_calls = 0
             self._reserve_staging()
             return s
@@ -660,21 +789,44 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------
 
-    def _due(self, step: int, epoch: int | None) -> bool:
+    def _due_by_count(self, step: int, epoch: int | None) -> bool:
+        """The step and epoch policies: the same answer on every rank, given the same calls."""
         if self.every_steps is not None and step % self.every_steps == 0:
             return True
-        if (
+        return (
             self.every_epochs is not None
             and epoch is not None
             and epoch != self._last_epoch
             and self._last_epoch is not None
             and epoch % self.every_epochs == 0
-        ):
-            return True
+        )
+
+    def _due_by_time(self) -> bool:
         return (
             self.every_seconds is not None
             and time.monotonic() - self._last_save_time >= self.every_seconds
         )
+
+    # What one step() agrees on, as a level: the largest any rank reports wins. A signal on any
+    # rank outranks the clock, which only rank 0 reads (ranks' clocks and save times differ).
+    _NOTHING, _DUE, _PREEMPTED = 0, 1, 2
+
+    def _agree(self, doing: str, mine: int = 0) -> int:
+        """Consume a pending preemption signal; the level agreed for this call on every rank.
+
+        ``mine`` is this rank's other reason (``_DUE``). One tiny all-reduce in a distributed
+        job, whatever the level: every rank calls it at the same point.
+        """
+        if self._take_signal(doing):
+            mine = self._PREEMPTED
+        if self._ranks is None:
+            return mine
+        level = self._ranks.agree_max(mine)
+        if level == self._PREEMPTED and mine != self._PREEMPTED:
+            log.warning(
+                "tardigrade: another rank received a preemption signal: %s and stopping", doing
+            )
+        return level
 
     def step(
         self, step: int, *, epoch: int | None = None, metrics: Mapping[str, float] | None = None
@@ -682,7 +834,8 @@ class CheckpointManager:
         """Report a finished training step; save if a policy says so. Returns whether it saved.
 
         Steps must increase. After a preemption signal this saves synchronously and sets
-        ``should_stop``.
+        ``should_stop``. In a distributed job every rank calls it with the same step: it saves
+        on every rank or on none, and a signal that reached any rank stops them all here.
         """
         self._check_open("step")
         if type(step) is not int or step < 0:
@@ -693,14 +846,17 @@ class CheckpointManager:
                 "increase (did you forget start = mgr.restore() + 1?)"
             )
         self._drain(wait=False)
-        if self._take_signal(f"saving step {step}"):
+        timed = self._coordinating and self._due_by_time()
+        level = self._agree(f"saving step {step}", self._DUE if timed else self._NOTHING)
+        if level == self._PREEMPTED:
             try:
                 saved = self._save(step, epoch, metrics, sync=True)
             finally:
                 self.should_stop = True  # even if the save raised: the signal is consumed
             self._advance(step, epoch)
             return saved
-        saved = self._due(step, epoch) and self._save(step, epoch, metrics, sync=False)
+        due = level == self._DUE or self._due_by_count(step, epoch)
+        saved = due and self._save(step, epoch, metrics, sync=False)
         if not saved:
             self._regrow_staging()
         self._advance(step, epoch)
@@ -715,19 +871,22 @@ class CheckpointManager:
         log.warning("tardigrade: signal %s received: %s and stopping", signum, doing)
         return True
 
-    def _stop_on_signal(self) -> bool:
-        """After a preemption signal, with nothing new to save: commit what is in flight, stop.
+    def _stop_here(self, finished: bool) -> bool:
+        """At a boundary where the state is already saved (``JobRunner`` between epochs):
+        whether to stop, the same on every rank.
 
-        For a caller at a boundary where the state is already saved (``JobRunner`` between
-        epochs). Returns whether it stopped.
+        After a preemption signal on any rank: commit what is in flight, set ``should_stop``.
+        Otherwise stop when ``finished`` on any rank: a rank that stopped alone would leave
+        the others waiting in their next collective.
         """
-        if not self._take_signal(
-            "the latest state is saved already: committing any save in flight"
-        ):
-            return False
-        self._drain(wait=True)
-        self.should_stop = True
-        return True
+        level = self._agree(
+            "the latest state is saved already: committing any save in flight",
+            self._DUE if finished else self._NOTHING,
+        )
+        if level == self._PREEMPTED:
+            self._drain(wait=True)
+            self.should_stop = True
+        return level != self._NOTHING
 
     def _advance(self, step: int, epoch: int | None) -> None:
         self._last_step = step
@@ -755,7 +914,7 @@ class CheckpointManager:
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
         self._drain(wait=False)
-        preempted = self._take_signal(f"saving step {step}")
+        preempted = self._agree(f"saving step {step}") == self._PREEMPTED
         try:
             ok = self._save(step, epoch, metrics, sync=preempted, force=force)
         finally:
@@ -794,15 +953,9 @@ class CheckpointManager:
                 "steps must not repeat (pass force=True to replace it)."
             )
         try:
-            if not self._lock.held and not self._take_lock():
-                raise SaveError(
-                    f"{self.directory}: the checkpoint directory cannot be created or locked: "
-                    f"{self._lock_error}"
-                )
-            self._lock.check()
-            if not replace:
-                self._set_aside(step)
+            self._prepare(step, replace)
             kw = dict(overwrite=replace, step=step, epoch=epoch, metrics=metrics)
+            kw.update(self._collective)
             if self._async is not None and not sync:
                 fut = self._async.save(self.path(step), self.state, **kw)  # type: ignore[arg-type]
                 assert fut is not None
@@ -826,6 +979,40 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         return True
 
+    def _prepare(self, step: int, replace: bool) -> None:
+        """Before saving ``step``: hold the lock, move an uncommitted ``step-N`` aside.
+
+        Rank 0's work in a distributed job; its failure raises on every rank, as the same error
+        (an OSError there arrives as a SaveError).
+        """
+
+        def prepare_here() -> bytes:
+            if not self._lock.held and not self._take_lock():
+                raise SaveError(
+                    f"{self.directory}: the checkpoint directory cannot be created or locked: "
+                    f"{self._lock_error}"
+                )
+            self._lock.check()
+            if not replace:
+                self._set_aside(step)
+            return b""
+
+        if self._ranks is None:
+            prepare_here()
+            return
+
+        def prepare_on_coordinator() -> bytes:
+            try:
+                return prepare_here()
+            except OSError as e:
+                if isinstance(e, TardigradeError):
+                    raise
+                raise SaveError(f"{self.path(step)}: cannot prepare the save: {e}") from e
+
+        self._ranks.broadcast(
+            f"CheckpointManager({self.directory!r}): prepare step {step}", prepare_on_coordinator
+        )
+
     def _set_aside(self, step: int) -> None:
         """Move an uncommitted ``step-N`` (no manifest) out of the way of saving step N.
 
@@ -835,7 +1022,7 @@ class CheckpointManager:
         ``step-N.incomplete-<time>`` that ``steps()`` ignores, and the new path is logged.
         """
         path = self.path(step)
-        if not os.path.lexists(path) or self.exists(step):
+        if not os.path.lexists(path) or self._exists_here(step):
             return
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         aside = f"{path}.incomplete-{stamp}"
@@ -867,7 +1054,9 @@ class CheckpointManager:
             s.total_seconds,
             s.throughput_gbps,
         )
-        if self.keep_last is not None or self.keep_every_steps or self.keep_best:
+        if self._coordinating and (
+            self.keep_last is not None or self.keep_every_steps or self.keep_best
+        ):
             self._retain()
 
     def _record_failure(self, step: int, e: BaseException, seconds: float) -> None:
@@ -941,7 +1130,7 @@ class CheckpointManager:
         return keep | set(abandoned)
 
     def _retain(self) -> None:
-        steps = self.steps()
+        steps = self._steps_here()
         keep = self.keep(steps)
         # A step being loaded, or with a save of ours in flight (a replace: force=True or an
         # abandoned step), is not deleted under that reader or writer.

@@ -86,6 +86,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="STEP",
         help="kill the run while it saves this step (default: the save nearest 60%% of --steps)",
     )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train data-parallel on N processes (a gloo group on 127.0.0.1) that save "
+        "collectively with tg.save, and kill -9 rank 1 while it writes its files of a save "
+        "(default: 1, one process with a tg.CheckpointManager)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of data, model and shuffling")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
@@ -112,6 +121,8 @@ def default_kill_step(steps: int, every: int) -> int:
 
 
 def check_args(args: argparse.Namespace) -> int:
+    if args.ranks < 1:
+        raise InvalidArgumentError(f"--ranks {args.ranks}: must be at least 1")
     if args.steps < 2 or args.every < 1 or args.keep_last < 1:
         raise InvalidArgumentError("--steps must be at least 2, --every and --keep-last at least 1")
     kill = default_kill_step(args.steps, args.every) if args.kill_at is None else args.kill_at
@@ -321,6 +332,10 @@ def report_restore(restored: dict[str, Any], ckpt_dir: str, shown_as: str) -> li
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ranks > 1:
+        from . import _demo_ranks  # imports torch.distributed, which one process does not need
+
+        return _demo_ranks.run(args)
     kill_at = check_args(args)
     started = time.perf_counter()
     ckpt_dir = prepare_dir(args.dir)

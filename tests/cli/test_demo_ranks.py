@@ -64,7 +64,7 @@ def test_demo_two_ranks_kill_one_mid_save_and_resume_bit_identical(
     assert "rank(s) 0 raised DistributedError" in out
     assert "nothing of step 20 was committed; rank 0 removed its staging directory" in out
     assert "the previous one, step-000000010, is intact" in out
-    assert 'tg.load("' in out and "step-000000010\", into=state) on every rank -> step 10" in out
+    assert 'tg.load("' in out and 'step-000000010", into=state) on every rank -> step 10' in out
     assert "trained steps 11 to 40" in out
     # Run 1 committed step 10 only; run 2 saved 20, 30 and 40; nothing half-written is left.
     assert main(["ls", str(d), "--json"]) == 0

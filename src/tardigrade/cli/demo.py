@@ -62,7 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "while the background writer of the save at --kill-at is writing. Resume in a new "
             "process with mgr.restore(), train to the end, and compare with an uninterrupted "
             "run: parameters, optimizer state and loss curve must be bit-identical. Exits 1 if "
-            "they are not."
+            "they are not. With --ranks N, N processes train data-parallel and save "
+            "collectively with tg.save; rank 1 is killed while it writes its files of a save, "
+            "and N fresh ranks resume with tg.load(into=state)."
         ),
     )
     p.add_argument(

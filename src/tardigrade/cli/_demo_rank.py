@@ -39,9 +39,9 @@ from torch import nn
 
 import tardigrade as tg
 
+from ._demo_run import checkpoint_name
 from ._demo_worker import Config, batches, emit, install_hang, make_data, make_loader
 from ._listing import COMMITTED, list_checkpoints
-from .demo import checkpoint_name
 
 # Exit status of a rank whose collective save failed (a peer died mid-save).
 EXIT_SAVE_FAILED = 3

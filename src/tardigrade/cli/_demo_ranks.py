@@ -40,9 +40,7 @@ import torch.distributed as dist
 from .. import verify
 from .._load import _load
 from .._read import DEFAULT_READ_THREADS
-from ._listing import COMMITTED, INCOMPLETE_TMP, list_checkpoints
-from ._output import ProgressBar, human_bytes, table
-from .demo import (
+from ._demo_run import (
     CHILD_TIMEOUT_S,
     EVENT_PREFIX,
     _child_env,
@@ -53,6 +51,8 @@ from .demo import (
     identical,
     prepare_dir,
 )
+from ._listing import COMMITTED, INCOMPLETE_TMP, list_checkpoints
+from ._output import ProgressBar, human_bytes, table
 
 # The rank the demo kills: not rank 0, which commits, so the failure is a peer's.
 VICTIM = 1

@@ -1,6 +1,6 @@
 """The ``tardigrade`` command: look into, check and export checkpoints; run the demo.
 
-    tardigrade demo                         kill -9 a training run mid-save, resume, compare
+    tardigrade demo [--ranks N]             kill -9 a training run (or one rank) mid-save, resume, compare
     tardigrade ls DIR                       checkpoints in a directory
     tardigrade inspect CKPT [--json]        what a checkpoint holds (manifest only)
     tardigrade verify CKPT|DIR              full checksum pass

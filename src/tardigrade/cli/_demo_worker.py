@@ -41,8 +41,8 @@ import tardigrade as tg
 from tardigrade.format.manifest import MANIFEST
 from tardigrade.storage.local import LocalWriter
 
+from ._demo_run import EVENT_PREFIX, checkpoint_name
 from ._listing import INCOMPLETE_TMP, list_checkpoints
-from .demo import EVENT_PREFIX, checkpoint_name
 
 # How long the save at --hang-in-save waits for the SIGKILL before carrying on regardless.
 HANG_SECONDS = 30.0

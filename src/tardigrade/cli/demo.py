@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -31,25 +29,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-
 from .. import load
-from ..errors import InvalidArgumentError
+from ._demo_run import (
+    CHILD_TIMEOUT_S,
+    EVENT_PREFIX,
+    _child_env,
+    _prog,
+    _span,
+    check_args,
+    first_difference,
+    identical,
+    prepare_dir,
+)
 from ._listing import COMMITTED, INCOMPLETE_TMP, list_checkpoints, step_from_name
 from ._output import ProgressBar, human_bytes, table
 
 HELP = "kill -9 a training run mid-save, resume it, check it is bit-identical"
 DEFAULT_DIR = os.path.join("demo-run", "ckpt")
-# Marks a directory as made by this demo, so a later run may clear it.
-MARKER = ".tardigrade-demo"
-CHILD_TIMEOUT_S = 300.0
-# The worker reports to us on stdout, one "@tg <event> <json>" line per event.
-EVENT_PREFIX = "@tg "
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:09d}"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -62,7 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "while the background writer of the save at --kill-at is writing. Resume in a new "
             "process with mgr.restore(), train to the end, and compare with an uninterrupted "
             "run: parameters, optimizer state and loss curve must be bit-identical. Exits 1 if "
-            "they are not."
+            "they are not. With --ranks N, N processes train data-parallel and save "
+            "collectively with tg.save; rank 1 is killed while it writes its files of a save, "
+            "and N fresh ranks resume with tg.load(into=state)."
         ),
     )
     p.add_argument(
@@ -86,6 +84,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="STEP",
         help="kill the run while it saves this step (default: the save nearest 60%% of --steps)",
     )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train data-parallel on N processes (a gloo group on 127.0.0.1) that save "
+        "collectively with tg.save, and kill -9 rank 1 while it writes its files of a save "
+        "(default: 1, one process with a tg.CheckpointManager)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of data, model and shuffling")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
@@ -104,52 +111,6 @@ class ChildRun:
     last_step: int = 0
     stderr: str = ""
     seconds: float = 0.0
-
-
-def default_kill_step(steps: int, every: int) -> int:
-    k = max(1, round(0.6 * steps / every)) * every
-    return k if k < steps else max(every, (steps - 1) // every * every)
-
-
-def check_args(args: argparse.Namespace) -> int:
-    if args.steps < 2 or args.every < 1 or args.keep_last < 1:
-        raise InvalidArgumentError("--steps must be at least 2, --every and --keep-last at least 1")
-    kill = default_kill_step(args.steps, args.every) if args.kill_at is None else args.kill_at
-    if kill % args.every or not 0 < kill < args.steps:
-        raise InvalidArgumentError(
-            f"--kill-at {kill}: must be a step that saves (a multiple of --every "
-            f"{args.every}) before the last step {args.steps}"
-        )
-    return kill
-
-
-def prepare_dir(path: str) -> str:
-    """Empty the demo directory, refusing any directory this demo did not create."""
-    path = os.path.abspath(path)
-    if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
-        raise InvalidArgumentError(f"--dir {path}: exists and is not a directory")
-    if os.path.isdir(path):
-        if os.listdir(path) and not os.path.exists(os.path.join(path, MARKER)):
-            raise InvalidArgumentError(
-                f"--dir {path}: not empty and not made by `tardigrade demo`; refusing to clear "
-                "it. Pass a new or empty directory."
-            )
-        shutil.rmtree(path)
-    os.makedirs(path)
-    with open(os.path.join(path, MARKER), "w") as f:
-        f.write("made by `tardigrade demo`; the next demo run clears this directory\n")
-    return path
-
-
-def _child_env() -> dict[str, str]:
-    """The child imports this very copy of tardigrade, installed or not."""
-    import tardigrade
-
-    src = os.path.dirname(os.path.dirname(os.path.abspath(tardigrade.__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    env.setdefault("PYTHONHASHSEED", "0")
-    return env
 
 
 def run_child(
@@ -221,41 +182,6 @@ def _kill_after(proc: subprocess.Popen[str], seconds: float) -> threading.Timer:
 
 
 # ----------------------------------------------------------------------------------------------
-# comparing two final states bit for bit
-
-
-def identical(a: Any, b: Any) -> bool:
-    """Exact equality: same types, tensors equal element for element, floats equal in bits."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and np.array_equal(a, b)
-    if isinstance(a, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
-def first_difference(a: list[float], b: list[float]) -> int | None:
-    """The 1-based step of the first loss that differs (or where one curve ends)."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if not identical(x, y):
-            return i + 1
-    return None if len(a) == len(b) else min(len(a), len(b)) + 1
-
-
-# ----------------------------------------------------------------------------------------------
-
-
-def _prog() -> str:
-    """How the user ran us (``.venv/bin/tardigrade`` under make), for commands we suggest."""
-    argv0 = sys.argv[0] if sys.argv else ""
-    return argv0 if os.path.basename(argv0) == "tardigrade" else "tardigrade"
 
 
 def _fail(what: str, child: ChildRun) -> int:
@@ -269,12 +195,6 @@ def _fail(what: str, child: ChildRun) -> int:
 def _short(message: str, ckpt_dir: str, shown_as: str) -> str:
     """A library message with the absolute checkpoint directory written as the user gave it."""
     return message.removeprefix("tardigrade: ").replace(ckpt_dir, shown_as)
-
-
-def _span(names: list[str]) -> str:
-    if not names:
-        return "none"
-    return names[0] if len(names) == 1 else f"{names[0]} to {names[-1]}"
 
 
 def _ms(seconds: float) -> str:
@@ -321,6 +241,11 @@ def report_restore(restored: dict[str, Any], ckpt_dir: str, shown_as: str) -> li
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ranks > 1:
+        # Imports torch.distributed, which the one-process demo does not need.
+        from ._demo_ranks import run as run_ranks
+
+        return run_ranks(args)
     kill_at = check_args(args)
     started = time.perf_counter()
     ckpt_dir = prepare_dir(args.dir)

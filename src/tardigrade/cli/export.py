@@ -7,24 +7,68 @@ file loads with ``safetensors.torch.load_file`` anywhere, without Tardigrade.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import struct
 import tempfile
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, BinaryIO
 
-import numpy as np
 import torch
-from safetensors.torch import save_file
 
-from .._load import _load
-from .._open import open_manifest
-from .._read import DEFAULT_READ_THREADS
-from .._tree import decode
+from .._match import _leaf_shape_dtype, _plan_reads, _select
+from .._open import _check_refs, open_manifest
+from .._read import DEFAULT_READ_THREADS, _bytes_of, _check_sizes, _empty, _read_chunks
+from .._tree import SparseParts, decode
 from ..errors import CheckpointExistsError, InvalidArgumentError
+from ..format.dtypes import TORCH_DTYPES
+from ..format.manifest import Manifest
+from ..storage import Storage
 from ._listing import require_single
 from ._output import human_bytes
 from .inspect import per_rank_paths
 
 HELP = "write a checkpoint's tensors (e.g. the model weights) to one .safetensors file"
+
+# Bytes of tensors read before they are written: bounds memory, while letting small tensors
+# share one pass over each data file (a pass reads the file's header).
+BATCH_BYTES = 16 * 2**20
+
+# The safetensors names of the dtypes it stores, in the order ``safetensors.torch.save_file``
+# lays tensors out (by dtype, this order, then by name), which this writer reproduces.
+SAFETENSORS_DTYPES = {
+    name: getattr(torch, attr)
+    for name, attr in (
+        ("U64", "uint64"), ("I64", "int64"), ("F64", "float64"), ("C64", "complex64"),
+        ("F32", "float32"), ("U32", "uint32"), ("I32", "int32"), ("BF16", "bfloat16"),
+        ("F16", "float16"), ("U16", "uint16"), ("I16", "int16"),
+        ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+        ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("I8", "int8"),
+        ("U8", "uint8"), ("BOOL", "bool"),
+    )
+    if hasattr(torch, attr)
+}  # fmt: skip
+_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+_DTYPE_ORDER = {dtype: i for i, dtype in enumerate(SAFETENSORS_DTYPES.values())}
+# Tensors in the read buffer start at multiples of this, so each can be viewed as its dtype.
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A tensor of the checkpoint, not read yet: its tree node and the shape and dtype it loads
+    as (a complex tensor is stored as its real view, the same bytes)."""
+
+    node: dict[str, Any]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -127,12 +171,13 @@ def load_key(node: Any) -> Any:
 def collect(
     value: Any,
     prefix: tuple[str, ...],
-    out: dict[str, torch.Tensor],
+    out: dict[str, Stored],
     sparse: list[str] | None = None,
     leave_out: frozenset[tuple[str, ...]] = frozenset(),
     left_out: list[str] | None = None,
 ) -> int:
-    """Gather tensors under ``value`` into ``out`` by dotted path; return non-tensors skipped.
+    """Gather the tensors under ``value`` (a tree decoded with :class:`Stored` leaves) into
+    ``out`` by dotted path; return how many non-tensor values were skipped.
 
     Sparse tensors are left out too (a safetensors file holds dense tensors only); their
     paths go to ``sparse``. Subtrees at a path in ``leave_out`` go to ``left_out`` unread.
@@ -141,13 +186,11 @@ def collect(
         if left_out is not None:
             left_out.append(".".join(prefix) or "the whole state")
         return 0
-    if isinstance(value, np.ndarray):
-        value = torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+    if isinstance(value, SparseParts):
         if sparse is not None:
             sparse.append(".".join(prefix) or "tensor")
         return 0
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, Stored):
         name = ".".join(prefix) or "tensor"
         if name in out and out[name] is not value:
             raise InvalidArgumentError(
@@ -169,21 +212,6 @@ def collect(
     return 1
 
 
-def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied weights): give each its own bytes."""
-    seen: set[int] = set()
-    out = {}
-    for name, t in tensors.items():
-        t = t.detach()
-        ptr = t.untyped_storage().data_ptr() if t.numel() else -1
-        if ptr in seen or not t.is_contiguous():
-            t = t.clone(memory_format=torch.contiguous_format)
-        elif t.numel():
-            seen.add(ptr)
-        out[name] = t
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     out_path = args.out
     keys = [k.strip() for group in args.keys or [] for k in group.split(",")]
@@ -197,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     if args.no_prefix and len(keys) != 1:
         raise InvalidArgumentError("--no-prefix needs exactly one --keys KEY")
     require_single(args.ckpt)
-    m = open_manifest(args.ckpt)[2]
+    storage, ckpt_name, m = open_manifest(args.ckpt)
     manifest = m.raw
     where = os.path.abspath(args.ckpt)
     if args.rank is not None and not 0 <= args.rank < m.world_size:
@@ -212,23 +240,20 @@ def run(args: argparse.Namespace) -> int:
         if args.rank is not None or "per_rank" not in manifest
         else frozenset(per_rank_paths(m.tree).values())
     )
-    resolved = [resolve_key(m.tree_for(rank, "error", where), k, where) for k in keys]
-    # Everything selected is read into memory at once before the file is written.
-    read = dict(
-        into=None,
-        strict=True,
-        verify=True,
-        workers=DEFAULT_READ_THREADS,
-        rank=rank,
-        per_rank_fallback="error",
-    )
+    full = m.tree_for(rank, "error", where)
+    resolved = [resolve_key(full, k, where) for k in keys]
+    _check_refs(full, m, where)
     if resolved and all(n > 0 for _, n in resolved):
-        # load(keys=...) selects dict keys; a path that goes on into a list loads the list.
-        tree = _load(args.ckpt, keys=[p[:n] for p, n in resolved], **read)  # type: ignore[arg-type]
-    else:
-        tree = _load(args.ckpt, keys=None, **read)  # type: ignore[arg-type]
+        # Select dict keys as load(keys=...) does; a path that goes on into a list takes the list.
+        full = _select(full, [p[:n] for p, n in resolved], where)
 
-    tensors: dict[str, torch.Tensor] = {}
+    def stored(node: dict[str, Any], p: tuple[Any, ...]) -> Stored:
+        return Stored(node, *_leaf_shape_dtype(node, m.tensors[node["e"]]))
+
+    # The selected state with a Stored in place of each tensor: nothing is read yet.
+    tree = decode(full, stored, where)
+
+    tensors: dict[str, Stored] = {}
     sparse: list[str] = []
     left_out: list[str] = []
     skipped = 0
@@ -262,11 +287,15 @@ def run(args: argparse.Namespace) -> int:
         metadata["tardigrade_step"] = str(manifest["step"])
     if args.rank is not None:
         metadata["tardigrade_rank"] = str(args.rank)
+    order = layout(tensors, where)
     # Write beside OUT and rename, so OUT is never left half-written.
     fd, tmp = tempfile.mkstemp(prefix=".tardigrade-export-", suffix=".tmp", dir=out_dir)
-    os.close(fd)
     try:
-        save_file(_unshared(tensors), tmp, metadata=metadata)
+        with os.fdopen(fd, "wb") as f:
+            write_header(f, order, tensors, metadata)
+            write_tensors(f, order, tensors, storage, ckpt_name, m, where)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp made it private; OUT is an ordinary file
         os.replace(tmp, out_path)
     except BaseException:
@@ -287,3 +316,100 @@ def run(args: argparse.Namespace) -> int:
         + note
     )
     return 0
+
+
+def layout(tensors: dict[str, Stored], where: str) -> list[str]:
+    """The names in the order ``safetensors.torch.save_file`` would store them."""
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPE_NAMES:
+            raise InvalidArgumentError(
+                f"{where}: tensor {name!r} is {t.dtype}, which a safetensors file cannot hold; "
+                "export the other tensors with --keys"
+            )
+    return sorted(tensors, key=lambda name: (_DTYPE_ORDER[tensors[name].dtype], name))
+
+
+def write_header(
+    f: BinaryIO, order: list[str], tensors: dict[str, Stored], metadata: dict[str, str]
+) -> None:
+    """The safetensors header: its length (8 bytes, little-endian), then JSON padded with
+    spaces to a multiple of 8 bytes; tensors follow back to back in ``order``."""
+    doc: dict[str, Any] = {"__metadata__": metadata}
+    at = 0
+    for name in order:
+        t = tensors[name]
+        doc[name] = {
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [at, at + t.nbytes],
+        }
+        at += t.nbytes
+    header = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    header += b" " * (-len(header) % 8)
+    f.write(struct.pack("<Q", len(header)))
+    f.write(header)
+
+
+def batches(order: list[str], tensors: dict[str, Stored], m: Manifest) -> list[list[str]]:
+    """``order`` cut into runs whose stored tensors (aligned) fit in ``BATCH_BYTES``; a tensor
+    larger than that is a batch of its own."""
+    out: list[list[str]] = []
+    size = 0
+    for name in order:
+        n = _aligned(m.tensors[tensors[name].node["e"]].nbytes)
+        if not out or size + n > BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += n
+    return out
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def write_tensors(
+    f: BinaryIO,
+    order: list[str],
+    tensors: dict[str, Stored],
+    storage: Storage,
+    ckpt: str,
+    m: Manifest,
+    where: str,
+) -> None:
+    """Read (and verify) the tensors a batch at a time and write their bytes in ``order``.
+
+    Every batch is read into one buffer allocated once, as large as the largest batch: memory
+    stays bounded by it, whatever the allocator does with freed blocks.
+    """
+    entry = {name: tensors[name].node["e"] for name in order}
+    _check_sizes(storage, ckpt, m, {c.file for e in entry.values() for c in m.tensors[e].chunks})
+    paths = {e: name for name, e in entry.items()}
+    plan = batches(order, tensors, m)
+    # What is read is the stored tensor, which may be larger than a view saved of it; a tensor
+    # named twice (tied weights) is read once per batch.
+    need = [sum(_aligned(m.tensors[e].nbytes) for e in {entry[n] for n in b}) for b in plan]
+    buf = _empty((max(need, default=0),), torch.uint8, f"{where}: export buffer")
+    for batch in plan:
+        dest: dict[int, torch.Tensor] = {}
+        at = 0
+        for name in batch:
+            e = entry[name]
+            if e not in dest:
+                info = m.tensors[e]
+                piece = buf[at : at + info.nbytes].view(TORCH_DTYPES[info.dtype])
+                dest[e] = piece.view(info.shape)
+                at += _aligned(info.nbytes)
+        tasks = _plan_reads(m, set(dest), dest, paths)
+        _read_chunks(storage, ckpt, m, tasks, True, DEFAULT_READ_THREADS)
+        for name in batch:
+            t = dest[entry[name]]
+            view = tensors[name].node.get("view")
+            if view:
+                # as_strided counts its offset from the start of the buffer, not of the tensor.
+                at = t.storage_offset() + view["offset"]
+                t = t.as_strided(view["shape"], view["stride"], at)
+            if t.numel():
+                # A complex tensor is written as the bytes of its stored real view: the same.
+                f.write(_bytes_of(t.contiguous()))

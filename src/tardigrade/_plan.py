@@ -341,21 +341,10 @@ def global_plan_from_wire(
     return _merge(shared, metas, boxes, owns, max_files, chunk_bytes)
 
 
+# A large job's plan is millions of small acyclic objects; each cycle collection started while
+# building them would walk all of them again.
+@gc_paused()
 def _merge(
-    shared: tuple[LocalEntry, ...],
-    metas: list[str],
-    boxes: list[np.ndarray],
-    owns: list[tuple[LocalEntry, ...]],
-    max_files: int,
-    chunk_bytes: int,
-) -> GlobalPlan:
-    # A large job's plan is millions of small acyclic objects; each cycle collection started
-    # while building them would walk all of them again.
-    with gc_paused():
-        return _merge_unpaused(shared, metas, boxes, owns, max_files, chunk_bytes)
-
-
-def _merge_unpaused(
     shared: tuple[LocalEntry, ...],
     metas: list[str],
     boxes: list[np.ndarray],

@@ -312,6 +312,7 @@ def per_rank_trees(trees: list[Any], counts: list[int], base: int) -> list[Any]:
     return out
 
 
+@gc_paused()  # a chunk record per chunk of every rank: no cycle collections meanwhile
 def manifest_doc(
     header: dict[str, Any],
     tree: dict[str, Any],
@@ -320,17 +321,6 @@ def manifest_doc(
     written: dict[str, WrittenFile],
 ) -> dict[str, Any]:
     """The manifest of a save: its header, the state tree, and every chunk of every rank."""
-    with gc_paused():  # a chunk record per chunk of every rank: no cycle collections meanwhile
-        return _manifest_doc(header, tree, per_rank, gplan, written)
-
-
-def _manifest_doc(
-    header: dict[str, Any],
-    tree: dict[str, Any],
-    per_rank: list[list[Any]],
-    gplan: GlobalPlan,
-    written: dict[str, WrittenFile],
-) -> dict[str, Any]:
     tensors: list[dict[str, Any]] = []
     for t in gplan.tensors:
         record: dict[str, Any] = {

@@ -37,7 +37,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -53,6 +52,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import tardigrade as tg
+from tardigrade.distributed._launch import loopback_store
 
 from .measure import measure, settle
 from .raw import Scratch, raw_write_direct, remove, warm
@@ -427,21 +427,6 @@ def _reshard_main(
 # --- orchestration --------------------------------------------------------------------------
 
 
-def _loopback_store(timeout_s: float) -> tuple[Any, int]:
-    # The store is served on a socket bound to loopback: TCPStore itself would listen on
-    # every interface.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        store = dist.TCPStore(
-            "127.0.0.1", port, is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            master_listen_fd=listener.detach(),  # the store owns and closes it from here
-        )  # fmt: skip
-    return store, port
-
-
 def _start(
     ctx: Any, target: Callable[..., None], args: tuple[Any, ...], name: str
 ) -> tuple[Any, multiprocessing.connection.Connection]:
@@ -508,8 +493,7 @@ def run(opts: DistOptions, log: Log) -> dict[str, Any]:
     resharder = _start(ctx, _reshard_main, (layout, opts, go_reader), "resharding load")
     go_reader.close()
     try:
-        store, port = _loopback_store(opts.timeout_s)
-        try:
+        with loopback_store(opts.timeout_s) as port:
             ranks = _results(
                 [
                     _start(ctx, _rank_main, (r, port, layout, opts, time.time()), f"rank {r}")
@@ -517,8 +501,6 @@ def run(opts: DistOptions, log: Log) -> dict[str, Any]:
                 ],
                 opts.timeout_s,
             )
-        finally:
-            del store
         for r in ranks:
             for rd in r["rounds"]:
                 tag = f"round {rd['round']}" + (" (warm-up)" if rd["warmup"] else "")

@@ -26,7 +26,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 import tardigrade
+from tardigrade.distributed._launch import loopback_store
 
 # The loopback interface gloo is told to use, so ranks never touch a real network.
 LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
@@ -68,20 +68,20 @@ def run_ranks(
             "the ranks import it by name"
         )
     ctx = multiprocessing.get_context("spawn")
-    # The store is served from here on a socket bound to loopback (TCPStore itself would
-    # listen on every interface), and it outlives any rank that dies.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        store = dist.TCPStore(
-            "127.0.0.1",
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout),
-            master_listen_fd=listener.detach(),  # the store owns and closes it from here
-        )
+    # The store is served from here on loopback only, and it outlives any rank that dies.
+    with loopback_store(timeout) as port:
+        return _start_and_collect(ctx, target, world_size, args, port, timeout, env)
+
+
+def _start_and_collect(
+    ctx: Any,
+    target: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    port: int,
+    timeout: float,
+    env: dict[str, str] | None,
+) -> list[Any]:
     procs: list[Any] = []
     readers: list[multiprocessing.connection.Connection] = []
     try:
@@ -105,7 +105,6 @@ def run_ranks(
             _kill(proc)
         for reader in readers:
             reader.close()
-        del store
 
 
 def _collect(

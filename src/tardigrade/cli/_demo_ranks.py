@@ -18,28 +18,23 @@ the loss curves, bit for bit.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
-
-import torch.distributed as dist
 
 from .. import verify
 from .._load import _load
 from .._read import DEFAULT_READ_THREADS
+from ..distributed._launch import loopback_store
 from ._demo_run import (
     CHILD_TIMEOUT_S,
     EVENT_PREFIX,
@@ -74,31 +69,6 @@ class RanksRun:
     last_step: int = 0
     stderr: list[str] = field(default_factory=list)
     seconds: float = 0.0
-
-
-@contextlib.contextmanager
-def loopback_store(timeout: float) -> Iterator[int]:
-    """Serve a TCPStore on 127.0.0.1 only; yields its port.
-
-    ``TCPStore`` would listen on every interface; handed a socket already bound to loopback it
-    listens there alone. It lives in this process, so it outlives any rank the demo kills.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        store = dist.TCPStore(
-            "127.0.0.1",
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout),
-            master_listen_fd=listener.detach(),  # the store owns and closes it from here
-        )
-    try:
-        yield port
-    finally:
-        del store
 
 
 def _read_events(rank: int, stream: TextIO, events: queue.Queue[tuple[int, Any]]) -> None:

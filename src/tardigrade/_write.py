@@ -26,6 +26,7 @@ from ._job import (
 )
 from ._plan import PER_RANK, REPLICATED, FilePlan, GlobalPlan
 from .errors import SaveError, StorageError, TardigradeError
+from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher, checksum
 from .format.jsonio import dumps, gc_paused
@@ -361,6 +362,14 @@ def manifest_doc(
 def seal_checked(doc: dict[str, Any], where: str) -> bytes:
     """The sealed manifest bytes, refused unless a reader accepts them."""
     manifest = seal(dumps(doc))
+    if len(manifest) > limits.MAX_MANIFEST_BYTES:
+        chunks = sum(len(t["chunks"]) for t in doc["tensors"])
+        raise SaveError(
+            f"{where}: the manifest would be {len(manifest) / 2**20:.0f} MiB ({chunks} chunks), "
+            f"more than the {limits.MAX_MANIFEST_BYTES / 2**20:.0f} MiB any reader accepts; "
+            "nothing was committed. Save fewer, larger tensors (e.g. flatten parameters into "
+            "fewer buffers) or from fewer ranks."
+        )
     # Commit only what a reader accepts: the same validation that guards every load
     # (unique keys, chunks tiling each tensor, sizes) runs on this save's own manifest.
     try:

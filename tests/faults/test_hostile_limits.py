@@ -10,10 +10,13 @@ import gc
 import itertools
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import tardigrade as tg
 from tardigrade.errors import CorruptCheckpointError
 from tardigrade.format import manifest
 
@@ -369,3 +372,18 @@ def test_parse_memory_is_bounded(case: str, tmp_path: Any) -> None:
         assert got["verdict"] == "ok", got["verdict"]
     else:
         assert "so dense in objects and lists" in got["verdict"], got["verdict"]
+
+
+def test_a_save_whose_manifest_no_reader_accepts_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader caps a manifest's size; a save must not commit one above that cap (a job
+    of many ranks and tensors can reach it), since no load could ever read it back."""
+    from tardigrade.format import limits
+
+    state = {f"t{i}": torch.zeros(2) for i in range(200)}
+    monkeypatch.setattr(limits, "MAX_MANIFEST_BYTES", 4096)
+    with pytest.raises(tg.SaveError, match=r"manifest would be .* any reader accepts"):
+        tg.save(tmp_path / "ckpt", state)
+    assert not (tmp_path / "ckpt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]

@@ -35,12 +35,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 import tardigrade as tg
 
 from ._demo_run import checkpoint_name
-from ._demo_worker import Config, batches, emit, install_hang, make_data, make_loader
+from ._demo_worker import (
+    Config,
+    batches,
+    emit,
+    install_hang,
+    make_data,
+    make_loader,
+    make_model,
+)
 from ._listing import COMMITTED, list_checkpoints
 
 # Exit status of a rank whose collective save failed (a peer died mid-save).
@@ -51,17 +58,7 @@ def make_state(cfg: Config, total_steps: int, rank: int, world: int) -> dict[str
     """The complete training state of one rank, freshly initialised."""
     # Seeded alike on every rank: every rank starts from the same parameters, as DDP requires.
     torch.manual_seed(cfg.seed)
-    model = nn.Sequential(
-        nn.Linear(cfg.features, cfg.hidden),
-        nn.ReLU(),
-        nn.Dropout(cfg.dropout),
-        nn.Linear(cfg.hidden, cfg.hidden),
-        nn.ReLU(),
-        nn.Dropout(cfg.dropout),
-        nn.Linear(cfg.hidden, cfg.classes),
-    )
-    optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=total_steps)
+    model, optim, sched = make_model(cfg, total_steps)
     # Then apart: each rank draws its own dropout masks, so its RNG is a per-rank value.
     rank_seed = cfg.seed * 1000 + rank + 1
     random.seed(rank_seed)

@@ -45,6 +45,7 @@ from ._demo_run import (
     first_difference,
     identical,
     prepare_dir,
+    print_outcome,
 )
 from ._listing import COMMITTED, INCOMPLETE_TMP, list_checkpoints
 from ._output import ProgressBar, human_bytes, table
@@ -324,19 +325,11 @@ def run(args: argparse.Namespace) -> int:
         f"{sum(s['seconds'] for s in saves) / max(1, len(saves)) * 1000:.1f} ms per save"
     )
     listing = list_checkpoints(ckpt_dir)
-    print(f"checkpoints in {args.dir} (keep_last={args.keep_last}):")
-    print(
-        table(
-            [[c.name, human_bytes(c.nbytes), c.status] for c in listing],
-            ["NAME", "SIZE", "STATUS"],
-            indent="  ",
-        )
-    )
-    same = all(good for _, good in checks)
-    print()
-    print(
-        f"bit-identical: {'yes' if same else 'NO'}  "
-        f"(demo took {time.perf_counter() - started:.1f} s; try: {_prog()} inspect "
-        f"{args.dir}/{listing[-1].name if listing else ''})"
+    same = print_outcome(
+        f"checkpoints in {args.dir} (keep_last={args.keep_last}):",
+        listing,
+        checks,
+        time.perf_counter() - started,
+        f"{_prog()} inspect {args.dir}/{listing[-1].name if listing else ''}",
     )
     return 0 if same else 1

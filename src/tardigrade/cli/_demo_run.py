@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
+from ._output import human_bytes, table
 
 # Marks a directory as made by this demo, so a later run may clear it.
 MARKER = ".tardigrade-demo"
@@ -110,3 +111,21 @@ def _span(names: list[str]) -> str:
     if not names:
         return "none"
     return names[0] if len(names) == 1 else f"{names[0]} to {names[-1]}"
+
+
+def print_outcome(
+    heading: str, listing: list[Any], checks: list[tuple[str, bool]], seconds: float, hint: str
+) -> bool:
+    """The end of a demo's report: the checkpoints left, then whether the runs were identical."""
+    print(heading)
+    print(
+        table(
+            [[c.name, human_bytes(c.nbytes), c.status] for c in listing],
+            ["NAME", "SIZE", "STATUS"],
+            indent="  ",
+        )
+    )
+    same = all(good for _, good in checks)
+    print()
+    print(f"bit-identical: {'yes' if same else 'NO'}  (demo took {seconds:.1f} s; try: {hint})")
+    return same

@@ -102,11 +102,8 @@ def make_data(cfg: Config) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def make_state(cfg: Config, total_steps: int) -> dict[str, Any]:
-    """The complete training state, freshly initialised: everything that resume must restore."""
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+def make_model(cfg: Config, total_steps: int) -> tuple[nn.Module, Any, Any]:
+    """The demo's model, optimizer and LR schedule, initialised from torch's current RNG."""
     model = nn.Sequential(
         nn.Linear(cfg.features, cfg.hidden),
         nn.ReLU(),
@@ -118,6 +115,15 @@ def make_state(cfg: Config, total_steps: int) -> dict[str, Any]:
     )
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=total_steps)
+    return model, optim, sched
+
+
+def make_state(cfg: Config, total_steps: int) -> dict[str, Any]:
+    """The complete training state, freshly initialised: everything that resume must restore."""
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model, optim, sched = make_model(cfg, total_steps)
     return {
         "model": model,
         "optim": optim,

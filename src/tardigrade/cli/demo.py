@@ -40,6 +40,7 @@ from ._demo_run import (
     first_difference,
     identical,
     prepare_dir,
+    print_outcome,
 )
 from ._listing import COMMITTED, INCOMPLETE_TMP, list_checkpoints, step_from_name
 from ._output import ProgressBar, human_bytes, table
@@ -399,18 +400,11 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     print(_saves_table([("1", first), ("2", second)]))
-    print(f"checkpoints in {args.dir}:")
-    print(
-        table(
-            [[c.name, human_bytes(c.nbytes), c.status] for c in listing],
-            ["NAME", "SIZE", "STATUS"],
-            indent="  ",
-        )
-    )
-    same = all(good for _, good in checks)
-    print()
-    print(
-        f"bit-identical: {'yes' if same else 'NO'}  "
-        f"(demo took {time.perf_counter() - started:.1f} s; try: {_prog()} ls {args.dir})"
+    same = print_outcome(
+        f"checkpoints in {args.dir}:",
+        listing,
+        checks,
+        time.perf_counter() - started,
+        f"{_prog()} ls {args.dir}",
     )
     return 0 if same else 1

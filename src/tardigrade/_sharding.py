@@ -9,7 +9,6 @@ describes leaves; it never talks to other ranks, so the single-process pipeline 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,7 +133,3 @@ def box_of(obj: Any, path_text: str) -> tuple[torch.Tensor, Box] | None:
             f"placements give {list(shape)}; save t.full_tensor() instead."
         )
     return local, Box(tuple(int(o) for o in offsets), tuple(int(n) for n in obj.shape))
-
-
-def box_numel(box: Box) -> int:
-    return math.prod(box.global_shape)

@@ -390,21 +390,23 @@ class Ranks:
         with its peers while training runs collectives on the original group. Each fork is a
         new process group kept until the process ends: fork once, not per operation.
         """
+        group = self._new_gloo_group("fork()", "creating a gloo process group")
+        return Ranks(group, timeout=self.timeout)
+
+    def _new_gloo_group(self, what: str, during: str) -> Any:
+        """A new gloo group over this group's ranks (collective: every member calls it)."""
         ranks = dist.get_process_group_ranks(self.group)
         start = time.monotonic()
         try:
-            group = dist.new_group(
+            return dist.new_group(
                 ranks=ranks,
                 backend="gloo",
                 timeout=self._wait,
-                # A subgroup's members alone call fork(): the others must not be waited for.
+                # A subgroup's members alone call this: the others must not be waited for.
                 use_local_synchronization=len(ranks) != dist.get_world_size(),
             )
         except Exception as exc:
-            raise self._transport_error(
-                "fork()", "creating a gloo process group", exc, time.monotonic() - start
-            ) from exc
-        return Ranks(group, timeout=self.timeout)
+            raise self._transport_error(what, during, exc, time.monotonic() - start) from exc
 
     # -- the steps they are made of --------------------------------------------------------
 
@@ -484,22 +486,9 @@ class Ranks:
                 with _GLOO_SIBLINGS_LOCK:
                     sibling = _GLOO_SIBLINGS.get(self.group)
                     if sibling is None:
-                        ranks = dist.get_process_group_ranks(self.group)
-                        start = time.monotonic()
-                        try:
-                            sibling = dist.new_group(
-                                ranks=ranks,
-                                backend="gloo",
-                                timeout=self._wait,
-                                use_local_synchronization=len(ranks) != dist.get_world_size(),
-                            )
-                        except Exception as exc:
-                            raise self._transport_error(
-                                what,
-                                "creating the gloo group for CPU payloads",
-                                exc,
-                                time.monotonic() - start,
-                            ) from exc
+                        sibling = self._new_gloo_group(
+                            what, "creating the gloo group for CPU payloads"
+                        )
                         _GLOO_SIBLINGS[self.group] = sibling
                 self._transport = sibling
             self._root = dist.get_global_rank(self._transport, 0)

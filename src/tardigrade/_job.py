@@ -149,7 +149,7 @@ def make_job(
     header = make_header(step=step, epoch=epoch, metrics=metrics, metadata=metadata)
     flat = flatten(state)
     gplan = global_plan([local_plan(flat)], max_files=max_files)
-    return SaveJob(storage, name, flat, gplan.ranks[0], header, overwrite, started, gplan)
+    return SaveJob(storage, name, flat, gplan.rank_plan(0), header, overwrite, started, gplan)
 
 
 def make_header(

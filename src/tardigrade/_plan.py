@@ -164,17 +164,132 @@ class TensorRecord:
     numpy: bool
     layout: str  # REPLICATED, SHARDED or PER_RANK
     rank: int | None = None  # the rank a PER_RANK tensor belongs to
+    name: str = ""  # readable: the tree path of its first leaf
 
 
-@dataclass(frozen=True)
+# Columns of the chunk table: one row per chunk of the checkpoint, grouped by tensor in chunk
+# order; then ``offsets`` and ``shape`` (``dims`` columns each, unused ones 0).
+_OWNER, _FILE, _ENTRY, _START, _STOP, _TENSOR, _INDEX, _NBYTES = range(8)
+_FIXED = 8
+
+
+@dataclass(frozen=True, eq=False)
 class GlobalPlan:
+    """Every chunk of a save: who writes it, where, and what it holds.
+
+    A table (numpy, one row per chunk, grouped by tensor) rather than objects: the coordinator
+    of a large job plans millions of chunks, and the manifest and each rank's plan are cut
+    from the table without a Python object per chunk.
+    """
+
     tensors: tuple[TensorRecord, ...]
-    ranks: tuple[SavePlan, ...]  # each rank's final plan
+    files: tuple[str, ...]  # every data file, by rank then number (sorted by name)
+    owners: tuple[int, ...]  # the rank writing each file
+    file_rows: tuple[np.ndarray, ...]  # each file's chunk rows, in file order
+    table: np.ndarray  # int64 [chunks, _FIXED + 2 * dims]
+    dims: int
     own_base: tuple[int, ...]  # the manifest index of each rank's first own tensor
+    keys: tuple[str, ...] | None  # readable safetensors keys per row (one process) or derived
+    entries: tuple[tuple[LocalEntry, ...], ...]  # each rank's shared + own local entries
+
+    @property
+    def world(self) -> int:
+        return len(self.own_base)
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.ranks)
+        return int(self.table[:, _NBYTES].sum())
+
+    def file_nbytes(self) -> list[int]:
+        """The tensor bytes of each file (its header not included)."""
+        return [int(self.table[rows, _NBYTES].sum()) for rows in self.file_rows]
+
+    def tensor_rows(self) -> np.ndarray:
+        """Where each tensor's chunk rows start (and, last, the number of rows)."""
+        return np.searchsorted(self.table[:, _TENSOR], np.arange(len(self.tensors) + 1))
+
+    def chunks(self, lo: int, hi: int, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The file index, offsets and shape of chunk rows ``lo:hi`` (of a ``d``-dim tensor)."""
+        rows = self.table[lo:hi]
+        dims = self.dims
+        return (
+            rows[:, _FILE],
+            rows[:, _FIXED : _FIXED + d],
+            rows[:, _FIXED + dims : _FIXED + dims + d],
+        )
+
+    def rank_plan(self, rank: int) -> SavePlan:
+        """The files rank ``rank`` writes."""
+        mine = [f for f, owner in enumerate(self.owners) if owner == rank]
+        return _save_plan(
+            [(self.files[f], self.table[self.file_rows[f]]) for f in mine],
+            self.entries[rank],
+            self.dims,
+            None
+            if self.keys is None
+            else [[self.keys[r] for r in self.file_rows[f]] for f in mine],
+        )
+
+    @property
+    def ranks(self) -> tuple[SavePlan, ...]:
+        """Every rank's plan (for tests and single-process saves; a job asks ``rank_plan``)."""
+        return tuple(self.rank_plan(r) for r in range(self.world))
+
+    def to_wire(self) -> bytes:
+        """What every rank needs to cut its own plan (``plan_from_wire``): file names, then
+        the rows of the chunk table in file order, as int64."""
+        order = np.concatenate([*self.file_rows, np.zeros(0, np.int64)])
+        head = json.dumps(
+            {"files": self.files, "owners": self.owners, "dims": self.dims}, separators=(",", ":")
+        )
+        return head.encode() + b"\0" + np.ascontiguousarray(self.table[order]).tobytes()
+
+
+def plan_from_wire(raw: bytes, rank: int, local: LocalPlan) -> SavePlan:
+    """Rank ``rank``'s plan from ``GlobalPlan.to_wire`` bytes and its own local plan."""
+    cut = raw.index(b"\0")
+    head = json.loads(raw[:cut])
+    dims = head["dims"]
+    table = np.frombuffer(raw[cut + 1 :], dtype=np.int64).reshape(-1, _FIXED + 2 * dims)
+    table = table[table[:, _OWNER] == rank]  # in file order
+    mine = [f for f, owner in enumerate(head["owners"]) if owner == rank]
+    cuts = np.searchsorted(table[:, _FILE], mine[1:])
+    return _save_plan(
+        [(head["files"][f], rows) for f, rows in zip(mine, np.split(table, cuts), strict=True)],
+        (*local.shared, *local.own),
+        dims,
+        None,
+    )
+
+
+def _save_plan(
+    files: list[tuple[str, np.ndarray]],
+    entries: Sequence[LocalEntry],
+    dims: int,
+    keys: list[list[str]] | None,
+) -> SavePlan:
+    """Write items from chunk-table rows (each file's, in file order).
+
+    Without ``keys`` a chunk's safetensors key is derived: ``name@tensor.index`` (the text
+    after the last ``@`` names the chunk, so keys are unique whatever the names hold).
+    """
+    out = []
+    for k, (name, rows) in enumerate(files):
+        items = []
+        for n, row in enumerate(rows.tolist()):
+            e = entries[row[_ENTRY]]
+            d = len(e.shape)
+            key = keys[k][n] if keys is not None else f"{e.name}@{row[_TENSOR]}.{row[_INDEX]}"
+            items.append(
+                WriteItem(
+                    row[_ENTRY], key, row[_START], row[_STOP], row[_NBYTES], row[_TENSOR],
+                    tuple(row[_FIXED : _FIXED + d]),
+                    tuple(row[_FIXED + dims : _FIXED + dims + d]),
+                    e.dtype,
+                )
+            )  # fmt: skip
+        out.append(FilePlan(name, tuple(items)))
+    return SavePlan(tuple(out))
 
 
 def entry_key(entry: Entry) -> str:
@@ -212,91 +327,101 @@ class KeyMaker:
         return key
 
 
-class _Unit(NamedTuple):
-    """A run of rows of one local tensor that some rank must write, and who can write it."""
+class _Pieces(NamedTuple):
+    """Runs of rows some rank must write, one per row: where each sits in its global tensor,
+    its size, and who may write it (``holder``: a rank, ALL, or SUBSET - k for ``subsets[k]``)."""
 
-    holders: tuple[int, ...]  # ranks holding these bytes; () = every rank
-    entry: int  # local entry index on the holders
-    tensor: int
-    start: int
-    stop: int
-    offsets: tuple[int, ...]  # of row `start` in the global tensor
-    shape: tuple[int, ...]  # of the chunk
-    nbytes: int
-    dtype: str
-    name: str
+    offsets: np.ndarray  # int64 [n, d]
+    sizes: np.ndarray  # int64 [n, d]
+    holder: np.ndarray  # int64 [n]
 
 
-def _rows(
-    e: LocalEntry, entry: int, tensor: int, origin: tuple[int, ...], holders: tuple[int, ...],
-    target: int,
-) -> list[_Unit]:  # fmt: skip
-    """Split a local tensor into row runs of at most ``target`` bytes (whole if it is 0-d)."""
-    nbytes = math.prod(e.shape) * ITEMSIZE[e.dtype]
-    rows = e.shape[0] if e.shape else 1
-    if not e.shape or nbytes <= target or rows <= 1:
-        return [_Unit(holders, entry, tensor, 0, rows, origin, e.shape, nbytes, e.dtype, e.name)]
-    row_bytes = nbytes // rows
-    per = max(1, target // max(1, row_bytes))
-    return [
-        _Unit(
-            holders, entry, tensor, start, min(rows, start + per),
-            (origin[0] + start, *origin[1:]), (min(rows, start + per) - start, *e.shape[1:]),
-            (min(rows, start + per) - start) * row_bytes, e.dtype, e.name,
-        )
-        for start in range(0, rows, per)
-    ]  # fmt: skip
+ALL, SUBSET = -1, -2
 
 
 def _pieces(
-    name: str, shape: tuple[int, ...], boxes: np.ndarray
-) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
-    """The distinct pieces of one sharded tensor: (offsets, shape, ranks holding it).
+    name: str, shape: tuple[int, ...], boxes: np.ndarray, subsets: list[tuple[int, ...]]
+) -> _Pieces:
+    """The distinct pieces of one sharded tensor, and who holds each.
 
-    ``boxes`` holds each rank's piece as a row of offsets then shape. Raises
-    InvalidArgumentError unless the pieces cover the tensor exactly once.
+    ``boxes`` holds each rank's piece as a row of offsets then shape. A piece several ranks
+    hold gets a holder from ``subsets`` (appended to). Raises InvalidArgumentError unless the
+    pieces cover the tensor exactly once.
     """
-    d = len(shape)
-    uniq, inverse = np.unique(boxes, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    order = np.argsort(inverse, kind="stable")
-    if len(uniq) == len(boxes):  # every rank its own piece (the usual case): no grouping
-        holders = [(r,) for r in order.tolist()]
-    else:
-        cuts = np.searchsorted(inverse[order], np.arange(1, len(uniq)))
-        holders = [tuple(g.tolist()) for g in np.split(order, cuts)]
+    d, world = len(shape), len(boxes)
+    # Sorted by box: pieces in order of their place in the tensor, equal ones side by side.
+    order = np.lexsort(boxes.T[::-1]) if d else np.arange(world)
+    ranked = boxes[order]
+    new = np.ones(world, dtype=bool)
+    if world > 1:
+        new[1:] = np.any(ranked[1:] != ranked[:-1], axis=1)
+    starts = np.flatnonzero(new)
+    uniq = ranked[starts]
+    holder = order[starts].astype(np.int64)
+    if len(starts) != world:  # some piece is held by several ranks
+        counts = np.diff(np.append(starts, world))
+        for k in np.flatnonzero(counts > 1).tolist():
+            group = order[starts[k] : starts[k] + counts[k]].tolist()
+            if len(group) == world:
+                holder[k] = ALL
+            else:
+                holder[k] = SUBSET - len(subsets)
+                subsets.append(tuple(sorted(group)))
     offs, sizes = uniq[:, :d], uniq[:, d:]
-    pieces = [
-        (tuple(o), tuple(n), h)
-        for o, n, h in zip(offs.tolist(), sizes.tolist(), holders, strict=True)
-    ]
     if d == 0:
-        return pieces[:1]
+        return _Pieces(offs[:1], sizes[:1], holder[:1])
     full = np.array(shape, dtype=np.int64)
     try:
         if bool(np.any(offs + sizes > full)):
             raise TilingError("a piece reaches past the tensor")
-        if sum(math.prod(n) for _, n, _ in pieces) != math.prod(shape):
+        if int(np.prod(sizes, axis=1).sum()) != math.prod(shape):
             raise TilingError("their volumes do not add up to the tensor's")
         live = np.all(sizes > 0, axis=1)
         if bool(np.all(offs[:, 1:] == 0)) and bool(np.all(sizes[:, 1:] == full[1:])):
-            # Row slabs, the usual sharding: sorted, each must start where the last ended.
-            starts = np.sort(offs[live, 0])
-            ends = np.sort(offs[live, 0] + sizes[live, 0])
-            if len(starts) and (starts[0] != 0 or np.any(starts[1:] != ends[:-1])):
+            # Row slabs, the usual sharding: in order, each must start where the last ended.
+            starts_, ends = offs[live, 0], offs[live, 0] + sizes[live, 0]
+            if len(starts_) and (starts_[0] != 0 or np.any(starts_[1:] != ends[:-1])):
                 raise TilingError("the row ranges overlap or leave a gap")
         else:
-            boxes_ = [(o, tuple(a + b for a, b in zip(o, n, strict=True))) for o, n, _ in pieces
-                      if 0 not in n]  # fmt: skip
+            boxes_ = [(o, tuple(a + b for a, b in zip(o, n, strict=True)))
+                      for o, n in zip(offs[live].tolist(), sizes[live].tolist(), strict=True)]  # fmt: skip
             check_exact_tiling(boxes_, list(shape), max(64, 4 * len(boxes_)))
     except TilingError as e:
+        first = lambda k: int(holder[k]) if holder[k] >= 0 else "several"  # noqa: E731
         raise InvalidArgumentError(
             f"state[{name!r}]: the ranks' pieces of this sharded tensor (global shape "
             f"{list(shape)}) do not cover it exactly once ({e}); pieces: "
-            + ", ".join(f"rank {h[0]}: offsets {list(o)} shape {list(n)}"
-                        for o, n, h in pieces[:8])
+            + ", ".join(f"rank {first(k)}: offsets {o} shape {n}" for k, (o, n) in
+                        enumerate(zip(offs[:8].tolist(), sizes[:8].tolist(), strict=True)))
         ) from None  # fmt: skip
-    return pieces
+    return _Pieces(offs, sizes, holder)
+
+
+def _split(p: _Pieces, itemsize: int, target: int) -> tuple[np.ndarray, ...]:
+    """Cut pieces into row runs of at most ``target`` bytes (a 0-d or single-row piece, or
+    one within ``target``, stays whole). Returns, per chunk: piece, start, stop (rows of the
+    piece), offsets, shape and bytes."""
+    n, d = p.sizes.shape
+    if d == 0:
+        one = np.ones(n, dtype=np.int64)
+        return (np.arange(n), 0 * one, one, p.offsets, p.sizes, itemsize * one)
+    rows = p.sizes[:, 0]
+    row_bytes = np.prod(p.sizes[:, 1:], axis=1) * itemsize
+    nbytes = rows * row_bytes
+    per = np.maximum(1, target // np.maximum(1, row_bytes))
+    whole = (nbytes <= target) | (rows <= 1)
+    count = np.where(whole, 1, -(-rows // per))
+    piece = np.repeat(np.arange(n), count)
+    if len(piece) == n:  # no piece was cut (the usual case for a job's many small shards)
+        return (piece, 0 * rows, rows, p.offsets, p.sizes, nbytes)
+    k = np.arange(len(piece)) - np.repeat(np.cumsum(count) - count, count)
+    start = k * per[piece]
+    stop = np.where(whole[piece], rows[piece], np.minimum(rows[piece], start + per[piece]))
+    offsets = p.offsets[piece]
+    offsets[:, 0] += start
+    shape = p.sizes[piece]
+    shape[:, 0] = stop - start
+    return (piece, start, stop, offsets, shape, (stop - start) * row_bytes[piece])
 
 
 def global_plan(
@@ -341,8 +466,8 @@ def global_plan_from_wire(
     return _merge(shared, metas, boxes, owns, max_files, chunk_bytes)
 
 
-# A large job's plan is millions of small acyclic objects; each cycle collection started while
-# building them would walk all of them again.
+# Building a plan makes many small acyclic objects; a cycle collection started meanwhile would
+# walk all of them again.
 @gc_paused()
 def _merge(
     shared: tuple[LocalEntry, ...],
@@ -361,114 +486,176 @@ def _merge(
                 "state tree; wrap what differs per rank in tg.PerRank."
             )
     table = np.stack(boxes) if world and len(boxes[0]) else np.zeros((world, 0), np.int64)
-    tensors: list[TensorRecord] = []
-    units: list[_Unit] = []
     if world == 1:
         # One process: files of similar size, tensors split only to balance them (the
         # layout of every single-process checkpoint so far).
         total = sum(math.prod(e.shape) * ITEMSIZE[e.dtype] for e in (*shared, *owns[0]))
         n_files = max(1, min(max_files, math.ceil(total / MIN_FILE_BYTES)))
         chunk_bytes = max(1, math.ceil(total / n_files))
+    tensors: list[TensorRecord] = []
+    subsets: list[tuple[int, ...]] = []
+    parts: list[tuple[int, int, _Pieces]] = []  # (tensor, local entry, pieces)
     pos = 0
     for i, e in enumerate(shared):
         if e.box is None:
-            tensors.append(TensorRecord(e.dtype, e.shape, e.numpy, REPLICATED))
-            units += _rows(e, i, i, (0,) * len(e.shape), (), chunk_bytes)
+            tensors.append(TensorRecord(e.dtype, e.shape, e.numpy, REPLICATED, None, e.name))
+            parts.append((i, i, _whole(e.shape, ALL)))
             continue
         shape = e.box.global_shape
-        tensors.append(TensorRecord(e.dtype, shape, e.numpy, SHARDED))
+        tensors.append(TensorRecord(e.dtype, shape, e.numpy, SHARDED, None, e.name))
         d = len(shape)
-        for offsets, size, holders in _pieces(e.name, shape, table[:, pos : pos + 2 * d]):
-            held = LocalEntry(e.dtype, size, e.numpy, None, e.name)
-            h = () if len(holders) == world else holders
-            units += _rows(held, i, i, offsets, h, chunk_bytes)
+        parts.append((i, i, _pieces(e.name, shape, table[:, pos : pos + 2 * d], subsets)))
         pos += 2 * d
     own_base = []
     for r, own in enumerate(owns):
         own_base.append(len(tensors))
         for j, e in enumerate(own):
-            tensors.append(TensorRecord(e.dtype, e.shape, e.numpy, PER_RANK, r))
-            t = len(tensors) - 1
-            units += _rows(e, len(shared) + j, t, (0,) * len(e.shape), (r,), chunk_bytes)
-    owners = _assign(units, world)
-    unique = KeyMaker()
-    per_rank: list[list[WriteItem]] = [[] for _ in range(world)]
-    for u, r in zip(units, owners, strict=True):
-        if tensors[u.tensor].layout == SHARDED:
-            wanted = f"{u.name}@{','.join(map(str, u.offsets))}"
-        elif u.start != 0 or u.stop != (u.shape[0] if u.shape else 1):
-            wanted = f"{u.name}@{u.start}"
-        else:
-            wanted = u.name
-        per_rank[r].append(
-            WriteItem(u.entry, unique(wanted), u.start, u.stop, u.nbytes, u.tensor, u.offsets,
-                      u.shape, u.dtype)
-        )  # fmt: skip
+            tensors.append(TensorRecord(e.dtype, e.shape, e.numpy, PER_RANK, r, e.name))
+            parts.append((len(tensors) - 1, len(shared) + j, _whole(e.shape, r)))
+    dims = max((len(t.shape) for t in tensors), default=0)
+    rows = _chunk_table(parts, tensors, dims, chunk_bytes)
+    rows[:, _OWNER] = _assign(rows[:, _OWNER], rows[:, _NBYTES], subsets, world)
+    itemsize = np.array([ITEMSIZE[t.dtype] for t in tensors], dtype=np.int64)
+    names, owners, file_rows = _files(rows, itemsize[rows[:, _TENSOR]], world, max_files)
+    entries = tuple((*shared, *own) for own in owns)
+    keys = _readable_keys(rows, tensors, entries[0]) if world == 1 else None
     return GlobalPlan(
-        tuple(tensors),
-        tuple(_files(items, r, world, max_files) for r, items in enumerate(per_rank)),
-        tuple(own_base),
+        tuple(tensors), names, owners, file_rows, rows, dims, tuple(own_base), keys, entries
     )
 
 
-def _assign(units: Sequence[_Unit], world: int) -> list[int]:
-    """Who writes each unit: its only holder, else the least loaded holder, largest first."""
-    loads = [0] * world
-    owner = [0] * len(units)
-    flexible = []
-    for k, u in enumerate(units):
-        if len(u.holders) == 1:
-            owner[k] = u.holders[0]
-            loads[owner[k]] += u.nbytes
-        elif world == 1:
-            owner[k] = 0
-        else:
-            flexible.append(k)
+def _whole(shape: tuple[int, ...], holder: int) -> _Pieces:
+    return _Pieces(
+        np.zeros((1, len(shape)), np.int64),
+        np.array([shape], dtype=np.int64).reshape(1, len(shape)),
+        np.array([holder], dtype=np.int64),
+    )
+
+
+def _chunk_table(
+    parts: list[tuple[int, int, _Pieces]],
+    tensors: list[TensorRecord],
+    dims: int,
+    chunk_bytes: int,
+) -> np.ndarray:
+    """One row per chunk (the _OWNER column holds each chunk's holder until assigned)."""
+    cols: list[list[np.ndarray]] = [[] for _ in range(5)]
+    counts, boxes = [], []
+    for tensor, _, pieces in parts:
+        piece, start, stop, offsets, shape, nbytes = _split(
+            pieces, ITEMSIZE[tensors[tensor].dtype], chunk_bytes
+        )
+        for col, values in zip(
+            cols, (pieces.holder[piece], start, stop, nbytes, np.arange(len(piece))), strict=True
+        ):
+            col.append(values)
+        counts.append(len(piece))
+        box = np.zeros((len(piece), 2 * dims), dtype=np.int64)
+        d = offsets.shape[1]
+        box[:, :d] = offsets
+        box[:, dims : dims + d] = shape
+        boxes.append(box)
+    table = np.zeros((sum(counts), _FIXED + 2 * dims), dtype=np.int64)
+    if not parts:
+        return table
+    for column, values in zip((_OWNER, _START, _STOP, _NBYTES, _INDEX), cols, strict=True):
+        table[:, column] = np.concatenate(values)
+    table[:, _ENTRY] = np.repeat([entry for _, entry, _ in parts], counts)
+    table[:, _TENSOR] = np.repeat([tensor for tensor, _, _ in parts], counts)
+    table[:, _FIXED:] = np.concatenate(boxes)
+    return table
+
+
+def _assign(
+    holder: np.ndarray, nbytes: np.ndarray, subsets: list[tuple[int, ...]], world: int
+) -> np.ndarray:
+    """Who writes each chunk: its only holder, else the least loaded holder, largest first."""
+    owner = holder.copy()
+    single = holder >= 0
+    loads_ = np.zeros(world, dtype=np.int64)
+    np.add.at(loads_, holder[single], nbytes[single])
+    flexible = np.flatnonzero(~single)
+    if world == 1:
+        owner[flexible] = 0
+        return owner
+    loads = loads_.tolist()
     heap = [(load, r) for r, load in enumerate(loads)]
     heapq.heapify(heap)
-    for k in sorted(flexible, key=lambda k: (-units[k].nbytes, k)):
-        u = units[k]
-        if u.holders:
-            r = min(u.holders, key=lambda r: (loads[r], r))
-        else:
+    order = flexible[np.lexsort((flexible, -nbytes[flexible]))]
+    for k, h, n in zip(order.tolist(), holder[order].tolist(), nbytes[order].tolist(),
+                       strict=True):  # fmt: skip
+        if h == ALL:
             while True:  # entries go stale as loads grow; skip those
                 load, r = heapq.heappop(heap)
                 if load == loads[r]:
                     break
+        else:
+            r = min(subsets[SUBSET - h], key=lambda r: (loads[r], r))
         owner[k] = r
-        loads[r] += u.nbytes
+        loads[r] += n
         heapq.heappush(heap, (loads[r], r))
     return owner
 
 
-def _files(items: list[WriteItem], rank: int, world: int, max_files: int) -> SavePlan:
-    """Spread one rank's items over files of similar size."""
-    total = sum([it.nbytes for it in items])
-    n_files = max(1, min(max_files, math.ceil(total / MIN_FILE_BYTES)))
-    # Largest first into the least loaded file balances bytes across writer threads.
-    loads = [0] * n_files
-    bins: list[list[WriteItem]] = [[] for _ in range(n_files)]
-    if n_files == 1:
-        bins[0] = items
-    else:
-        for item in sorted(items, key=lambda it: -it.nbytes):
-            k = loads.index(min(loads))
-            bins[k].append(item)
-            loads[k] += item.nbytes
-    prefix = "data" if world == 1 else f"data-r{rank:05d}"
+def _files(
+    rows: np.ndarray, itemsize: np.ndarray, world: int, max_files: int
+) -> tuple[tuple[str, ...], tuple[int, ...], tuple[np.ndarray, ...]]:
+    """Spread each rank's chunks over files of similar size; fills the _FILE column.
+
+    Returns the file names, their ranks, and each file's rows in file order.
+    """
+    owner, nbytes = rows[:, _OWNER], rows[:, _NBYTES]
+    by_rank = np.argsort(owner, kind="stable")
+    bounds = np.searchsorted(owner[by_rank], np.arange(world + 1))
     # In-file order: largest item size first keeps every tensor aligned to its dtype (as
     # safetensors does); the writer and the stager both follow this order.
-    return SavePlan(
-        tuple(
-            FilePlan(
-                f"{prefix}-{k:05d}-of-{n_files:05d}.safetensors",
-                tuple(sorted(b, key=lambda it: (-ITEMSIZE[it.dtype], it.entry, it.start))),
-            )
-            for k, b in enumerate(bins)
-        )
-    )
+    names: list[str] = []
+    owners: list[int] = []
+    file_rows: list[np.ndarray] = []
+    for r in range(world):
+        mine = by_rank[bounds[r] : bounds[r + 1]]
+        total = int(nbytes[mine].sum())
+        n_files = max(1, min(max_files, math.ceil(total / MIN_FILE_BYTES)))
+        bins = np.zeros(len(mine), dtype=np.int64)
+        if n_files > 1:
+            # Largest first into the least loaded file balances bytes across writer threads.
+            loads = [0] * n_files
+            for k in np.argsort(-nbytes[mine], kind="stable").tolist():
+                b = loads.index(min(loads))
+                bins[k] = b
+                loads[b] += int(nbytes[mine[k]])
+        prefix = "data" if world == 1 else f"data-r{r:05d}"
+        for b in range(n_files):
+            sel = mine[bins == b]
+            sel = sel[np.lexsort((rows[sel, _START], rows[sel, _ENTRY], -itemsize[sel]))]
+            rows[sel, _FILE] = len(names)
+            file_rows.append(sel)
+            names.append(f"{prefix}-{b:05d}-of-{n_files:05d}.safetensors")
+            owners.append(r)
+    return tuple(names), tuple(owners), tuple(file_rows)
+
+
+def _readable_keys(
+    rows: np.ndarray, tensors: list[TensorRecord], entries: tuple[LocalEntry, ...]
+) -> tuple[str, ...]:
+    """One process's safetensors keys: the tensor's tree path, ``@row`` for a split tensor's
+    chunks, ``@offsets`` for a sharded one's (the names every single-process save had)."""
+    unique = KeyMaker()
+    keys = []
+    for row in rows.tolist():
+        t = tensors[row[_TENSOR]]
+        e = entries[row[_ENTRY]]
+        d = len(t.shape)
+        if t.layout == SHARDED:
+            wanted = f"{e.name}@{','.join(map(str, row[_FIXED : _FIXED + d]))}"
+        elif row[_START] != 0 or row[_STOP] != (t.shape[0] if d else 1):
+            wanted = f"{e.name}@{row[_START]}"
+        else:
+            wanted = e.name
+        keys.append(unique(wanted))
+    return tuple(keys)
 
 
 def plan_files(flat: Flat, *, max_files: int = DEFAULT_MAX_FILES) -> SavePlan:
     """The files of a single-process save of ``flat``."""
-    return global_plan([local_plan(flat)], max_files=max_files).ranks[0]
+    return global_plan([local_plan(flat)], max_files=max_files).rank_plan(0)

@@ -1,12 +1,12 @@
-"""The golden checkpoints of every format version keep loading (``v1/ckpt`` ... ``v4/ckpt``).
+"""The golden checkpoints of every format version keep loading (``v1/ckpt`` ... ``v5/ckpt``).
 
 Each was made once by its ``vN/make_fixture.py`` from the same state and seeds, so every value
 is checked against the same literals or deterministic re-creation written out here (not
 imported from the scripts, so editing a script cannot silently change the expectations).
 v3 adds a ``"leaves"`` subtree with every leaf kind v3 introduced (checked by
 ``test_v3_leaves``). v4 is a different, tiny state saved by two ranks (a sharded tensor, a
-replicated one, per-rank values; ``test_v4_*``). The fixtures are only read; their bytes are
-pinned by hash.
+replicated one, per-rank values; ``test_distributed_*``); v5 is that state saved again, its
+chunks stored as columns. The fixtures are only read; their bytes are pinned by hash.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 import tardigrade as tg
+from tardigrade.format.manifest import parse
 
 HERE = Path(__file__).resolve().parent
 
@@ -118,6 +119,37 @@ GOLDEN_V4 = Golden(
         ),
     ),
 )
+
+
+# Format v5: the v4 state saved by the same two ranks, its chunks stored as columns.
+GOLDEN_V5 = Golden(
+    5,
+    "be8fe1c4820d4377a18da68f1f124005",
+    "20988126ce35f6accb6a169789eb2219e430749f942d82bef7ba5fe316a76ae7",
+    [
+        {
+            "name": "data-r00000-00000-of-00001.safetensors",
+            "size": 228,
+            "header_checksum": "e0c43aae826d30a9",
+        },
+        {
+            "name": "data-r00001-00000-of-00001.safetensors",
+            "size": 284,
+            "header_checksum": "7c973b4aadaa0684",
+        },
+    ],
+    data_files=(
+        (
+            "data-r00000-00000-of-00001.safetensors",
+            "6270246ed7ff06b3e2e28d7ce0bfe37e65be9350abd7a62096dfb9b22c07984d",
+        ),
+        (
+            "data-r00001-00000-of-00001.safetensors",
+            "c841a11435c1fa87119671deacfa87be659cb66fad51760aa98750fff2974558",
+        ),
+    ),
+)
+DISTRIBUTED = [GOLDEN_V4, GOLDEN_V5]
 
 
 @pytest.fixture(params=GOLDEN, ids=[f"v{g.version}" for g in GOLDEN])
@@ -563,29 +595,35 @@ V4_EMB = torch.tensor(
 )
 
 
-@pytest.mark.parametrize("golden", [GOLDEN_V4], ids=["v4"])
-def test_v4_manifest(golden: Golden) -> None:
+@pytest.mark.parametrize("golden", DISTRIBUTED, ids=["v4", "v5"])
+def test_distributed_manifest(golden: Golden) -> None:
     m = tg.read_manifest(golden.ckpt)
-    assert m["format_version"] == 4
+    assert m["format_version"] == golden.version
     assert m["save_id"] == golden.save_id
     assert m["world_size"] == 2
     assert m["step"] == 7
-    assert m["metadata"] == {"purpose": "golden v4"}
+    assert m["metadata"] == {"purpose": f"golden v{golden.version}"}
     assert m["files"] == golden.files
     layouts = [(t.get("layout", "replicated"), t.get("rank")) for t in m["tensors"]]
     assert layouts == [("sharded", None), ("replicated", None), ("per_rank", 0), ("per_rank", 1)]
     # the uneven row split: rank 0 wrote rows 0-2, rank 1 rows 3-4
-    emb = m["tensors"][0]
-    assert [(c["file"][:11], c["offsets"], c["shape"]) for c in emb["chunks"]] == [
-        ("data-r00000", [0, 0], [3, 3]),
-        ("data-r00001", [3, 0], [2, 3]),
+    path = golden.ckpt / "manifest.json"
+    emb = parse(path.read_bytes(), str(path)).tensors[0]
+    assert [(c.file[:11], c.offsets, c.shape) for c in emb.chunks] == [
+        ("data-r00000", (0, 0), (3, 3)),
+        ("data-r00001", (3, 0), (2, 3)),
     ]
+    if golden.version == 5:  # columns; trailing offsets and widths once for all chunks
+        assert m["tensors"][0]["chunks"]["offsets"] == [[0, 3], 0]
+        assert m["tensors"][0]["chunks"]["shape"] == [[3, 2], 3]
+        with safe_open(str(golden.ckpt / golden.files[0]["name"]), "pt") as f:
+            assert sorted(f.keys()) == ["emb@0.0", "mine/seen@2.0"]  # name@tensor.chunk
     report = tg.verify(golden.ckpt)
     assert report.files == 2 and report.nbytes == golden.data_bytes
 
 
-@pytest.mark.parametrize("golden", [GOLDEN_V4], ids=["v4"])
-def test_v4_loads_in_one_process(golden: Golden) -> None:
+@pytest.mark.parametrize("golden", DISTRIBUTED, ids=["v4", "v5"])
+def test_distributed_loads_in_one_process(golden: Golden) -> None:
     state = tg.load(golden.ckpt)
     assert list(state) == ["emb", "bias", "step", "mine"]
     assert_tensor(state["emb"], V4_EMB)  # whole, gathered from both ranks' files
@@ -596,8 +634,8 @@ def test_v4_loads_in_one_process(golden: Golden) -> None:
     assert_tensor(state["mine"]["seen"], torch.tensor([0, 1], dtype=torch.int64))
 
 
-@pytest.mark.parametrize("golden", [GOLDEN_V4], ids=["v4"])
-def test_v4_restores_a_piece_into_live_state(golden: Golden) -> None:
+@pytest.mark.parametrize("golden", DISTRIBUTED, ids=["v4", "v5"])
+def test_distributed_restores_a_piece_into_live_state(golden: Golden) -> None:
     live = {
         "emb": tg.Sharded(torch.zeros(2, 3), (3, 0), (5, 3)),
         "bias": torch.zeros(3),

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 import tardigrade
 from tardigrade.distributed._launch import loopback_store
+from tardigrade.format.manifest import MANIFEST, Manifest, parse
 
 # The loopback interface gloo is told to use, so ranks never touch a real network.
 LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
@@ -212,3 +213,9 @@ def _rank_main(
     writer.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def manifest_of(ckpt: str | Path) -> Manifest:
+    """A checkpoint's manifest as readers see it (chunk columns made into Chunk objects)."""
+    path = Path(ckpt) / MANIFEST
+    return parse(path.read_bytes(), str(path))

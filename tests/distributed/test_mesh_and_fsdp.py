@@ -22,7 +22,7 @@ from torch import nn
 import tardigrade as tg
 from tardigrade import _read
 
-from ._harness import run_ranks
+from ._harness import manifest_of, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -107,11 +107,11 @@ def mesh_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_2d_mesh_dtensors_reshard_onto_other_meshes_and_world_sizes(mesh_ckpt: Path) -> None:
-    m = tg.read_manifest(mesh_ckpt)
-    assert m["world_size"] == 4
+    m = manifest_of(mesh_ckpt)
+    assert m.world_size == 4
     # Pieces held by two ranks (the Replicate mesh dimension) are written once: the chunks add
     # up to exactly one copy of each global tensor.
-    chunk_bytes = sum(torch.Size(c["shape"]).numel() * 4 for t in m["tensors"] for c in t["chunks"])
+    chunk_bytes = sum(c.numel * 4 for t in m.tensors for c in t.chunks)
     assert chunk_bytes == (2 * ROWS * COLS + EMB_ROWS * DIM) * 4
     assert run_ranks(mesh_load_rank, 2, str(mesh_ckpt), timeout=120) == ["ok"] * 2
     assert run_ranks(mesh_load_rank, 3, str(mesh_ckpt), timeout=120) == ["ok"] * 3
@@ -146,10 +146,10 @@ def test_rows_of_an_embedding_table_read_only_the_chunks_they_meet(
     rows = tg.Sharded(torch.empty(b - a, DIM), (a, 0), (EMB_ROWS, DIM))
     tg.load(mesh_ckpt, into={"emb": rows}, keys=["emb"])
     assert torch.equal(rows.local, full("emb", (EMB_ROWS, DIM))[a:b])
-    emb = next(t for t in tg.read_manifest(mesh_ckpt)["tensors"] if t["shape"] == [EMB_ROWS, DIM])
-    met = [c for c in emb["chunks"] if c["offsets"][0] < b and a < c["offsets"][0] + c["shape"][0]]
+    emb = next(t for t in manifest_of(mesh_ckpt).tensors if t.shape == (EMB_ROWS, DIM))
+    met = [c for c in emb.chunks if c.offsets[0] < b and a < c.offsets[0] + c.shape[0]]
     # Whole chunks are read (a checksum covers a chunk), only those that meet the rows.
-    assert counted["bytes"] == sum(c["shape"][0] * DIM * 4 for c in met)
+    assert counted["bytes"] == sum(c.shape[0] * DIM * 4 for c in met)
     assert len(met) == (1 if (a, b) == (120, 180) else 2 if a == 430 else 4)
 
 

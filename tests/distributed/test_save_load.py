@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import tardigrade as tg
 
-from ._harness import run_ranks
+from ._harness import manifest_of, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -162,12 +162,12 @@ def replicated_rank(rank: int, world: int, ckpt: str) -> Any:
 def test_replicated_tensors_are_written_once_balanced_across_ranks(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     nbytes = run_ranks(replicated_rank, 2, str(ckpt))[0]
-    m = tg.read_manifest(ckpt)
-    chunk_bytes = sum(torch.Size(c["shape"]).numel() * 4 for t in m["tensors"] for c in t["chunks"])
+    m = manifest_of(ckpt)
+    chunk_bytes = sum(c.numel * 4 for t in m.tensors for c in t.chunks)
     assert chunk_bytes == nbytes  # one copy in total, not one per rank
     per_rank = {r: 0 for r in range(2)}
-    for f in m["files"]:
-        per_rank[int(f["name"].split("-r")[1][:5])] += f["size"]
+    for name, size in m.files.items():
+        per_rank[int(name.split("-r")[1][:5])] += size
     assert min(per_rank.values()) > 0.4 * nbytes, per_rank  # both ranks wrote about half
 
 

@@ -39,7 +39,7 @@ from tardigrade.errors import (
 from tardigrade.format import limits
 from tardigrade.format.checksum import checksum
 from tardigrade.format.jsonio import dumps
-from tardigrade.format.manifest import FORMAT_VERSION, seal
+from tardigrade.format.manifest import FORMAT_VERSION, READABLE_VERSIONS, seal
 
 MANIFEST = "manifest.json"
 
@@ -582,7 +582,7 @@ def assert_manifest_rejected(ckpt: Path, cls: type[BaseException], pattern: str)
             fn(ckpt)
 
 
-@pytest.mark.parametrize("version", [FORMAT_VERSION + 1, 999], ids=["next", "far-future"])
+@pytest.mark.parametrize("version", [max(READABLE_VERSIONS) + 1, 999], ids=["next", "far-future"])
 def test_manifest_future_format_version(ckpt: Path, version: int) -> None:
     edit_manifest(ckpt, lambda d: d.update(format_version=version))
     assert_manifest_rejected(

@@ -222,14 +222,22 @@ def key_text(node: Any) -> str:
 _RANK_FILE = re.compile(r"data-r(\d+)-")
 
 
-def layout_text(info: dict[str, Any], world_size: int) -> str:
+def layout_text(info: dict[str, Any], world_size: int, files: list[Any] | None = None) -> str:
     """How the saving ranks held a tensor: ``sharded (3 chunks from 2 ranks)``, ``per rank 1``.
 
     Said only of distributed checkpoints, so single-process listings read as they always did.
+    ``files`` is the manifest's file list (format 5 chunks name files by their index in it).
     """
     layout = info.get("layout", "replicated")
     if layout == "sharded":
         chunks = info.get("chunks") or []
+        if isinstance(chunks, dict):  # format 5: columns
+            column = chunks.get("file")
+            count = len(str(chunks.get("checksum", ""))) // 16
+            indices = column if isinstance(column, list) else [column] * count
+            names = [f.get("name") if isinstance(f, dict) else "" for f in files or []]
+            chunks = [{"file": names[i] if type(i) is int and 0 <= i < len(names) else ""}
+                      for i in indices]  # fmt: skip
         writers = set()
         for c in chunks:
             found = _RANK_FILE.match(str(c.get("file") if isinstance(c, dict) else ""))
@@ -240,7 +248,12 @@ def layout_text(info: dict[str, Any], world_size: int) -> str:
     return "  replicated" if world_size > 1 else ""
 
 
-def _tensor_text(node: dict[str, Any], tensors: list[dict[str, Any]], world_size: int = 1) -> str:
+def _tensor_text(
+    node: dict[str, Any],
+    tensors: list[dict[str, Any]],
+    world_size: int = 1,
+    files: list[Any] | None = None,
+) -> str:
     e = node.get("e")
     if type(e) is not int or not 0 <= e < len(tensors):
         return "<tensor missing from the manifest>"
@@ -253,7 +266,7 @@ def _tensor_text(node: dict[str, Any], tensors: list[dict[str, Any]], world_size
     dtype = info["dtype"]
     if node.get("complex") in COMPLEX_DTYPES:  # stored as its real view: [..., 2]
         dtype, shape = node["complex"], shape[:-1]
-    layout = layout_text(info, world_size)
+    layout = layout_text(info, world_size, files)
     return f"{kind}{dtype}{list(shape)}  {human_bytes(nbytes)}{extra}{layout}"
 
 
@@ -304,6 +317,7 @@ def render_tree(
     """The state tree (or the subtree ``root``) as indented ``key: value`` lines."""
     tensors = m.get("tensors") or []
     world_size = m.get("world_size", 1)
+    files = m.get("files") or []
     lines: list[str] = []
 
     def children(node: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -338,7 +352,7 @@ def render_tree(
             lines.append(f"{prefix}{tag}{scalar_text(node)}")
             return
         if t in ("tensor", "ndarray"):
-            lines.append(f"{prefix}{tag}{_tensor_text(node, tensors, world_size)}")
+            lines.append(f"{prefix}{tag}{_tensor_text(node, tensors, world_size, files)}")
             return
         if t == "per_rank":
             lines.append(f"{prefix}{tag}tg.PerRank #{node.get('i')} (one value per rank, below)")

@@ -30,13 +30,12 @@ from .._async import stage_entries
 from .._job import SaveJob, SaveResult, check_target, make_header
 from .._plan import (
     DEFAULT_MAX_FILES,
-    FilePlan,
     GlobalPlan,
     LocalPlan,
     SavePlan,
-    WriteItem,
     global_plan_from_wire,
     local_plan,
+    plan_from_wire,
 )
 from .._staging import SlabPool
 from .._tree import Flat, flatten, path_str
@@ -59,35 +58,6 @@ from ._collectives import Ranks
 
 def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _plan_to_json(plan: SavePlan) -> list[Any]:
-    return [
-        [
-            fp.name,
-            [
-                [i.entry, i.key, i.start, i.stop, i.nbytes, i.tensor, list(i.offsets),
-                 list(i.shape), i.dtype]
-                for i in fp.items
-            ],
-        ]
-        for fp in plan.files
-    ]  # fmt: skip
-
-
-def _plan_from_json(v: list[Any]) -> SavePlan:
-    return SavePlan(
-        tuple(
-            FilePlan(
-                name,
-                tuple(
-                    WriteItem(e, k, a, b, n, t, tuple(o), tuple(s), d)
-                    for e, k, a, b, n, t, o, s, d in items
-                ),
-            )
-            for name, items in v
-        )
-    )
 
 
 @dataclass
@@ -233,15 +203,10 @@ class _Save:
         plan_id = uuid.uuid4().hex
         assert self.lp is not None
         _cache[_cache_key(self.ranks)] = _Cached(
-            plan_id, self.lp.signature(), gplan.ranks[0], gplan
+            plan_id, self.lp.signature(), gplan.rank_plan(0), gplan
         )
-        return _json(
-            {
-                "plan_id": plan_id,
-                "plans": [_plan_to_json(p) for p in gplan.ranks],
-                **self._begin(),
-            }
-        )
+        # Every rank cuts its own plan from the chunk table (packed integers, not JSON).
+        return _json({"plan_id": plan_id, **self._begin()}) + b"\0" + gplan.to_wire()
 
     # -- the whole save ----------------------------------------------------------------------
 
@@ -254,9 +219,11 @@ class _Save:
             raise AssertionError("unreachable: the comparison always raises")
         assert self.lp is not None and self.flat is not None and self.storage is not None
         if verdict["plan_id"] is None:
-            verdict = json.loads(ranks.reduce("tg.save (planning)", self.lp.to_bytes, self.plan))
-            plan = _plan_from_json(verdict["plans"][ranks.rank])
+            raw = ranks.reduce("tg.save (planning)", self.lp.to_bytes, self.plan)
+            cut = raw.index(b"\0")
+            verdict = json.loads(raw[:cut])
             if not ranks.coordinator:
+                plan = plan_from_wire(raw[cut + 1 :], ranks.rank, self.lp)
                 _cache[_cache_key(ranks)] = _Cached(
                     verdict["plan_id"], self.lp.signature(), plan, None
                 )

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
+
+import numpy as np
 
 from ..errors import (
     ChecksumMismatchError,
@@ -31,8 +34,13 @@ FORMAT_NAME = "tardigrade"
 # v4: distributed saves: ``per_rank`` holds each rank's ``tg.PerRank`` subtrees (the tree
 # holds ``{"t": "per_rank", "i": k}`` in their place), tensors may record a ``layout``
 # ("sharded", "per_rank" with its ``rank``), and data files of many ranks.
+# v5: a distributed save stores each tensor's chunks as columns (``file`` indices into
+# ``files``, flat ``offsets`` and ``shape``, ``checksum`` as one hex string) and each tensor's
+# ``name``; a chunk's safetensors key is derived: ``name@tensor.chunk``. Single-process saves
+# need none of it and stay v4, readable by v4 readers.
 FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+COLUMNAR_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 LAYOUTS = ("replicated", "sharded", "per_rank")
 PER_RANK_FALLBACKS = ("rank0", "error")
 SEALED_SINCE = 2  # the first version whose manifests must carry a checksum
@@ -80,11 +88,61 @@ class Chunk:
         return math.prod(self.shape)
 
 
+class ChunkColumns(Sequence[Chunk]):
+    """A tensor's chunks as a format-5 manifest stores them: columns, validated as arrays.
+
+    Behaves as a tuple of Chunks, made on first use: a reader that needs a few tensors of a
+    checkpoint with millions of chunks never makes objects for the rest.
+    """
+
+    __slots__ = ("_made", "files", "names", "offsets", "prefix", "shapes", "sums")
+
+    def __init__(
+        self, files: np.ndarray, names: Sequence[str], offsets: np.ndarray, shapes: np.ndarray,
+        sums: str, prefix: str,
+    ) -> None:  # fmt: skip
+        self.files, self.names, self.offsets, self.shapes = files, names, offsets, shapes
+        self.sums, self.prefix = sums, prefix
+        self._made: tuple[Chunk, ...] | None = None
+
+    def _all(self) -> tuple[Chunk, ...]:
+        if self._made is None:
+            names, prefix, sums = self.names, self.prefix, self.sums
+            columns = zip(
+                self.files.tolist(), self.offsets.tolist(), self.shapes.tolist(), strict=True
+            )
+            self._made = tuple(
+                [
+                    Chunk(names[f], f"{prefix}{j}", tuple(o), tuple(n), sums[16 * j : 16 * j + 16])
+                    for j, (f, o, n) in enumerate(columns)
+                ]
+            )
+        return self._made
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    @overload
+    def __getitem__(self, k: int) -> Chunk: ...
+    @overload
+    def __getitem__(self, k: slice) -> tuple[Chunk, ...]: ...
+    def __getitem__(self, k: int | slice) -> Chunk | tuple[Chunk, ...]:
+        return self._all()[k]
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
-    chunks: tuple[Chunk, ...]
+    chunks: Sequence[Chunk]
     numpy: bool
     layout: str = "replicated"  # how the saving ranks held it (LAYOUTS)
     rank: int | None = None  # the rank a per_rank tensor belongs to
@@ -219,9 +277,10 @@ def parse(raw_bytes: bytes, where: str) -> Manifest:
     ):
         raise _fail(where, f"'per_rank' must list each of the {world} ranks' subtrees")
     files, header_sums = _files(doc.get("files"), where, sealed=version >= SEALED_SINCE)
-    tensors = _tensors(doc.get("tensors"), files, where)
-    with gc_paused():  # a set of a million (file, key) tuples
-        _check_keys_unique(tensors, where)
+    tensors = _tensors(doc.get("tensors"), files, where, columnar=version >= COLUMNAR_VERSION)
+    if version < COLUMNAR_VERSION:  # format 5 derives keys, unique by construction
+        with gc_paused():  # a set of a million (file, key) tuples
+            _check_keys_unique(tensors, where)
     return Manifest(doc, tensors, files, header_sums)
 
 
@@ -254,10 +313,12 @@ def _files(v: Any, where: str, *, sealed: bool) -> tuple[dict[str, int], dict[st
     return out, sums
 
 
-def _tensors(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...]:
+def _tensors(
+    v: Any, files: dict[str, int], where: str, *, columnar: bool
+) -> tuple[TensorInfo, ...]:
     try:
         with gc_paused():
-            return _tensors_unpaused(v, files, where)
+            return _tensors_unpaused(v, files, where, columnar)
     except MemoryError as e:
         if isinstance(e, TardigradeError):
             raise
@@ -267,11 +328,14 @@ def _tensors(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...
         ) from None
 
 
-def _tensors_unpaused(v: Any, files: dict[str, int], where: str) -> tuple[TensorInfo, ...]:
+def _tensors_unpaused(
+    v: Any, files: dict[str, int], where: str, columnar: bool
+) -> tuple[TensorInfo, ...]:
     if not isinstance(v, list) or len(v) > limits.MAX_TENSORS:
         raise _fail(where, f"'tensors' must be a list of at most {limits.MAX_TENSORS} entries")
     out = []
     used = dict.fromkeys(files, 0)  # bytes claimed per data file, bounded by its size
+    columns = _Columns(files) if columnar else None
     for i, t in enumerate(v):
         if not isinstance(t, dict):
             raise _fail(where, f"tensor #{i} is not an object")
@@ -287,20 +351,24 @@ def _tensors_unpaused(v: Any, files: dict[str, int], where: str) -> tuple[Tensor
         if not limits.fits_torch(shape, ITEMSIZE[dtype]):
             raise _fail(where, f"tensor #{i} has a shape {shape} too large for any tensor")
         chunks = t.get("chunks")
-        if not isinstance(chunks, list) or (not chunks and math.prod(shape) > 0):
-            raise _fail(where, f"tensor #{i} lists no chunks")
-        parsed = tuple([_chunk(c, i, shape, files, where) for c in chunks])
-        # Bound every size by the bytes that really exist before anything is allocated.
-        itemsize = ITEMSIZE[dtype]
-        for c in parsed:
-            used[c.file] += math.prod(c.shape) * itemsize
-            if used[c.file] > files[c.file]:
-                raise _fail(
-                    where,
-                    f"tensor #{i} (shape {shape}) claims more bytes than data file {c.file!r} "
-                    f"holds ({files[c.file]})",
-                )
-        _check_tiling(parsed, shape, i, where)
+        parsed: Sequence[Chunk]
+        if columns is not None:
+            parsed = columns.parse(chunks, i, t.get("name"), shape, ITEMSIZE[dtype], where)
+        else:
+            if not isinstance(chunks, list) or (not chunks and math.prod(shape) > 0):
+                raise _fail(where, f"tensor #{i} lists no chunks")
+            parsed = tuple([_chunk(c, i, shape, files, where) for c in chunks])
+            # Bound every size by the bytes that really exist before anything is allocated.
+            itemsize = ITEMSIZE[dtype]
+            for c in parsed:
+                used[c.file] += math.prod(c.shape) * itemsize
+                if used[c.file] > files[c.file]:
+                    raise _fail(
+                        where,
+                        f"tensor #{i} (shape {shape}) claims more bytes than data file "
+                        f"{c.file!r} holds ({files[c.file]})",
+                    )
+            _check_tiling(parsed, shape, i, where)
         layout, rank = t.get("layout", "replicated"), t.get("rank")
         if layout not in LAYOUTS or (rank is not None and (type(rank) is not int or rank < 0)):
             raise _fail(where, f"tensor #{i} has an unknown layout {layout!r} (rank {rank!r})")
@@ -341,6 +409,124 @@ def _check_tiling(chunks: tuple[Chunk, ...], shape: list[int], i: int, where: st
         (c.offsets, tuple([o + n for o, n in zip(c.offsets, c.shape, strict=True)]))
         for c in chunks
         if 0 not in c.shape
+    ]
+    try:
+        check_exact_tiling(boxes, shape, limits.MAX_BOX_CHUNKS)
+    except TilingError as e:
+        raise _fail(where, f"tensor #{i}: {e}") from None
+
+
+_HEX = re.compile(r"[0-9a-f]*")
+
+
+def _int_column(v: Any, n: int) -> np.ndarray | None:
+    """A chunk column as int64: one int for every chunk, or a list of ``n`` ints (bools pass
+    as 0/1); None if it is neither."""
+    if type(v) is int:
+        return np.full(n, v, dtype=np.int64) if -(2**63) <= v < 2**63 else None
+    if type(v) is not list or len(v) != n:
+        return None
+    if not v:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        a = np.array(v)
+    except (ValueError, OverflowError, TypeError):
+        return None
+    return a if a.dtype == np.int64 and a.ndim == 1 else None
+
+
+def _box_columns(v: Any, n: int, d: int) -> np.ndarray | None:
+    """Offsets or shapes: one column per dimension, as an int64 [n, d] array."""
+    if type(v) is not list or len(v) != d:
+        return None
+    columns = [_int_column(c, n) for c in v]
+    if any(c is None for c in columns):
+        return None
+    return np.stack(columns, axis=1) if d else np.zeros((n, 0), dtype=np.int64)  # type: ignore[arg-type]
+
+
+class _Columns:
+    """Validates format-5 chunk columns as arrays: the checks ``_chunk`` and ``_check_tiling``
+    make per chunk object, a tensor at a time."""
+
+    def __init__(self, files: dict[str, int]) -> None:
+        self.names = list(files)
+        self.sizes = np.array(list(files.values()), dtype=np.int64)
+        self.used = np.zeros(len(files), dtype=np.int64)  # bytes claimed per data file
+
+    def parse(
+        self, c: Any, i: int, name: Any, shape: list[int], itemsize: int, where: str
+    ) -> ChunkColumns:
+        if type(name) is not str:
+            raise _fail(where, f"tensor #{i} has no name (format 5 derives chunk keys from it)")
+        if not isinstance(c, dict):
+            raise _fail(where, f"tensor #{i}: 'chunks' must be an object of columns")
+        sums = c.get("checksum")
+        if type(sums) is not str or len(sums) % 16:
+            raise _fail(where, f"tensor #{i}: 'checksum' must hold 16 hex digits per chunk")
+        n, d = len(sums) // 16, len(shape)
+        if n == 0 and math.prod(shape) > 0:
+            raise _fail(where, f"tensor #{i} lists no chunks")
+        files = _int_column(c.get("file"), n)
+        offsets = _box_columns(c.get("offsets"), n, d)
+        shapes = _box_columns(c.get("shape"), n, d)
+        if files is None or offsets is None or shapes is None:
+            raise _fail(
+                where, f"tensor #{i}: its {n} chunks need a 'file' column and {d} 'offsets' and "
+                "'shape' columns, each one integer or a list of one per chunk"
+            )  # fmt: skip
+        if not _HEX.fullmatch(sums):
+            raise _fail(where, f"tensor #{i}: its chunk checksums are not hex digits")
+        if n and (files.min() < 0 or files.max() >= len(self.names)):
+            raise _fail(where, f"tensor #{i} refers to a data file 'files' does not list")
+        full = np.array(shape, dtype=np.int64)
+        # Compared as below, nothing overflows: every value is at most the tensor's extent.
+        if bool(np.any(offsets < 0)) or bool(np.any(shapes < 0)) or bool(np.any(shapes > full)):
+            raise _fail(where, f"tensor #{i} has a chunk with invalid offsets/shape")
+        if bool(np.any(offsets > full - shapes)):
+            k = int(np.flatnonzero(np.any(offsets > full - shapes, axis=1))[0])
+            raise _fail(
+                where, f"tensor #{i} has a chunk at {offsets[k].tolist()} of shape "
+                f"{shapes[k].tolist()} outside {shape}"
+            )  # fmt: skip
+        volumes = np.prod(shapes, axis=1)  # each at most the tensor's, which torch can hold
+        total = math.prod(shape)
+        if float(volumes.sum(dtype=np.float64)) > total + 0.5 or int(volumes.sum()) != total:
+            raise _fail(where, f"tensor #{i}: its chunks do not cover its shape {shape} exactly")
+        # Bound every size by the bytes that really exist before anything is allocated.
+        claimed = np.zeros(len(self.names), dtype=np.int64)
+        np.add.at(claimed, files, volumes * itemsize)  # at most the tensor's bytes in all
+        over = claimed > self.sizes - self.used
+        if bool(np.any(over)):
+            f = self.names[int(np.flatnonzero(over)[0])]
+            raise _fail(
+                where, f"tensor #{i} (shape {shape}) claims more bytes than data file {f!r} "
+                f"holds ({self.sizes[self.names.index(f)]})"
+            )  # fmt: skip
+        self.used += claimed
+        _check_tiling_columns(offsets, shapes, shape, i, where)
+        return ChunkColumns(files, self.names, offsets, shapes, sums, f"{name}@{i}.")
+
+
+def _check_tiling_columns(
+    offsets: np.ndarray, shapes: np.ndarray, shape: list[int], i: int, where: str
+) -> None:
+    """``_check_tiling`` for columns (their volumes already add up to the tensor's)."""
+    n, d = shapes.shape
+    live = np.all(shapes > 0, axis=1)
+    if n <= 1 or d == 0 or int(live.sum()) <= 1:
+        return
+    full = np.array(shape, dtype=np.int64)
+    if bool(np.all(offsets[live, 1:] == 0)) and bool(np.all(shapes[live, 1:] == full[1:])):
+        # Row slabs, as almost every sharded tensor is: sorted, none may overlap the next.
+        order = np.argsort(offsets[live, 0], kind="stable")
+        starts, ends = offsets[live, 0][order], (offsets[live, 0] + shapes[live, 0])[order]
+        if bool(np.any(starts[1:] < ends[:-1])):
+            raise _fail(where, f"tensor #{i}: two of its chunks overlap")
+        return
+    boxes = [
+        (tuple(o), tuple([a + b for a, b in zip(o, s, strict=True)]))
+        for o, s in zip(offsets[live].tolist(), shapes[live].tolist(), strict=True)
     ]
     try:
         check_exact_tiling(boxes, shape, limits.MAX_BOX_CHUNKS)

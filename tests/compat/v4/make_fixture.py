@@ -48,25 +48,26 @@ def build_state(rank: int) -> dict[str, Any]:
     }
 
 
-def save_on(rank: int, port: int) -> None:
+def save_on(rank: int, port: int, ckpt: Path, purpose: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
     )
     try:
-        tg.save(CKPT, build_state(rank), step=7, metadata={"purpose": "golden v4"})
+        tg.save(ckpt, build_state(rank), step=7, metadata={"purpose": purpose})
     finally:
         dist.destroy_process_group()
 
 
-def main() -> None:
-    if CKPT.exists():
-        sys.exit(f"{CKPT} exists; the golden fixture is generated once and never rewritten")
+def main(ckpt: Path = CKPT, purpose: str = "golden v4") -> None:
+    """Save the state on two spawned ranks (also run by later versions' fixture scripts)."""
+    if ckpt.exists():
+        sys.exit(f"{ckpt} exists; the golden fixture is generated once and never rewritten")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(save_on, args=(port,), nprocs=WORLD)
-    print("save_id =", tg.read_manifest(CKPT)["save_id"])
+    mp.spawn(save_on, args=(port, ckpt, purpose), nprocs=WORLD)
+    print("save_id =", tg.read_manifest(ckpt)["save_id"])
 
 
 if __name__ == "__main__":

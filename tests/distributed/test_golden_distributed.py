@@ -1,5 +1,6 @@
-"""The golden format-v4 checkpoint (``tests/compat/v4``) restored on two ranks, as it was saved:
-each rank gets its own rows of the sharded tensor and its own tg.PerRank values."""
+"""The golden distributed checkpoints (``tests/compat/v4``, ``v5``) restored on two ranks, as
+they were saved: each rank gets its own rows of the sharded tensor and its own tg.PerRank
+values."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ._harness import run_ranks
 
 pytestmark = pytest.mark.distributed
 
-GOLDEN_V4 = Path(__file__).resolve().parents[1] / "compat" / "v4" / "ckpt"
+COMPAT = Path(__file__).resolve().parents[1] / "compat"
 ROWS = ((0, 3), (3, 5))
 
 
@@ -36,9 +37,10 @@ def restore_rank(rank: int, world: int, ckpt: str) -> Any:
     }
 
 
-def test_golden_v4_restores_on_two_ranks() -> None:
+@pytest.mark.parametrize("version", [4, 5])
+def test_golden_distributed_checkpoint_restores_on_two_ranks(version: int) -> None:
     emb = (torch.arange(15, dtype=torch.float32) * 0.5 - 3).reshape(5, 3)
-    got = run_ranks(restore_rank, 2, str(GOLDEN_V4))
+    got = run_ranks(restore_rank, 2, str(COMPAT / f"v{version}" / "ckpt"))
     for rank, (lo, hi) in enumerate(ROWS):
         assert got[rank] == {
             "emb": emb[lo:hi].tolist(),

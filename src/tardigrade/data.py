@@ -5,6 +5,30 @@ a permutation drawn from ``(seed, e)`` alone, so it is the same for every world 
 ``r`` of ``W`` takes global positions ``consumed + r, consumed + r + W, ...``. A run saved on
 N ranks therefore resumes on M ranks with no sample skipped or repeated.
 
+Every rank hands out the same number of indices in every pass, as ``DistributedSampler`` does,
+so data-parallel ranks take the same number of steps (a rank with a batch fewer would leave the
+others waiting in an all-reduce), and after every step every rank holds the same position (a
+collective ``tg.save`` stores it once and refuses ranks that disagree). When the ``n - c``
+samples left from position ``c`` do not split evenly over ``W`` ranks:
+
+* ``drop_last=False`` (default): the pass is padded to ``ceil((n - c) / W)`` indices per rank.
+  Global positions ``p >= n`` are *padding*: they repeat the epoch's first indices,
+  ``order[(p - n) % n]``. That is fewer than ``W`` padding indices per pass, at most one per
+  rank, all in the pass's last batch, each a :class:`SampleIndex` with ``padding=True``.
+* ``drop_last=True`` (with ``batch_size=``): the pass hands out whole global steps of
+  ``W * batch_size`` positions only; the fewer than ``W * batch_size`` positions after the last
+  whole step are skipped, and the next epoch starts.
+
+Positions ``< n`` are *real*. The resume guarantee is about them: however often a run is saved
+and resumed, on whichever world sizes, each real position of an epoch is handed out exactly
+once (with ``drop_last=True``: each one before the dropped tail), in global order. "Repeated"
+means a real position handed out twice. Padding indices are not real positions: they duplicate
+indices of the same epoch on purpose, and how many there are depends on where the pass started
+and on its world size (a pass resumed at ``c`` on ``M`` ranks pads ``-(n - c) % M``), so a
+resumed run may hand out other padding than an uninterrupted one, never other real samples.
+With ``drop_last=True`` the dropped tail likewise depends on the world size of the pass that
+ends the epoch. With one rank nothing is ever padded.
+
 How the position stays exact:
 
 * ``num_workers=0``: the DataLoader pulls indices from the sampler exactly when the training
@@ -71,29 +95,34 @@ class SampleIndex(int):
     It *is* an ``int`` (equal to, hashing and indexing like the plain index; ``str()`` gives
     the digits), so datasets that know nothing of it keep working. :class:`ResumableSampler`
     yields these; :func:`seed_sample` and :class:`SeededDataset` read ``epoch`` and ``seed``
-    from them, in whichever worker process the index lands::
+    from them, in whichever worker process the index lands. ``padding`` is true for an index
+    that only pads the epoch's last step so every rank gets as many samples (see
+    :class:`ResumableSampler`); an evaluation loop can leave those out of its metrics::
 
         >>> i = tg.SampleIndex(7, epoch=2, seed=0)
-        >>> i == 7, i.epoch, f"img-{i}.png"
-        (True, 2, 'img-7.png')
+        >>> i == 7, i.epoch, i.padding, f"img-{i}.png"
+        (True, 2, False, 'img-7.png')
     """
 
     epoch: int
     seed: int
+    padding: bool
 
-    def __new__(cls, index: int, epoch: int, seed: int) -> SampleIndex:
+    def __new__(cls, index: int, epoch: int, seed: int, padding: bool = False) -> SampleIndex:
         self = super().__new__(cls, index)
         self.epoch = epoch
         self.seed = seed
+        self.padding = padding
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
         # DataLoader pickles indices into its workers; int's default reduce would drop the
         # epoch and seed (and call __new__ with one argument).
-        return (SampleIndex, (int(self), self.epoch, self.seed))
+        return (SampleIndex, (int(self), self.epoch, self.seed, self.padding))
 
     def __repr__(self) -> str:
-        return f"SampleIndex({int(self)}, epoch={self.epoch}, seed={self.seed})"
+        pad = ", padding=True" if self.padding else ""
+        return f"SampleIndex({int(self)}, epoch={self.epoch}, seed={self.seed}{pad})"
 
     # int's __str__ would fall back to __repr__; datasets build file names from indices.
     __str__ = int.__repr__
@@ -243,6 +272,15 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     so the epoch ends where the loader's does. It yields :class:`SampleIndex` values (``int``
     indices that carry the epoch and seed); wrap a dataset with random augmentation in
     :class:`SeededDataset` to make the augmentation resume exactly too.
+
+    On several ranks every rank yields the same number of indices per pass, so ranks take the
+    same number of steps and hold the same position after each. ``drop_last=False`` pads the
+    epoch's last step with indices from the epoch's start (``SampleIndex.padding`` is true for
+    them), as ``DistributedSampler(drop_last=False)`` does; ``drop_last=True`` skips what is left
+    after the last whole step of ``world_size * batch_size`` samples, as
+    ``DistributedSampler(drop_last=True)`` with ``DataLoader(drop_last=True)`` does. Resuming
+    on any world size hands out every real (non-padding) position of the epoch exactly once, in
+    order; the module docs define padding and what counts as a repeat.
     """
 
     def __init__(
@@ -299,18 +337,26 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return torch.randperm(self.dataset_len, generator=g)
 
     def _remaining(self) -> int:
-        """How many samples this rank still hands out in the current epoch."""
-        left = max(0, self.dataset_len - self.consumed - self.rank)
-        n = -(-left // self.world_size)
+        """How many indices each rank still hands out in the current epoch: the same on all."""
+        left = max(0, self.dataset_len - self.consumed)
         if self.drop_last:
             assert self.batch_size is not None
-            n -= n % self.batch_size  # the loader would drop the partial batch
-        return n
+            # Whole global steps only: a per-rank cut would leave ranks a batch apart.
+            return left // (self.world_size * self.batch_size) * self.batch_size
+        return -(-left // self.world_size)  # the last round is padded
 
-    def _mine(self) -> list[int]:
+    def _mine(self) -> tuple[list[int], list[int]]:
+        """This rank's rest of the epoch: its real indices, then its padding (none or one)."""
+        count = self._remaining()
+        first = self.consumed + self.rank
+        order = self.order(self.epoch)
         # Slicing skips consumed samples without iterating them.
-        order = self.order(self.epoch)[self.consumed + self.rank :: self.world_size]
-        return order[: self._remaining()].tolist()
+        real = order[first :: self.world_size][:count].tolist()
+        n = self.dataset_len
+        padding = [
+            int(order[(first + j * self.world_size - n) % n]) for j in range(len(real), count)
+        ]
+        return real, padding
 
     def __len__(self) -> int:
         return self._remaining()
@@ -318,22 +364,23 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         """Yield this rank's rest of the current epoch as :class:`SampleIndex` (``int``) values."""
         epoch, start = self.epoch, self.consumed
-        mine = self._mine()
+        real, padding = self._mine()
+        count = len(real) + len(padding)
         seed = self.seed
-        for k, idx in enumerate(mine, 1):
+        for k, idx in enumerate(real + padding, 1):
             # A position moved by someone else (load_state_dict(), another pass) is theirs.
             if not self._tracked and (self.epoch, self.consumed) == (epoch, start):
-                # Handed out = consumed (num_workers=0); ranks move in lockstep, so the
-                # global position is this rank's count times the world size. The last index
-                # ends the epoch right away: a loop that stops after len(loader) batches never
-                # comes back to exhaust this generator.
-                if k == len(mine):
+                # Handed out = consumed (num_workers=0); every rank hands out as many indices,
+                # so the global position is this rank's count times the world size. The last
+                # index ends the epoch right away: a loop that stops after len(loader) batches
+                # never comes back to exhaust this generator.
+                if k == count:
                     self._next_epoch()
                 else:
                     self.consumed = start = min(self.dataset_len, start + self.world_size)
-            yield SampleIndex(idx, epoch, seed)
-        if not mine and not self._tracked and (self.epoch, self.consumed) == (epoch, start):
-            self._next_epoch()  # nothing left in this epoch for this rank
+            yield SampleIndex(idx, epoch, seed, k > len(real))
+        if not count and not self._tracked and (self.epoch, self.consumed) == (epoch, start):
+            self._next_epoch()  # nothing left in this epoch, on any rank
 
     def _next_epoch(self) -> None:
         self.epoch += 1
@@ -371,7 +418,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                         self.consumed = min(self.dataset_len, self.consumed + bs * self.world_size)
                 yield batch
             if self.epoch == epoch:
-                self._next_epoch()  # nothing left in this epoch for this rank
+                self._next_epoch()  # nothing left in this epoch, on any rank
         finally:
             self._tracked = False
 

@@ -8,6 +8,7 @@ none repeated, none reordered.
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import json
@@ -313,12 +314,22 @@ def test_ranks_partition_the_global_order(world: int, n: int) -> None:
         lens = [len(s) for s in samplers]
         per_rank = [list(s) for s in samplers]
         assert [len(p) for p in per_rank] == lens, "__len__ must match what is yielded"
-        # Position p of the global order goes to rank p % world, in order.
+        assert len(set(lens)) == 1, f"epoch {epoch}: ranks hand out {lens} indices"
+        # Position p of the global order goes to rank p % world, in order; positions past the
+        # end pad with the epoch's first indices, as DistributedSampler does.
+        padded = order + [order[p % n] for p in range(-n % world)]
         for r, mine in enumerate(per_rank):
-            assert mine == order[r::world]
-        union = flat(per_rank)
+            assert mine == padded[r::world]
+            assert [i.padding for i in mine] == [p >= n for p in range(r, len(padded), world)]
+        union = [i for i in flat(per_rank) if not i.padding]
         assert sorted(union) == list(range(n)), f"epoch {epoch}: skipped or repeated samples"
         assert all(s.epoch == epoch + 1 for s in samplers)
+
+
+def padding(n: int, epoch: int, start: int, ranks: int) -> collections.Counter[int]:
+    """What a pass from ``start`` on ``ranks`` ranks pads with: the epoch's first indices."""
+    order = tg.ResumableSampler(n, seed=11).order(epoch).tolist()
+    return collections.Counter(order[j % n] for j in range(-(n - start) % ranks))
 
 
 def lockstep(iters: list[Iterator[Any]], k: int | None) -> list[list[int]]:
@@ -341,14 +352,16 @@ def lockstep(iters: list[Iterator[Any]], k: int | None) -> list[list[int]]:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_saved_at_world_n_resumes_at_world_m(world: int, m: int, n: int) -> None:
     bs = 2
-    for k in range(n // (bs * world) + 1):  # every lockstep position with full batches
+    per_rank = -(-n // world)  # padded: the same on every rank
+    steps = -(-per_rank // bs)  # batches per epoch on every rank
+    for k in range(steps + 1):  # every lockstep position, the epoch's last step included
         old = [tg.ResumableSampler(n, seed=11, rank=r, world_size=world) for r in range(world)]
         old_loaders = [make_loader(n, s, bs) for s in old]
         before = flat(lockstep([iter(lo) for lo in old_loaders], k))
         states = [s.state_dict() for s in old]
         assert all(sd == states[0] for sd in states), "ranks disagree about the position"
         # Taking the epoch's last batch ends the epoch at once (not when the loader is drained).
-        done = k * bs * world == n
+        done = k == steps
         assert (states[0]["epoch"], states[0]["consumed"]) == (
             (1, 0) if done else (0, k * bs * world)
         )
@@ -359,20 +372,23 @@ def test_saved_at_world_n_resumes_at_world_m(world: int, m: int, n: int) -> None
         loaders = [make_loader(n, s, bs) for s in new]
         after = flat(lockstep([iter(lo) for lo in loaders], None))
         where = f"N={world} M={m} n={n} saved after {k} lockstep batches"
+
+        whole = collections.Counter(range(n))
         if done:
-            assert sorted(before) == list(range(n)), f"{where}: skipped or repeated"
-            assert sorted(after) == list(range(n)), f"{where}: the next epoch is not whole"
+            assert collections.Counter(before) == whole + padding(n, 0, 0, world), where
+            assert collections.Counter(after) == whole + padding(n, 1, 0, m), where
         else:
-            assert len(before) + len(after) == n, f"{where}: {len(before) + len(after)} samples"
-            assert sorted(before + after) == list(range(n)), f"{where}: skipped or repeated"
-            assert not set(before) & set(after), f"{where}: consumed samples seen again"
+            real_after = collections.Counter(after) - padding(n, 0, k * bs * world, m)
+            assert collections.Counter(before) + real_after == whole, (
+                f"{where}: skipped or repeated"
+            )
+            assert not set(before) & set(real_after), f"{where}: consumed samples seen again"
 
         # The epoch rolled over on every new rank: the next epoch is whole and fresh.
         next_epoch = 2 if done else 1
         assert all((s.epoch, s.consumed) == (next_epoch, 0) for s in new), where
         nxt = flat(lockstep([iter(lo) for lo in loaders], None))
-        assert sorted(nxt) == list(range(n)), where
-        assert sorted(nxt) == sorted(new[0].order(next_epoch).tolist())
+        assert collections.Counter(nxt) == whole + padding(n, next_epoch, 0, m), where
 
 
 # --------------------------------------------------------------------------------------------
@@ -953,11 +969,16 @@ def test_each_sample_is_augmented_the_same_for_any_world_size(world: int) -> Non
     def by_index(samplers: list[tg.ResumableSampler], epochs: int) -> dict[tuple[int, int], Any]:
         out: dict[tuple[int, int], Any] = {}
         for epoch in range(epochs):
+            repeats = 0
             for s in samplers:
                 for b in aug_loader(tg.SeededDataset(Augmented(n)), s, 0):
                     for row in b:
-                        assert (epoch, int(row[0])) not in out, "a sample came twice"
-                        out[epoch, int(row[0])] = row
+                        key = (epoch, int(row[0]))
+                        if key in out:  # padding of the last step: augmented as the original
+                            assert torch.equal(out[key], row), f"padding {key} differs"
+                            repeats += 1
+                        out[key] = row
+            assert repeats == -n % len(samplers), f"epoch {epoch}: {repeats} samples came twice"
         return out
 
     one = by_index([tg.ResumableSampler(n, seed=6)], 2)

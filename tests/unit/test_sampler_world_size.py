@@ -10,9 +10,10 @@ epoch an uninterrupted run yields, on every rank.
 
 The 4 ranks' saved states must be equal: ``tg.save`` stores the sampler once, as a replicated
 value, and a collective save refuses values that differ between ranks. They are equal at every
-lockstep step at which every rank still gets a batch. (When the epoch's last step holds fewer
-samples than ranks, some ranks have one batch fewer than rank 0 and start the next epoch a step
-early; DDP is then out of lockstep anyway. Those tail steps are not save points here.)
+lockstep step, the epoch's last one included: when that step holds fewer samples than ranks,
+the pass is padded with the epoch's first indices so every rank still gets a batch. Padding
+follows the real positions of a pass (global positions ``>= n``), so the references below are
+the uninterrupted order with that padding appended (:func:`padded`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ def global_order(epoch: int, n: int, seed: int) -> list[int]:
     return [int(i) for i in s]
 
 
+def padded(order: list[int], start: int, world: int) -> list[int]:
+    """A pass from ``start`` on ``world`` ranks, globally: the rest of ``order``, then padding.
+
+    Positions ``n, n + 1, ...`` up to the next multiple of ``world`` past ``start`` repeat the
+    epoch's first indices, as ``DistributedSampler(drop_last=False)`` pads.
+    """
+    n = len(order)
+    return order[start:] + [order[j % n] for j in range(-(n - start) % world)]
+
+
 def interleave(per_rank: list[list[int]]) -> list[int]:
     """Rank ``r``'s ``j``-th sample is global position ``r + j * world``: put them back in order."""
     out: list[int] = []
@@ -105,11 +116,9 @@ def run_old_job(
 
 
 def save_points(n: int, bs: int, start: int) -> list[int]:
-    """Lockstep step counts after which every rank has had a batch at every step so far."""
-    per_rank = [-(-max(0, n - start - r) // OLD_WORLD) for r in range(OLD_WORLD)]
-    batches = [-(-c // bs) for c in per_rank]
-    last = min(batches) if min(batches) == max(batches) else min(batches) - 1
-    return list(range(last + 1))
+    """Every lockstep step count of the pass from ``start``, the epoch's last step included."""
+    per_rank = -(-(n - start) // OLD_WORLD)  # padded: the same on every rank
+    return list(range(-(-per_rank // bs) + 1))
 
 
 def check_resume(n: int, bs: int, seed: int, start: int, k: int, new_world: int, mode: str) -> None:
@@ -119,9 +128,12 @@ def check_resume(n: int, bs: int, seed: int, start: int, k: int, new_world: int,
 
     assert all(st == states[0] for st in states), f"{where}: ranks disagree: {states}"
     consumed = start + k * bs * OLD_WORLD
-    done = consumed >= n
+    done = k == save_points(n, bs, start)[-1]
     assert (states[0]["epoch"], states[0]["consumed"]) == ((1, 0) if done else (0, consumed)), where
-    assert seen == epoch0[start:consumed], f"{where}: the old job strayed from the global order"
+    old_pass = padded(epoch0, start, OLD_WORLD)
+    assert seen == (old_pass if done else old_pass[: consumed - start]), (
+        f"{where}: the old job strayed from the global order"
+    )
 
     new = [
         tg.ResumableSampler(n, seed=seed, rank=r, world_size=new_world) for r in range(new_world)
@@ -129,24 +141,30 @@ def check_resume(n: int, bs: int, seed: int, start: int, k: int, new_world: int,
     for s in new:
         s.load_state_dict(states[0])
     rest = one_pass(new, n, bs, mode)
-    expected, following = (epoch1, epoch2) if done else (epoch0[consumed:], epoch1)
+    expected, following = (epoch1, epoch2) if done else (epoch0, epoch1)
+    resumed_at = 0 if done else consumed
 
-    union = [i for mine in rest for i in mine]
-    missing = collections.Counter(expected) - collections.Counter(union)
-    extra = collections.Counter(union) - collections.Counter(expected)
+    # The real positions: exactly the rest of the uninterrupted order, nothing else.
+    real = interleave(rest)[: n - resumed_at]
+    missing = collections.Counter(expected[resumed_at:]) - collections.Counter(real)
+    extra = collections.Counter(real) - collections.Counter(expected[resumed_at:])
     assert not missing and not extra, (
         f"{where}: skipped {sorted(missing.elements())}, repeated or foreign "
         f"{sorted(extra.elements())}"
     )
+    new_pass = padded(expected, resumed_at, new_world)
+    assert len({len(mine) for mine in rest}) == 1, f"{where}: ranks got {list(map(len, rest))}"
     for r, mine in enumerate(rest):
-        assert mine == expected[r::new_world], f"{where}: new rank {r} took the wrong positions"
-    assert interleave(rest) == expected, where
+        assert mine == new_pass[r::new_world], f"{where}: new rank {r} took the wrong positions"
+    assert interleave(rest) == new_pass, where
     next_epoch = 2 if done else 1
     assert all((s.epoch, s.consumed) == (next_epoch, 0) for s in new), where
 
     # The next epoch: the same as an uninterrupted run's, globally and on every new rank.
     nxt = one_pass(new, n, bs, mode)
-    assert interleave(nxt) == following, f"{where}: the next epoch differs from the reference"
+    assert interleave(nxt) == padded(following, 0, new_world), (
+        f"{where}: the next epoch differs from the reference"
+    )
     fresh = [
         tg.ResumableSampler(n, seed=seed, rank=r, world_size=new_world) for r in range(new_world)
     ]

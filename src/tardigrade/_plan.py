@@ -495,11 +495,12 @@ def _merge(
     tensors: list[TensorRecord] = []
     subsets: list[tuple[int, ...]] = []
     parts: list[tuple[int, int, _Pieces]] = []  # (tensor, local entry, pieces)
+    whole: list[tuple[int, int, int]] = []  # (tensor, local entry, holder): one piece each
     pos = 0
     for i, e in enumerate(shared):
         if e.box is None:
             tensors.append(TensorRecord(e.dtype, e.shape, e.numpy, REPLICATED, None, e.name))
-            parts.append((i, i, _whole(e.shape, ALL)))
+            whole.append((i, i, ALL))
             continue
         shape = e.box.global_shape
         tensors.append(TensorRecord(e.dtype, shape, e.numpy, SHARDED, None, e.name))
@@ -511,9 +512,9 @@ def _merge(
         own_base.append(len(tensors))
         for j, e in enumerate(own):
             tensors.append(TensorRecord(e.dtype, e.shape, e.numpy, PER_RANK, r, e.name))
-            parts.append((len(tensors) - 1, len(shared) + j, _whole(e.shape, r)))
+            whole.append((len(tensors) - 1, len(shared) + j, r))
     dims = max((len(t.shape) for t in tensors), default=0)
-    rows = _chunk_table(parts, tensors, dims, chunk_bytes)
+    rows = _chunk_table(parts, whole, tensors, dims, chunk_bytes)
     rows[:, _OWNER] = _assign(rows[:, _OWNER], rows[:, _NBYTES], subsets, world)
     itemsize = np.array([ITEMSIZE[t.dtype] for t in tensors], dtype=np.int64)
     names, owners, file_rows = _files(rows, itemsize[rows[:, _TENSOR]], world, max_files)
@@ -524,45 +525,58 @@ def _merge(
     )
 
 
-def _whole(shape: tuple[int, ...], holder: int) -> _Pieces:
-    return _Pieces(
-        np.zeros((1, len(shape)), np.int64),
-        np.array([shape], dtype=np.int64).reshape(1, len(shape)),
-        np.array([holder], dtype=np.int64),
-    )
-
-
 def _chunk_table(
     parts: list[tuple[int, int, _Pieces]],
+    whole: list[tuple[int, int, int]],
     tensors: list[TensorRecord],
     dims: int,
     chunk_bytes: int,
 ) -> np.ndarray:
-    """One row per chunk (the _OWNER column holds each chunk's holder until assigned)."""
-    cols: list[list[np.ndarray]] = [[] for _ in range(5)]
-    counts, boxes = [], []
-    for tensor, _, pieces in parts:
-        piece, start, stop, offsets, shape, nbytes = _split(
-            pieces, ITEMSIZE[tensors[tensor].dtype], chunk_bytes
-        )
-        for col, values in zip(
-            cols, (pieces.holder[piece], start, stop, nbytes, np.arange(len(piece))), strict=True
-        ):
-            col.append(values)
-        counts.append(len(piece))
-        box = np.zeros((len(piece), 2 * dims), dtype=np.int64)
+    """One row per chunk, grouped by tensor (the _OWNER column holds each chunk's holder
+    until assigned). Whole tensors that stay one chunk, most of a state's tensors, are laid
+    out together; the rest piece by piece, each into its place in one table."""
+    small = []
+    for tensor, entry, holder in whole:
+        t = tensors[tensor]
+        nbytes = math.prod(t.shape) * ITEMSIZE[t.dtype]
+        if not t.shape or nbytes <= chunk_bytes or t.shape[0] <= 1:
+            small.append((tensor, entry, holder, nbytes))
+        else:
+            box = _Pieces(
+                np.zeros((1, len(t.shape)), np.int64),
+                np.array([t.shape], dtype=np.int64),
+                np.array([holder], dtype=np.int64),
+            )
+            parts.append((tensor, entry, box))
+    cut = [
+        (tensor, entry, pieces, _split(pieces, ITEMSIZE[tensors[tensor].dtype], chunk_bytes))
+        for tensor, entry, pieces in parts
+    ]
+    counts = np.ones(len(tensors), dtype=np.int64)
+    for tensor, _, _, chunks in cut:
+        counts[tensor] = len(chunks[0])
+    first = np.cumsum(counts) - counts
+    table = np.zeros((int(counts.sum()), _FIXED + 2 * dims), dtype=np.int64)
+    for tensor, entry, pieces, (piece, start, stop, offsets, shape, nbytes) in cut:
+        rows = table[first[tensor] : first[tensor] + len(piece)]
+        rows[:, _OWNER] = pieces.holder[piece]
+        rows[:, _ENTRY] = entry
+        rows[:, _START] = start
+        rows[:, _STOP] = stop
+        rows[:, _TENSOR] = tensor
+        rows[:, _INDEX] = np.arange(len(piece))
+        rows[:, _NBYTES] = nbytes
         d = offsets.shape[1]
-        box[:, :d] = offsets
-        box[:, dims : dims + d] = shape
-        boxes.append(box)
-    table = np.zeros((sum(counts), _FIXED + 2 * dims), dtype=np.int64)
-    if not parts:
-        return table
-    for column, values in zip((_OWNER, _START, _STOP, _NBYTES, _INDEX), cols, strict=True):
-        table[:, column] = np.concatenate(values)
-    table[:, _ENTRY] = np.repeat([entry for _, entry, _ in parts], counts)
-    table[:, _TENSOR] = np.repeat([tensor for tensor, _, _ in parts], counts)
-    table[:, _FIXED:] = np.concatenate(boxes)
+        rows[:, _FIXED : _FIXED + d] = offsets
+        rows[:, _FIXED + dims : _FIXED + dims + d] = shape
+    if small:
+        at = first[[t for t, _, _, _ in small]]
+        cols = np.array(small, dtype=np.int64)
+        for column, values in zip((_TENSOR, _ENTRY, _OWNER, _NBYTES), cols.T, strict=True):
+            table[at, column] = values
+        shapes = [tensors[t].shape for t, _, _, _ in small]
+        table[at, _STOP] = [s[0] if s else 1 for s in shapes]
+        table[at, _FIXED + dims :] = [(*s, *(0,) * (dims - len(s))) for s in shapes]
     return table
 
 

@@ -32,7 +32,7 @@ from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher, checksum
 from .format.jsonio import dumps
-from .format.manifest import COLUMNAR_VERSION, MANIFEST, parse, seal
+from .format.manifest import COLUMNAR_VERSION, MANIFEST, seal, validate
 
 
 @dataclass(frozen=True)
@@ -382,7 +382,7 @@ def manifest_doc(
 def _column(values: np.ndarray) -> int | list[int]:
     """A chunk column: one number when every chunk has it (a row-sharded tensor's trailing
     offsets and widths, equal shards' heights), else the list."""
-    if len(values) and bool(np.all(values == values[0])):
+    if len(values) == 1 or (len(values) and bool(np.all(values == values[0]))):
         return int(values[0])
     return values.tolist()
 
@@ -402,7 +402,7 @@ def seal_checked(doc: dict[str, Any], where: str) -> bytes:
     # Commit only what a reader accepts: the same validation that guards every load
     # (unique keys, chunks tiling each tensor, sizes) runs on this save's own manifest.
     try:
-        parse(manifest, f"{where}/{MANIFEST}")
+        validate(doc, f"{where}/{MANIFEST}")
     except TardigradeError as e:
         raise SaveError(
             f"{where}: refusing to commit a manifest a reader would reject "

@@ -39,6 +39,10 @@ def test_the_unforged_copy_loads(ckpt: Path) -> None:
     assert tg.verify(ckpt).files == 2
 
 
+def bias(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["tensors"][1]["chunks"]  # one chunk of 3 floats, in rank 1's file
+
+
 Edit = Callable[[dict[str, Any]], None]
 
 CASES: list[tuple[str, Edit, str]] = [
@@ -86,6 +90,11 @@ CASES: list[tuple[str, Edit, str]] = [
         lambda d: emb(d).update(shape=[[3, 1], 3]),
         "do not cover its shape",
     ),
+    # the single chunk of the replicated 'bias' (checked on a faster path)
+    ("a single chunk's file past the list", lambda d: bias(d).update(file=2), "does not list"),
+    ("a single chunk short of it", lambda d: bias(d).update(shape=[2]), "do not cover its shape"),
+    ("a single chunk moved", lambda d: bias(d).update(offsets=[[1]]), "outside"),
+    ("a single chunk's checksum not hex", lambda d: bias(d).update(checksum="Z" * 16), "not hex"),
     (
         "more bytes than the file holds",
         lambda d: d["files"][0].update(size=40),

@@ -237,7 +237,15 @@ def _int_list(v: Any) -> bool:
 def parse(raw_bytes: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes; raise a TardigradeError naming ``where``."""
     sealed = _unseal(raw_bytes, where)
-    doc = loads_strict(raw_bytes, where)
+    return validate(loads_strict(raw_bytes, where), where, sealed=sealed)
+
+
+def validate(doc: Any, where: str, *, sealed: bool = True) -> Manifest:
+    """Validate a parsed manifest (``sealed``: its bytes ended with a checksum that matched).
+
+    A writer checks the manifest it is about to commit with this, on the document it encoded:
+    parsing its own output again would only repeat what the JSON encoder guarantees.
+    """
     if not isinstance(doc, dict):
         raise _fail(where, "manifest is not a JSON object")
     if doc.get("format") != FORMAT_NAME:
@@ -456,7 +464,7 @@ class _Columns:
 
     def parse(
         self, c: Any, i: int, name: Any, shape: list[int], itemsize: int, where: str
-    ) -> ChunkColumns:
+    ) -> Sequence[Chunk]:
         if type(name) is not str:
             raise _fail(where, f"tensor #{i} has no name (format 5 derives chunk keys from it)")
         if not isinstance(c, dict):
@@ -467,6 +475,10 @@ class _Columns:
         n, d = len(sums) // 16, len(shape)
         if n == 0 and math.prod(shape) > 0:
             raise _fail(where, f"tensor #{i} lists no chunks")
+        if n == 1:  # most tensors: checked without arrays; anything odd takes the array path
+            whole = self._whole(c, i, name, shape, itemsize, sums)
+            if whole is not None:
+                return whole
         files = _int_column(c.get("file"), n)
         offsets = _box_columns(c.get("offsets"), n, d)
         shapes = _box_columns(c.get("shape"), n, d)
@@ -506,6 +518,31 @@ class _Columns:
         self.used += claimed
         _check_tiling_columns(offsets, shapes, shape, i, where)
         return ChunkColumns(files, self.names, offsets, shapes, sums, f"{name}@{i}.")
+
+    def _whole(
+        self, c: dict[str, Any], i: int, name: str, shape: list[int], itemsize: int, sums: str
+    ) -> tuple[Chunk] | None:
+        """A valid single chunk covering the whole tensor, or None (not one, or invalid)."""
+        f, offsets, shapes = _one(c.get("file")), c.get("offsets"), c.get("shape")
+        if f is None or type(offsets) is not list or type(shapes) is not list:
+            return None
+        o, n = [_one(x) for x in offsets], [_one(x) for x in shapes]
+        if n != shape or any(x != 0 for x in o) or not 0 <= f < len(self.names):
+            return None
+        nbytes = math.prod(shape) * itemsize
+        if nbytes > self.sizes[f] - self.used[f] or not _HEX.fullmatch(sums):
+            return None
+        self.used[f] += nbytes
+        return (Chunk(self.names[f], f"{name}@{i}.0", tuple(o), tuple(shape), sums),)  # type: ignore[arg-type]
+
+
+def _one(v: Any) -> int | None:
+    """A single-chunk column's value (one int, or a list of one), else None."""
+    if type(v) is int:
+        return v
+    if type(v) is list and len(v) == 1 and type(v[0]) is int:
+        return v[0]
+    return None
 
 
 def _check_tiling_columns(

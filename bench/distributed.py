@@ -23,7 +23,8 @@ save that plans caches a new plan id; one that reuses the plan keeps it).
 
 Last, one process without ``torch.distributed`` loads the last round's 2-rank checkpoints into
 a plain full-size state (the 2 -> 1 resharding load), ``tg.load(into=)`` against DCP's
-``load(no_dist=True)``.
+``load(no_dist=True)``. Then the coordinator of a large job, simulated (``plan_scale``): the
+global plan and the manifest of 256 and 1,024 ranks saving 2,000 tensors, half sharded.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import torch.distributed.checkpoint as dcp
 import tardigrade as tg
 from tardigrade.distributed._launch import loopback_store
 
+from . import plan_scale
 from .measure import measure, settle
 from .raw import Scratch, raw_write_direct, remove, warm
 from .report import Target, stats
@@ -62,6 +64,10 @@ from .state import DEPTH
 Log = Callable[[str], None]
 
 DEFAULT_RANK_BYTES = 1_000_000_000  # sharded state per rank at --dist-size 1
+# The coordinator's work, simulated (no processes): issue item 11's job, and one a quarter of
+# its size to read the manifest's growth off.
+SCALE_RANKS = (256, 1024)
+SCALE_TENSORS = 2000
 WORLD = 2
 AGREE_CALLS = 1000
 PLAN_SAVES = 5  # saves of the tiny state; the first plans, the others should reuse the plan
@@ -536,6 +542,11 @@ def run(opts: DistOptions, log: Log) -> dict[str, Any]:
             remove(opts.dir)
     for r in ranks:
         del r["fingerprint"]
+    scale = {}
+    for world in SCALE_RANKS:
+        log(f"distributed: coordinator of {world} simulated ranks x {SCALE_TENSORS} tensors")
+        scale[str(world)] = plan_scale.run(world, SCALE_TENSORS)
+        log(f"distributed: {world} ranks: {scale[str(world)]}")
     return {
         "meta": {
             "world": opts.world,
@@ -552,6 +563,7 @@ def run(opts: DistOptions, log: Log) -> dict[str, Any]:
         },
         "ranks": ranks,
         "reshard": reshard,
+        "scale": scale,
     }
 
 
@@ -598,6 +610,14 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
     }
     plans = ranks[0]["plan_saves"]
     out["agree_max_ms"] = 1e3 * max(r["agree_max_s"] for r in ranks)
+    small, big = (results["scale"][str(w)] for w in SCALE_RANKS)
+    out["scale"] = {
+        **big,
+        "ranks": SCALE_RANKS[-1],
+        "tensors": SCALE_TENSORS,
+        "growth": big["manifest_mb"] / small["manifest_mb"],
+        "ranks_growth": SCALE_RANKS[-1] / SCALE_RANKS[0],
+    }
     out["plan_cache"] = {
         "saves": len(plans),
         "planned": [p["planned"] for p in plans],
@@ -657,6 +677,22 @@ def targets(d: dict[str, Any]) -> list[Target]:
         ),
         Target("2-rank agree_max on gloo (mean)", d["agree_max_ms"], "<", 0.5, "ms"),
         Target(
+            f"coordinator plan + manifest, {d['scale']['ranks']} simulated ranks x "
+            f"{d['scale']['tensors']} tensors",
+            d["scale"]["coordinator_s"],
+            "<",
+            2.0,
+            "s",
+        ),
+        Target(
+            f"manifest growth over {d['scale']['ranks_growth']:.0f}x the ranks (linear: <= "
+            f"{d['scale']['ranks_growth']:.0f}x)",
+            d["scale"]["growth"],
+            "<=",
+            d["scale"]["ranks_growth"],
+            "x",
+        ),
+        Target(
             "2-rank planning exchanges in saves after the first (plan cache)",
             float(d["plan_cache"]["planning_after_first"]),
             "<=",
@@ -690,7 +726,7 @@ def table(results: dict[str, Any], d: dict[str, Any]) -> str:
         extra_save = f"; tg.save / DCP save {save['tardigrade']['gbps'] / save['dcp']['gbps']:.2f}x"
     else:
         extra_save = ""
-    rep, plan = d["replicated"], d["plan_cache"]
+    rep, plan, sc = d["replicated"], d["plan_cache"], d["scale"]
     return "\n".join(
         [
             f"Distributed: {m['world']} ranks on {m['backend']} (one machine), "
@@ -706,6 +742,10 @@ def table(results: dict[str, Any], d: dict[str, Any]) -> str:
             f"({rep['written_over_one_copy']:.3f}x one copy), {rep['median_s']:.3f} s",
             f"  agree_max: {d['agree_max_ms']:.3f} ms a call (mean of {m['agree_calls']}, "
             "worst rank)",
+            f"  coordinator, simulated: {sc['ranks']} ranks x {sc['tensors']} tensors (half sharded "
+            f"over every rank): plan {sc['plan_s']:.2f} s, manifest built and checked "
+            f"{sc['manifest_s']:.2f} s ({sc['manifest_mb']:.1f} MB, {sc['growth']:.2f}x the "
+            f"{SCALE_RANKS[0]}-rank one), plan table packed for the ranks {sc['handout_s']:.2f} s",
             f"  plan cache: {plan['saves']} saves of a tiny state, planned "
             f"{['yes' if p else 'no' for p in plan['planned']]}; first {plan['first_s']:.4f} s, "
             f"later {plan['later_median_s']:.4f} s (median)",

@@ -106,6 +106,8 @@ DIST_TARGETS = {
     "2-rank replicated tg.save: bytes on disk / one copy",
     "2-rank agree_max on gloo (mean)",
     "2-rank planning exchanges in saves after the first (plan cache)",
+    "coordinator plan + manifest, 1024 simulated ranks x 2000 tensors",
+    "manifest growth over 4x the ranks (linear: <= 4x)",
 }
 
 
@@ -152,6 +154,9 @@ def test_quick_distributed_run(tmp_path: Path) -> None:
     assert 0 < s["agree_max_ms"] < 1000
     # Only the first save of an unchanged layout plans.
     assert s["plan_cache"]["planned"] == [True, False, False, False, False]
+    # The coordinator of a 1,024-rank job, simulated: about a million chunks.
+    assert s["scale"]["ranks"] == 1024 and s["scale"]["coordinator_s"] > 0
+    assert 5 < s["scale"]["manifest_mb"] < 128 and 3 < s["scale"]["growth"] <= 4
 
     assert {t["name"] for t in results["targets"]} == DIST_TARGETS
     assert all(t["pass"] is not None for t in results["targets"])

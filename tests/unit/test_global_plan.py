@@ -17,6 +17,9 @@ from tardigrade._plan import (
     global_plan_from_wire,
 )
 from tardigrade._sharding import Box
+from tardigrade._write import WrittenFile, manifest_doc, seal_checked
+from tardigrade.format.checksum import ALGORITHM
+from tardigrade.format.manifest import COLUMNAR_VERSION, parse
 
 MiB = 1024 * 1024
 
@@ -133,3 +136,42 @@ def test_coordinator_work_and_plan_size_grow_linearly_with_ranks() -> None:
     small, big = items(16), items(64)
     assert small == 16 * 50 and big == 64 * 50
     assert math.isclose(big / small, 4)
+
+
+def coordinator_manifest(world: int, tensors: int = 40) -> bytes:
+    """The manifest a coordinator commits for ``world`` simulated ranks (half the tensors
+    row-sharded over every rank), as checked before a commit."""
+    wire = [
+        LocalPlan(
+            tuple(
+                rows_plan(world, r, 64 * world, 16, f"w{i}")
+                if i % 2 == 0
+                else LocalEntry("F32", (16,), False, None, f"b{i}")
+                for i in range(tensors)
+            ),
+            (LocalEntry("I64", (4,), False, None, "rng"),),
+        ).to_bytes(full=r == 0)
+        for r in range(world)
+    ]
+    g = global_plan_from_wire(wire)
+    written = {
+        name: WrittenFile(size, "0" * 16, "0123456789abcdef" * len(rows))
+        for name, rows, size in zip(g.files, g.file_rows, g.file_nbytes(), strict=True)
+    }
+    header = {"format": "tardigrade", "format_version": 4, "world_size": world,
+              "checksum_algorithm": ALGORITHM, "step": None, "epoch": None}  # fmt: skip
+    doc = manifest_doc(header, {"t": "dict", "v": []}, [[] for _ in range(world)], g, written)
+    return seal_checked(doc, "simulated")
+
+
+def test_a_distributed_manifest_is_columns_and_grows_linearly_with_ranks() -> None:
+    s16, s32, big = (coordinator_manifest(w) for w in (16, 32, 64))
+    m = parse(big, "simulated")
+    assert m.raw["format_version"] == COLUMNAR_VERSION
+    w0 = m.tensors[0]
+    assert m.raw["tensors"][0]["chunks"]["shape"] == [64, 16]  # one number: every chunk's
+    assert [c.offsets for c in w0.chunks] == [(64 * r, 0) for r in range(64)]
+    assert [c.file[:11] for c in w0.chunks] == [f"data-r{r:05d}" for r in range(64)]
+    # Linear: each rank adds about as many bytes as the last (its numbers' digits aside).
+    assert 1.9 <= (len(big) - len(s32)) / (len(s32) - len(s16)) <= 2.2
+    assert len(big) / len(s16) <= 4

@@ -22,7 +22,7 @@ from ._tree import SPARSE_LAYOUTS, decode, is_stateful, path_str
 from ._validate import class_name, same_class
 from .errors import CorruptCheckpointError, InvalidArgumentError
 from .format.dtypes import COMPLEX_DTYPES, TORCH_DTYPES
-from .format.manifest import Chunk, Manifest, TensorInfo
+from .format.manifest import Chunk, ChunkColumns, Manifest, TensorInfo
 
 Key = str | tuple[Any, ...]
 Path = tuple[Any, ...]
@@ -564,7 +564,11 @@ def _plan_reads(
         path = paths.get(e, f"tensor #{e}")
         if sharded and e in sharded:
             _, local, box = sharded[e]
-            for c in m.tensors[e].chunks:
+            chunks = m.tensors[e].chunks
+            if isinstance(chunks, ChunkColumns):
+                ends = [o + n for o, n in zip(box.offsets, local.shape, strict=True)]
+                chunks = chunks.meeting(box.offsets, ends)
+            for c in chunks:
                 hit = _overlap(c, box, local)
                 if hit is not None:
                     tasks.append(_ReadTask(e, c, hit[0], path, hit[1]))

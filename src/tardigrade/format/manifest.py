@@ -105,6 +105,23 @@ class ChunkColumns(Sequence[Chunk]):
         self.sums, self.prefix = sums, prefix
         self._made: tuple[Chunk, ...] | None = None
 
+    def chunk(self, j: int) -> Chunk:
+        if self._made is not None:
+            return self._made[j]
+        return Chunk(
+            self.names[int(self.files[j])], f"{self.prefix}{j}", tuple(self.offsets[j].tolist()),
+            tuple(self.shapes[j].tolist()), self.sums[16 * j : 16 * j + 16],
+        )  # fmt: skip
+
+    def meeting(self, lo: Sequence[int], hi: Sequence[int]) -> list[Chunk]:
+        """The chunks that share an element with the box ``[lo, hi)`` (found as arrays: a
+        rank of a large job needs a few of each tensor's thousand chunks)."""
+        ends = self.offsets + self.shapes
+        low = np.maximum(self.offsets, np.asarray(lo, dtype=np.int64))
+        high = np.minimum(ends, np.asarray(hi, dtype=np.int64))
+        hits = np.flatnonzero(np.all(high > low, axis=1))
+        return [self.chunk(j) for j in hits.tolist()]
+
     def _all(self) -> tuple[Chunk, ...]:
         if self._made is None:
             names, prefix, sums = self.names, self.prefix, self.sums

@@ -593,6 +593,12 @@ class AsyncCheckpointer:
             self._last = fut
             return fut
 
+    def forget_forks(self) -> None:
+        """Drop the forked groups; the next collective save forks anew (every rank must call
+        this at the same point). For forks that a lost collective left in an unknown state."""
+        with self._lock:
+            self._forks.clear()
+
     def wait(self) -> SaveResult | None:
         """Block until no save is in flight; raise the last save's error if nobody has seen it."""
         last = self._last

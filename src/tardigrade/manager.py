@@ -9,6 +9,7 @@ epoch intervals, a maximum kept, automatic restore of the latest), Caffe2's
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -32,13 +33,16 @@ from ._lock import DirectoryLock
 from ._match import Key
 from ._open import open_manifest
 from ._save import save
+from ._tree import flatten
 from ._units import gbps
 from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
+from .distributed._save import stage_collective
 from .errors import (
     CheckpointExistsError,
     CheckpointLockedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DistributedError,
     InvalidArgumentError,
     SaveError,
     StateMismatchError,
@@ -51,8 +55,8 @@ from .storage.local import LocalStorage
 
 log = logging.getLogger("tardigrade")
 
-# The info line saying that async_save falls back to synchronous saves in a distributed job is
-# written once per process, not once per manager.
+# The line saying that async_save falls back to synchronous saves in a distributed job (under
+# max_staging_bytes) is written once per process, not once per manager.
 _SYNC_FALLBACK_LOGGED = False
 
 # -- signals ---------------------------------------------------------------------------------
@@ -319,12 +323,19 @@ class CheckpointManager:
             (its saves and loads included) before every rank raises ``DistributedError``.
 
     In a distributed job the constructor, ``step``, ``save``, ``restore``, ``steps``,
-    ``latest``, ``exists``, ``load`` and ``close`` are collective: every rank of the group calls
-    them, in the same order. Each decision (whether this step saves, whether to stop after a
-    signal that reached any rank, which checkpoint ``restore`` picks) is the same on every rank;
-    the directory checks, the lock, retention and the cleanup run on the group's rank 0 only.
-    Saves are synchronous there (``async_save`` falls back, with an info line), since a
-    collective save cannot run in the background yet.
+    ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are collective: every rank of the
+    group calls them, in the same order. Each decision (whether this step saves, whether to stop
+    after a signal that reached any rank, which checkpoint ``restore`` picks, when a background
+    save is recorded and whether it succeeded) is the same on every rank; the directory checks,
+    the lock, retention and the cleanup run on the group's rank 0 only. With ``async_save``
+    each rank copies its own tensors to host memory and returns; the collective save runs in
+    the background on a gloo group forked from the manager's group at its first async save, so
+    it never meets training's own collectives. A background save is recorded on every rank at
+    the same call (the first ``step`` that finds every rank's save finished, or the next save,
+    ``wait``, ``restore`` or ``close``), as failed on every rank if it failed on any, and
+    retention follows only a save that every rank knows committed. ``max_staging_bytes`` does
+    not apply to collective saves: with it, saves there are synchronous (said once, in a
+    warning).
     """
 
     def __init__(
@@ -406,7 +417,7 @@ class CheckpointManager:
             self._take_lock()
         else:
             self._open_collectively()
-            if async_save:
+            if async_save and max_staging_bytes is not None:
                 self._note_sync_fallback()
                 async_save = False
         try:
@@ -442,10 +453,11 @@ class CheckpointManager:
         global _SYNC_FALLBACK_LOGGED
         if not _SYNC_FALLBACK_LOGGED and self._coordinating:
             _SYNC_FALLBACK_LOGGED = True
-            log.info(
-                "tardigrade: async_save falls back to synchronous saves in a distributed job "
-                "(collective saves cannot run in the background yet); every rank writes its "
-                "own files in parallel"
+            log.warning(
+                "tardigrade: async_save falls back to synchronous saves in this distributed "
+                "job because max_staging_bytes is set: a collective async save stages each "
+                "rank's whole state before the ranks agree on who writes what. Pass "
+                "max_staging_bytes=None for async saves"
             )
 
     @property
@@ -464,7 +476,14 @@ class CheckpointManager:
         if self._async is None:
             return
         try:
-            self._async.reserve(self.state)
+            if self._ranks is None:
+                self._async.reserve(self.state)
+            else:
+                # A collective save stages every local tensor back to back in one run of slabs
+                # (``stage_entries``), not file by file: reserve that run.
+                flat = flatten(self.state)
+                entries = [*flat.entries, *flat.own_entries()]
+                self._async.reserve(sum(e.tensor.nbytes for e in entries))
         except TardigradeError as e:
             # The first save reports it (a leaf the format cannot store, ...).
             log.debug("tardigrade: not reserving staging memory: %s", e)
@@ -553,7 +572,9 @@ class CheckpointManager:
             return
         self._closed = True
         errors: list[BaseException] = []
-        _run_to_end(lambda: self._drain(wait=True), errors)
+        # Leaving alone (meet=False), this rank records its saves as it sees them: the others
+        # may never make another collective call.
+        _run_to_end(lambda: self._drain(wait=True, agree=meet), errors)
         if meet and self._ranks is not None:
             try:
                 # Once, not retried as the parts below are: each try may wait the timeout.
@@ -815,17 +836,27 @@ class CheckpointManager:
         """Consume a pending preemption signal; the level agreed for this call on every rank.
 
         ``mine`` is this rank's other reason (``_DUE``). One tiny all-reduce in a distributed
-        job, whatever the level: every rank calls it at the same point.
+        job, whatever the level: every rank calls it at the same point. It also tells whether
+        any rank's background save is still running; when none is and nothing else happens
+        here, every rank records its finished saves now (a rank cannot go by its own saves'
+        state: the ranks finish a collective save moments apart).
         """
         if self._take_signal(doing):
             mine = self._PREEMPTED
         if self._ranks is None:
             return mine
-        level = self._ranks.agree_max(mine)
+        running = any(not fut.done() for _, fut in self._pending)
+        # The low bit is "a save still runs here"; its max is exact among the ranks at the
+        # agreed level, which is all of them at _NOTHING, the only level where it is used
+        # (a save or a stop waits for every save in flight anyway).
+        agreed = self._ranks.agree_max(mine << 1 | running)
+        level = agreed >> 1
         if level == self._PREEMPTED and mine != self._PREEMPTED:
             log.warning(
                 "tardigrade: another rank received a preemption signal: %s and stopping", doing
             )
+        if level == self._NOTHING and not agreed & 1:
+            self._drain(wait=True)
         return level
 
     def step(
@@ -845,7 +876,8 @@ class CheckpointManager:
                 f"step {step} is not after the previous step {self._last_step}; steps must "
                 "increase (did you forget start = mgr.restore() + 1?)"
             )
-        self._drain(wait=False)
+        if self._ranks is None:
+            self._drain(wait=False)  # a distributed job records them in _agree, agreed
         timed = self._coordinating and self._due_by_time()
         level = self._agree(f"saving step {step}", self._DUE if timed else self._NOTHING)
         if level == self._PREEMPTED:
@@ -905,7 +937,9 @@ class CheckpointManager:
 
         With ``async_save`` a failure in the background is reported (logged, counted in
         ``stats``, or raised in "raise" mode) at the next ``step``/``save``/``wait``/``close``;
-        retention for a save also runs then.
+        retention for a save also runs then. In a distributed job that is the first ``step``
+        at which no rank's save still runs, or the next ``save``/``wait``/``restore``/``close``,
+        the same call on every rank; a new save waits for the one in flight there.
 
         ``force=True`` replaces an existing checkpoint for this step. After a preemption signal
         this saves synchronously and sets ``should_stop``, as ``step`` does.
@@ -913,7 +947,8 @@ class CheckpointManager:
         self._check_open("save")
         if type(step) is not int or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
-        self._drain(wait=False)
+        if self._ranks is None:
+            self._drain(wait=False)  # a distributed job records them in _save, agreed
         preempted = self._agree(f"saving step {step}") == self._PREEMPTED
         try:
             ok = self._save(step, epoch, metrics, sync=preempted, force=force)
@@ -932,6 +967,11 @@ class CheckpointManager:
         sync: bool,
         force: bool = False,
     ) -> bool:
+        if self._ranks is not None:
+            # Every rank is here (the save was agreed): the save in flight commits and is
+            # recorded on every rank alike before this one starts, as the ranks' one fork
+            # carries one save at a time. Outside the try below: its failure is not this one's.
+            self._drain(wait=True)
         started = time.perf_counter()
         if (
             self.best_metric is not None
@@ -955,9 +995,14 @@ class CheckpointManager:
         try:
             self._prepare(step, replace)
             kw = dict(overwrite=replace, step=step, epoch=epoch, metrics=metrics)
-            kw.update(self._collective)
             if self._async is not None and not sync:
-                fut = self._async.save(self.path(step), self.state, **kw)  # type: ignore[arg-type]
+                if self._ranks is None:
+                    fut = self._async.save(self.path(step), self.state, **kw)  # type: ignore[arg-type]
+                else:
+                    stage = functools.partial(
+                        stage_collective, path=self.path(step), state=self.state, **kw
+                    )
+                    fut = self._async.save_collective(self._ranks, self.path(step), stage)
                 assert fut is not None
                 fut.observed = True  # the manager reports the outcome itself
                 self._pending.append((step, fut))
@@ -966,6 +1011,7 @@ class CheckpointManager:
             else:
                 if self._async is not None:
                     self._drain(wait=True)
+                kw.update(self._collective)
                 res = save(self.path(step), self.state, **kw)  # type: ignore[arg-type]
                 self._record_ok(step, res)
         except (InvalidArgumentError, UnsupportedTypeError):
@@ -1074,8 +1120,13 @@ class CheckpointManager:
             e,
         )
 
-    def _drain(self, *, wait: bool) -> None:
-        """Record the outcome of finished async saves (all of them when ``wait``)."""
+    def _drain(self, *, wait: bool, agree: bool = True) -> None:
+        """Record the outcome of finished async saves (all of them when ``wait``).
+
+        In a distributed job every rank calls it at the same point with ``wait=True`` (the
+        pending saves are the same on every rank), and each outcome is agreed there unless
+        ``agree`` is False (a rank leaving alone).
+        """
         while self._pending:
             step, fut = self._pending[0]
             if not wait and not fut.done():
@@ -1084,13 +1135,57 @@ class CheckpointManager:
             # and a failure must be reported exactly once.
             self._pending.pop(0)
             exc = fut.exception()
+            if self._ranks is not None and agree:
+                exc = self._agreed_outcome(step, exc)
             if exc is None:
                 self._record_ok(step, fut.result())
+            elif isinstance(exc, (InvalidArgumentError, UnsupportedTypeError)):
+                # A programming error found in the background (a collective save learns only
+                # there that a rank cannot flatten its state, or that the ranks' states
+                # differ): raised whatever on_save_error says, as a synchronous save raises it.
+                seconds = fut.blocking_seconds
+                self.stats.append(SaveStats(step, 0, seconds, seconds, False, str(exc)))
+                raise exc
             else:
                 self._record_failure(step, exc, fut.blocking_seconds)
 
+    # What a rank's background save ended with, as agreed: the largest any rank reports wins.
+    _SAVED, _FAILED, _LOST = 0, 1, 2
+
+    def _agreed_outcome(self, step: int, exc: BaseException | None) -> BaseException | None:
+        """This rank's outcome of the save of ``step``, made a failure if it failed anywhere.
+
+        The ranks learn a collective save's outcome together, so they normally agree already;
+        a rank that lost the others after rank 0 committed does not. Without this, rank 0
+        could count a save (and delete older checkpoints for it) that another rank reports
+        failed. A save that lost the ranks on the forked group (a DistributedError: a timeout,
+        a dead peer) leaves that group in an unknown state: every rank drops it, and the next
+        async save forks a new one.
+        """
+        assert self._ranks is not None and self._async is not None
+        mine = self._SAVED
+        if exc is not None:
+            mine = self._LOST if isinstance(exc, DistributedError) else self._FAILED
+        try:
+            worst = self._ranks.agree_max(mine)
+        except TardigradeError as e:
+            # The job's own group is gone too; the next collective call raises again.
+            return exc if exc is not None else e
+        if worst == self._LOST:
+            self._async.forget_forks()
+        if worst != self._SAVED and exc is None:
+            return SaveError(
+                f"{self.path(step)}: the save of step {step} failed on another rank of the "
+                "job (its log names the cause); it is not counted as saved on any rank. "
+                "Earlier checkpoints are intact."
+            )
+        return exc
+
     def wait(self) -> None:
-        """Block until in-flight saves are committed (or failed and reported)."""
+        """Block until in-flight saves are committed (or failed and reported).
+
+        In a distributed job every rank calls it (it agrees on each save's outcome).
+        """
         self._check_open("wait")
         self._drain(wait=True)
 

@@ -94,6 +94,7 @@ def policies_rank(rank: int, world: int, root: str) -> dict[str, Any]:
             mgr._last_save_time -= 7200.0  # only rank 0's clock says the interval has passed
         if mgr.step(step):
             saved.append(step)
+    mgr.wait()  # the last save may still run in the background
     out["saved"] = saved
     out["steps"] = mgr.steps()
     out["latest"] = mgr.latest()
@@ -130,6 +131,12 @@ def policies_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     out["preempt_steps"] = mgr.steps()
     mgr.close()
     out["fallback_notes"] = sum("falls back to synchronous" in n for n in notes)
+    # A staging cap does not apply to collective saves: synchronous saves, said once by rank 0.
+    with tg.CheckpointManager(f"{root}/capped", state, max_staging_bytes=1 << 24) as mgr:
+        out["capped_async"] = mgr._async is not None
+    with tg.CheckpointManager(f"{root}/capped2", state, max_staging_bytes=1 << 24):
+        pass
+    out["capped_notes"] = sum("falls back to synchronous" in n for n in notes)
     return out
 
 
@@ -142,12 +149,13 @@ def test_decisions_are_the_same_on_every_rank_and_retention_runs_on_rank_0(
         # Every 3 steps, plus step 4 that rank 0's clock made due.
         assert o["saved"] == [0, 3, 4, 6], o
         assert o["steps"] == [4, 6] and o["latest"] == 6 and o["exists"] == [False, True], o
-        assert o["async"] is False  # collective saves are synchronous
+        assert o["async"] is True  # async_save=True (the default) saves in the background
         assert o["stopped_at"] == 542 and o["preempt_saved"] == [542], o
         assert o["preempt_steps"] == [542], o
     assert out[0]["removed"] and out[1]["removed"] == [], out  # retention on rank 0 only
-    # async_save=True (the default) falls back to synchronous saves, said once, by rank 0.
-    assert [o["fallback_notes"] for o in out] == [1, 0], out
+    assert [o["fallback_notes"] for o in out] == [0, 0], out
+    assert [o["capped_async"] for o in out] == [False, False], out
+    assert [o["capped_notes"] for o in out] == [1, 0], out
     ckpt = tmp_path / "policies" / "step-000000006"
     assert tg.load(ckpt)["w"].eq(6.0).all()
     assert tg.verify(tmp_path / "cost" / "step-000000542").files > 0
@@ -165,7 +173,10 @@ def faults_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     # 4. A save that fails on rank 1 only fails on both, both go on, the next save succeeds.
     state = make_state(rank, world, 0.0)
-    mgr = tg.CheckpointManager(f"{root}/faults", state, every_steps=1, on_save_error="warn")
+    # Synchronous saves (the async flavour is in test_manager_async_distributed.py).
+    mgr = tg.CheckpointManager(
+        f"{root}/faults", state, every_steps=1, on_save_error="warn", async_save=False
+    )
     real = local.LocalStorage.open_writer
 
     def failing(self: Any, name: str, **kw: Any) -> Any:

@@ -1104,7 +1104,7 @@ def test_a_manager_dropped_without_close_does_not_swallow_the_signal(
 def test_close_releases_everything_when_a_step_raises(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sigterm_original: Any, async_save: bool
 ):
-    def boom(self: Any, *, wait: bool) -> None:
+    def boom(self: Any, *, wait: bool, **kw: Any) -> None:
         raise RuntimeError("injected failure while draining")
 
     mgr = tg.CheckpointManager(tmp_path, make_state(), async_save=async_save)

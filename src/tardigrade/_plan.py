@@ -354,7 +354,7 @@ def _pieces(
     ranked = boxes[order]
     new = np.ones(world, dtype=bool)
     if world > 1:
-        new[1:] = np.any(ranked[1:] != ranked[:-1], axis=1)
+        new[1:] = (ranked[1:] != ranked[:-1]).any(axis=1)
     starts = np.flatnonzero(new)
     uniq = ranked[starts]
     holder = order[starts].astype(np.int64)
@@ -372,15 +372,15 @@ def _pieces(
         return _Pieces(offs[:1], sizes[:1], holder[:1])
     full = np.array(shape, dtype=np.int64)
     try:
-        if bool(np.any(offs + sizes > full)):
+        if bool((offs + sizes > full).any()):
             raise TilingError("a piece reaches past the tensor")
         if int(np.prod(sizes, axis=1).sum()) != math.prod(shape):
             raise TilingError("their volumes do not add up to the tensor's")
-        live = np.all(sizes > 0, axis=1)
-        if bool(np.all(offs[:, 1:] == 0)) and bool(np.all(sizes[:, 1:] == full[1:])):
+        live = (sizes > 0).all(axis=1)
+        if bool((offs[:, 1:] == 0).all()) and bool((sizes[:, 1:] == full[1:]).all()):
             # Row slabs, the usual sharding: in order, each must start where the last ended.
             starts_, ends = offs[live, 0], offs[live, 0] + sizes[live, 0]
-            if len(starts_) and (starts_[0] != 0 or np.any(starts_[1:] != ends[:-1])):
+            if len(starts_) and (starts_[0] != 0 or (starts_[1:] != ends[:-1]).any()):
                 raise TilingError("the row ranges overlap or leave a gap")
         else:
             boxes_ = [(o, tuple(a + b for a, b in zip(o, n, strict=True)))

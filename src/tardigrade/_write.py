@@ -382,7 +382,7 @@ def manifest_doc(
 def _column(values: np.ndarray) -> int | list[int]:
     """A chunk column: one number when every chunk has it (a row-sharded tensor's trailing
     offsets and widths, equal shards' heights), else the list."""
-    if len(values) == 1 or (len(values) and bool(np.all(values == values[0]))):
+    if len(values) == 1 or (len(values) and bool((values == values[0]).all())):
         return int(values[0])
     return values.tolist()
 

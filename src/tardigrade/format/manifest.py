@@ -119,7 +119,7 @@ class ChunkColumns(Sequence[Chunk]):
         ends = self.offsets + self.shapes
         low = np.maximum(self.offsets, np.asarray(lo, dtype=np.int64))
         high = np.minimum(ends, np.asarray(hi, dtype=np.int64))
-        hits = np.flatnonzero(np.all(high > low, axis=1))
+        hits = np.flatnonzero((high > low).all(axis=1))
         return [self.chunk(j) for j in hits.tolist()]
 
     def _all(self) -> tuple[Chunk, ...]:
@@ -510,10 +510,10 @@ class _Columns:
             raise _fail(where, f"tensor #{i} refers to a data file 'files' does not list")
         full = np.array(shape, dtype=np.int64)
         # Compared as below, nothing overflows: every value is at most the tensor's extent.
-        if bool(np.any(offsets < 0)) or bool(np.any(shapes < 0)) or bool(np.any(shapes > full)):
+        if bool((offsets < 0).any()) or bool((shapes < 0).any()) or bool((shapes > full).any()):
             raise _fail(where, f"tensor #{i} has a chunk with invalid offsets/shape")
-        if bool(np.any(offsets > full - shapes)):
-            k = int(np.flatnonzero(np.any(offsets > full - shapes, axis=1))[0])
+        if bool((offsets > full - shapes).any()):
+            k = int(np.flatnonzero((offsets > full - shapes).any(axis=1))[0])
             raise _fail(
                 where, f"tensor #{i} has a chunk at {offsets[k].tolist()} of shape "
                 f"{shapes[k].tolist()} outside {shape}"
@@ -526,7 +526,7 @@ class _Columns:
         claimed = np.zeros(len(self.names), dtype=np.int64)
         np.add.at(claimed, files, volumes * itemsize)  # at most the tensor's bytes in all
         over = claimed > self.sizes - self.used
-        if bool(np.any(over)):
+        if bool(over.any()):
             f = self.names[int(np.flatnonzero(over)[0])]
             raise _fail(
                 where, f"tensor #{i} (shape {shape}) claims more bytes than data file {f!r} "
@@ -567,15 +567,15 @@ def _check_tiling_columns(
 ) -> None:
     """``_check_tiling`` for columns (their volumes already add up to the tensor's)."""
     n, d = shapes.shape
-    live = np.all(shapes > 0, axis=1)
+    live = (shapes > 0).all(axis=1)
     if n <= 1 or d == 0 or int(live.sum()) <= 1:
         return
     full = np.array(shape, dtype=np.int64)
-    if bool(np.all(offsets[live, 1:] == 0)) and bool(np.all(shapes[live, 1:] == full[1:])):
+    if bool((offsets[live, 1:] == 0).all()) and bool((shapes[live, 1:] == full[1:]).all()):
         # Row slabs, as almost every sharded tensor is: sorted, none may overlap the next.
         order = np.argsort(offsets[live, 0], kind="stable")
         starts, ends = offsets[live, 0][order], (offsets[live, 0] + shapes[live, 0])[order]
-        if bool(np.any(starts[1:] < ends[:-1])):
+        if bool((starts[1:] < ends[:-1]).any()):
             raise _fail(where, f"tensor #{i}: two of its chunks overlap")
         return
     boxes = [

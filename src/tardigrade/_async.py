@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -224,20 +224,25 @@ class StagedEntries:
             slab.seal()
 
 
-def stage_entries(entries: list[Entry], pool: SlabPool) -> StagedEntries:
+def stage_entries(
+    entries: list[Entry], pool: SlabPool, skip: Collection[int] = ()
+) -> StagedEntries:
     """Copy every entry's bytes into pool slabs, as ``stage_copy`` does for a file image.
 
     Host copies run in parallel (``_Copier``); device copies land in pinned slabs
     asynchronously and are waited for before returning. The pool must hold the whole state
     (no budget): the writers start only once the global plan is agreed, after staging.
+    Entries in ``skip`` (replicated tensors this rank's plan does not give it) are not copied.
     """
     staged = StagedEntries()
     copier = _Copier()
     device = False
     sources = []
-    for e in entries:
+    for k, e in enumerate(entries):
         src = e.tensor.detach()
-        if not src.is_contiguous() or src.is_conj() or src.is_neg():
+        if k in skip:
+            src = torch.empty(0, dtype=src.dtype)  # rows stay 0: no item may read it
+        elif not src.is_contiguous() or src.is_conj() or src.is_neg():
             src = src.resolve_conj().resolve_neg().contiguous()
         flat = as_bytes(src)
         sources.append(flat)

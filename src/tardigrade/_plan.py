@@ -18,7 +18,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -104,10 +104,15 @@ class LocalEntry:
 @dataclass(frozen=True)
 class LocalPlan:
     """One rank's tensors: ``shared`` (one per leaf of the state outside ``tg.PerRank``, the
-    same leaves on every rank) and ``own`` (its per-rank subtrees' tensors)."""
+    same leaves on every rank) and ``own`` (its per-rank subtrees' tensors).
+
+    ``unstaged``: replicated shared entries this rank cannot write (an async save staged only
+    the ones its previous plan gave it); the planner gives their chunks to other ranks.
+    """
 
     shared: tuple[LocalEntry, ...]
     own: tuple[LocalEntry, ...]
+    unstaged: tuple[int, ...] = ()
 
     def meta(self) -> str:
         """A digest of the shared leaves as every rank must agree on them: count, dtypes,
@@ -128,8 +133,9 @@ class LocalPlan:
         return np.array(flat, dtype=np.int64)
 
     def signature(self) -> str:
-        """A digest of what the global plan depends on: equal signatures, equal plans."""
-        h = hashlib.blake2b(self.to_bytes(full=False), digest_size=16)
+        """A digest of the layout the global plan depends on: equal signatures, equal plans
+        (``unstaged`` aside: it only ever follows the plan it is compared with)."""
+        h = hashlib.blake2b(replace(self, unstaged=()).to_bytes(full=False), digest_size=16)
         return h.hexdigest()
 
     def to_bytes(self, *, full: bool = True) -> bytes:
@@ -141,6 +147,8 @@ class LocalPlan:
         job of 1,024 ranks holding 2,000 sharded tensors sends no JSON per tensor).
         """
         doc: dict[str, object] = {"meta": self.meta(), "own": [e.to_json() for e in self.own]}
+        if self.unstaged:
+            doc["unstaged"] = list(self.unstaged)
         if full:
             doc["shared"] = [e.to_json() for e in self.shared]
         return json.dumps(doc, separators=(",", ":")).encode() + b"\0" + self.boxes().tobytes()
@@ -152,6 +160,7 @@ class LocalPlan:
         return LocalPlan(
             tuple(LocalEntry.from_json(e) for e in doc["shared"]),
             tuple(LocalEntry.from_json(e) for e in doc["own"]),
+            tuple(doc.get("unstaged", ())),
         )
 
 
@@ -443,6 +452,7 @@ def global_plan(
         [p.own for p in plans],
         max_files,
         chunk_bytes,
+        [p.unstaged for p in plans],
     )
 
 
@@ -453,7 +463,7 @@ def global_plan_from_wire(
     chunk_bytes: int = CHUNK_BYTES,
 ) -> GlobalPlan:
     """``global_plan`` of ``LocalPlan.to_bytes`` payloads, the first one ``full``."""
-    metas, boxes, owns = [], [], []
+    metas, boxes, owns, unstaged = [], [], [], []
     shared: tuple[LocalEntry, ...] = ()
     for r, raw in enumerate(payloads):
         cut = raw.index(b"\0")
@@ -462,8 +472,9 @@ def global_plan_from_wire(
             shared = tuple(LocalEntry.from_json(e) for e in doc["shared"])
         metas.append(doc["meta"])
         owns.append(tuple(LocalEntry.from_json(e) for e in doc["own"]))
+        unstaged.append(tuple(doc.get("unstaged", ())))
         boxes.append(np.frombuffer(raw[cut + 1 :], dtype=np.int64))
-    return _merge(shared, metas, boxes, owns, max_files, chunk_bytes)
+    return _merge(shared, metas, boxes, owns, max_files, chunk_bytes, unstaged)
 
 
 # Building a plan makes many small acyclic objects; a cycle collection started meanwhile would
@@ -476,6 +487,7 @@ def _merge(
     owns: list[tuple[LocalEntry, ...]],
     max_files: int,
     chunk_bytes: int,
+    unstaged: Sequence[tuple[int, ...]] = (),
 ) -> GlobalPlan:
     world = len(metas)
     for r in range(1, world):
@@ -496,11 +508,16 @@ def _merge(
     subsets: list[tuple[int, ...]] = []
     parts: list[tuple[int, int, _Pieces]] = []  # (tensor, local entry, pieces)
     whole: list[tuple[int, int, int]] = []  # (tensor, local entry, holder): one piece each
+    # Who may write each replicated entry: every rank but those that did not stage it.
+    lacking: dict[int, list[int]] = {}
+    for r, entries in enumerate(unstaged):
+        for i in entries:
+            lacking.setdefault(i, []).append(r)
     pos = 0
     for i, e in enumerate(shared):
         if e.box is None:
             tensors.append(TensorRecord(e.dtype, e.shape, e.numpy, REPLICATED, None, e.name))
-            whole.append((i, i, ALL))
+            whole.append((i, i, _holder(i, e, lacking.get(i, ()), world, subsets)))
             continue
         shape = e.box.global_shape
         tensors.append(TensorRecord(e.dtype, shape, e.numpy, SHARDED, None, e.name))
@@ -523,6 +540,24 @@ def _merge(
     return GlobalPlan(
         tuple(tensors), names, owners, file_rows, rows, dims, tuple(own_base), keys, entries
     )
+
+
+def _holder(
+    i: int, e: LocalEntry, lacking: Sequence[int], world: int, subsets: list[tuple[int, ...]]
+) -> int:
+    """The holder of replicated entry ``i`` that ranks ``lacking`` did not stage."""
+    if not lacking:
+        return ALL
+    have = tuple(sorted(set(range(world)) - set(lacking)))
+    if not have:
+        raise InvalidArgumentError(
+            f"state[{e.name!r}]: no rank staged this replicated tensor for the asynchronous "
+            "save (the ranks' previous plans disagree); save again: the next save stages it"
+        )
+    if len(have) == 1:
+        return have[0]
+    subsets.append(have)
+    return SUBSET - (len(subsets) - 1)
 
 
 def _chunk_table(

@@ -184,3 +184,51 @@ def skip_rank(rank: int, world: int, root: str) -> Any:
 def test_skipping_a_busy_collective_save_is_refused_on_every_rank(tmp_path: Path) -> None:
     for o in run_ranks(skip_rank, 2, str(tmp_path)):
         assert o["error"] == "InvalidArgumentError" and "if_busy='wait'" in o["message"], o
+
+
+LAYERS, LAYER_ROWS = 8, 64  # a DDP model: 8 replicated 64 x 1024 float32 layers (2 MiB)
+
+
+def ddp_layer(i: int, k: int) -> torch.Tensor:
+    return (
+        torch.arange(LAYER_ROWS * 1024, dtype=torch.float32).reshape(LAYER_ROWS, 1024) + 100 * i + k
+    )
+
+
+def staging_rank(rank: int, world: int, root: str) -> Any:
+    from tardigrade.distributed import _save
+
+    staged: list[int] = []
+    real = _save.stage_entries
+
+    def counting(entries: Any, pool: Any, skip: Any = ()) -> Any:
+        out = real(entries, pool, skip)
+        staged.append(out.nbytes)
+        return out
+
+    _save.stage_entries = counting
+    for k in range(4):
+        state = {f"layer{i}": ddp_layer(i, k) for i in range(LAYERS)}
+        # Rank 1's own tensor grows at save 3: its layout changes, rank 0's does not.
+        state["mine"] = tg.PerRank(torch.full((2 + (k == 3) * rank,), float(rank)))
+        tg.save(f"{root}/s{k}", state, async_=True, step=k).result(timeout=60)
+    return staged
+
+
+def test_async_saves_of_a_ddp_model_stage_only_each_ranks_share_after_the_first(
+    tmp_path: Path,
+) -> None:
+    model = LAYERS * LAYER_ROWS * 1024 * 4
+    staged = run_ranks(staging_rank, 2, str(tmp_path))
+    for r in (0, 1):
+        assert staged[r][0] >= model, staged  # no plan yet: every layer
+        for k in (1, 2):  # the plan reused: about half the layers each
+            assert model / 4 <= staged[r][k] - 16 <= 3 * model / 4, staged
+    assert sum(staged[r][1] for r in (0, 1)) < 1.2 * model
+    # Save 3 plans again (rank 1's layout changed): rank 0 still staged only its share and
+    # rank 1 everything, and the new plan gives rank 0 only layers it staged.
+    assert staged[0][3] == staged[0][2] and staged[1][3] >= model
+    for k in range(4):
+        back = tg.load(tmp_path / f"s{k}")
+        for i in range(LAYERS):
+            assert torch.equal(back[f"layer{i}"], ddp_layer(i, k)), (k, i)

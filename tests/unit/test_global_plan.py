@@ -175,3 +175,24 @@ def test_a_distributed_manifest_is_columns_and_grows_linearly_with_ranks() -> No
     # Linear: each rank adds about as many bytes as the last (its numbers' digits aside).
     assert 1.9 <= (len(big) - len(s32)) / (len(s32) - len(s16)) <= 2.2
     assert len(big) / len(s16) <= 4
+
+
+def test_replicated_tensors_go_only_to_ranks_that_staged_them() -> None:
+    shared = tuple(LocalEntry("F32", (1024, 1024), False, None, f"w{i}") for i in range(6))
+    # An async save staged on each rank only what its last plan gave it: rank 0 lacks w0-w2,
+    # rank 1 lacks w3, rank 2 lacks nothing (its layout changed, so it staged everything).
+    plans = [LocalPlan(shared, (), (0, 1, 2)), LocalPlan(shared, (), (3,)), LocalPlan(shared, ())]
+    g = global_plan(plans)
+    for r, items in enumerate(items_by_rank(g)):
+        assert not {it.entry for it in items} & set(plans[r].unstaged), r
+    assert sum(it.nbytes for items in items_by_rank(g) for it in items) == 6 * 4 * MiB
+    wire = [p.to_bytes(full=r == 0) for r, p in enumerate(plans)]
+    assert global_plan_from_wire(wire).to_wire() == g.to_wire()
+    # The plan cache compares layouts: what a rank staged is not part of its signature.
+    assert plans[0].signature() == LocalPlan(shared, ()).signature()
+
+
+def test_a_replicated_tensor_no_rank_staged_is_refused_naming_it() -> None:
+    shared = (LocalEntry("F32", (4,), False, None, "model.w"),)
+    with pytest.raises(InvalidArgumentError, match=r"state\['model.w'\]: no rank staged"):
+        global_plan([LocalPlan(shared, (), (0,)), LocalPlan(shared, (), (0,))])

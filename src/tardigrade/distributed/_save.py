@@ -21,7 +21,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -169,6 +169,20 @@ class _Save:
             }
         )
 
+    def unstaged(self) -> tuple[int, ...]:
+        """The replicated tensors an async save need not stage: when this rank's layout is
+        the previous save's, those that plan gave to other ranks (each rank then stages about
+        its share of a DDP model, not all of it). Recorded in the local plan, so that a new
+        plan (another rank's layout changed) gives their chunks only to ranks that have them.
+        """
+        c, lp = self.cached, self.lp
+        if c is None or lp is None or c.signature != lp.signature():
+            return ()
+        mine = {it.entry for fp in c.plan.files for it in fp.items}
+        skip = tuple(i for i, e in enumerate(lp.shared) if e.box is None and i not in mine)
+        self.lp = replace(lp, unstaged=skip)
+        return skip
+
     def open(self, payloads: list[bytes]) -> bytes:
         """Coordinator: check agreement and the target; reuse the plan if nobody's changed."""
         docs = [json.loads(p) for p in payloads]
@@ -219,7 +233,13 @@ class _Save:
             raise AssertionError("unreachable: the comparison always raises")
         assert self.lp is not None and self.flat is not None and self.storage is not None
         if verdict["plan_id"] is None:
-            raw = ranks.reduce("tg.save (planning)", self.lp.to_bytes, self.plan)
+            try:
+                raw = ranks.reduce("tg.save (planning)", self.lp.to_bytes, self.plan)
+            except BaseException:
+                # Plan afresh next time: a stale plan would make the next async save stage
+                # the same subset again.
+                _cache.pop(_cache_key(ranks), None)
+                raise
             cut = raw.index(b"\0")
             verdict = json.loads(raw[:cut])
             if not ranks.coordinator:
@@ -332,7 +352,8 @@ def stage_collective(
         payload = save.describe()
         assert save.flat is not None
         entries = [*save.flat.entries, *save.flat.own_entries()]
-        staged = stage_entries(entries, pool)
+        skip = save.unstaged()
+        staged = stage_entries(entries, pool, skip)
     except Exception as exc:
         failure = exc
 

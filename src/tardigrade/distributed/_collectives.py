@@ -207,7 +207,10 @@ class Ranks:
 
     Each wait for the other ranks is bounded by ``timeout`` seconds. When a rank died, hangs or
     did not make the call, the others raise ``DistributedError`` within that time; the process
-    group is then in an unknown state and should not be used for further collectives.
+    group is then in an unknown state and should not be used for further collectives. The
+    operation given up on stays queued in the group (gloo cannot cancel one), so destroying the
+    group, or the process's exit, waits until the missing ranks leave or the group's own
+    ``init_process_group(timeout=...)`` passes, whichever comes first.
 
     Payloads travel as CPU tensors. On a gloo group (or one mapping CPU to gloo) the group itself
     carries them; on any other (NCCL) group the first collective call creates a gloo group over
@@ -356,10 +359,12 @@ class Ranks:
         headers = self._open(what, _tag("broadcast", what), mine)
         return self._broadcast_bytes(what, "receiving the payload", mine.payload, headers[0][1])
 
-    def agree_max(self, value: int) -> int:
+    def agree_max(self, value: int, what: str = "agree_max") -> int:
         """The largest ``value`` any rank passed, on every rank: one tiny all-reduce, no header.
 
-        Cheap enough to call every training step (e.g. "did any rank get SIGTERM?").
+        Cheap enough to call every training step (e.g. "did any rank get SIGTERM?"). ``what``
+        names the call in the error a rank that waited too long raises (there is no header,
+        so ranks in different calls are not told apart here).
         """
         try:
             tensor = torch.tensor([operator.index(value)], dtype=torch.int64)
@@ -369,9 +374,9 @@ class Ranks:
             ) from exc
         if self.size == 1:
             return int(tensor.item())
-        transport = self._transport_group("agree_max")
+        transport = self._transport_group(what)
         self._issue(
-            "agree_max",
+            what,
             "agreeing on the largest value",
             lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=transport, async_op=True),
         )

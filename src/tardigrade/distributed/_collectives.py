@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
-from ..errors import DistributedError, InvalidArgumentError, TardigradeError
+from ..errors import DistributedError, InvalidArgumentError, StorageError, TardigradeError
 
 __all__ = ["DEFAULT_TIMEOUT", "Ranks"]
 
@@ -50,6 +50,49 @@ _WIRE_ERRORS: dict[str, type[TardigradeError]] = {
     cls.__name__: cls
     for cls in vars(errors).values()
     if isinstance(cls, type) and issubclass(cls, TardigradeError)
+}
+
+# The built-in OSError classes an error keeps across ranks, by name (the same table rule as
+# _WIRE_ERRORS). A plain one arrives on every rank as a StorageError that is also that class,
+# so ``except PermissionError`` and ``e.errno`` behave on every rank as on the failing one.
+_OS_ERRORS: dict[str, type[OSError]] = {
+    cls.__name__: cls
+    for cls in (
+        OSError,
+        BlockingIOError,
+        ChildProcessError,
+        ConnectionError,
+        BrokenPipeError,
+        ConnectionAbortedError,
+        ConnectionRefusedError,
+        ConnectionResetError,
+        FileExistsError,
+        FileNotFoundError,
+        InterruptedError,
+        IsADirectoryError,
+        NotADirectoryError,
+        PermissionError,
+        ProcessLookupError,
+        TimeoutError,
+    )
+}
+
+
+def _storage_error_like(builtin: type[OSError]) -> type[StorageError]:
+    if builtin is OSError:
+        return StorageError
+    return type(
+        f"Storage{builtin.__name__}",
+        (StorageError, builtin),
+        {
+            "__module__": __name__,
+            "__doc__": f"A {builtin.__name__} raised on another rank (a StorageError here).",
+        },
+    )
+
+
+_STORAGE_ERRORS: dict[str, type[StorageError]] = {
+    name: _storage_error_like(cls) for name, cls in _OS_ERRORS.items()
 }
 
 # One rank's cause in an error message; bounds what a failing rank can make the others hold.
@@ -78,41 +121,55 @@ def _ranks_phrase(ranks: list[int]) -> str:
 
 @dataclass(frozen=True)
 class _Failure:
-    """What failed, as it travels between ranks: a class name from the table and each cause."""
+    """What failed, as it travels between ranks: class names from the tables and each cause.
+
+    ``type`` is the nearest Tardigrade class of the exception (None: DistributedError);
+    ``os_type`` and ``errno`` are, for an OSError, its nearest built-in OSError class and its
+    ``errno``, so a plain ``PermissionError`` stays one and an ``ENOSPC`` keeps its number.
+    """
 
     type: str | None  # a key of _WIRE_ERRORS, or None for DistributedError
     causes: dict[int, str]
+    os_type: str | None = None  # a key of _OS_ERRORS, or None when not an OSError
+    errno: int | None = None
 
     @classmethod
     def of(cls, rank: int, exc: BaseException, during: str = "") -> _Failure:
         # The nearest Tardigrade class in the MRO, so a private subclass still arrives as its
         # public parent (and a ValueError as DistributedError).
-        name = next(
-            (k.__name__ for k in type(exc).__mro__ if _WIRE_ERRORS.get(k.__name__) is k), None
-        )
+        mro = type(exc).__mro__
+        name = next((k.__name__ for k in mro if _WIRE_ERRORS.get(k.__name__) is k), None)
+        os_type = next((k.__name__ for k in mro if _OS_ERRORS.get(k.__name__) is k), None)
+        number = getattr(exc, "errno", None) if os_type is not None else None
         try:
             text = f"{type(exc).__name__}: {exc}{during}"
         except Exception:  # a __str__ that raises must not keep this rank out of the exchange
             text = f"{type(exc).__name__}: (its message could not be formatted){during}"
         if len(text) > _MAX_CAUSE_CHARS:
             text = text[: _MAX_CAUSE_CHARS - 16] + " ...(truncated)"
-        return cls(name, {rank: text})
+        return cls(name, {rank: text}, os_type, number if type(number) is int else None)
 
     def encode(self) -> bytes:
         causes = {str(r): c for r, c in self.causes.items()}
-        return json.dumps({"type": self.type, "causes": causes}).encode()
+        doc = {"type": self.type, "causes": causes, "os_type": self.os_type, "errno": self.errno}
+        return json.dumps(doc).encode()
 
     @classmethod
     def decode(cls, data: bytes, rank: int) -> _Failure:
         try:
             doc = json.loads(data)
-            name = doc["type"]
+            name, os_type, number = doc["type"], doc.get("os_type"), doc.get("errno")
             causes = {int(r): str(c) for r, c in doc["causes"].items()}
-            if (name is not None and not isinstance(name, str)) or not causes:
+            if (
+                (name is not None and not isinstance(name, str))
+                or (os_type is not None and not isinstance(os_type, str))
+                or (number is not None and type(number) is not int)
+                or not causes
+            ):
                 raise ValueError(name)
         except (ValueError, TypeError, KeyError, AttributeError):
             return cls(None, {rank: f"(an error report that could not be read: {data[:200]!r})"})
-        return cls(name, causes)
+        return cls(name, causes, os_type, number)
 
     @classmethod
     def merge(cls, failures: list[_Failure]) -> _Failure:
@@ -120,7 +177,19 @@ class _Failure:
         for failure in failures:
             causes.update(failure.causes)
         lowest = min(failures, key=lambda f: min(f.causes))
-        return cls(lowest.type, dict(sorted(causes.items())))
+        return cls(lowest.type, dict(sorted(causes.items())), lowest.os_type, lowest.errno)
+
+    def error_class(self) -> type[TardigradeError]:
+        """The class every rank raises: the Tardigrade class, made to keep the OSError class.
+
+        A plain OSError becomes the StorageError that is also its built-in class; a
+        StorageError raised as a PermissionError subclass stays a PermissionError too.
+        """
+        cls = _WIRE_ERRORS.get(self.type or "")
+        builtin = _OS_ERRORS.get(self.os_type or "")
+        if builtin is not None and (cls is None or cls is StorageError):
+            return _STORAGE_ERRORS[builtin.__name__]
+        return cls or DistributedError
 
     def error(self, what: str, size: int) -> TardigradeError:
         """The exception every rank raises: same class, same message, same ``causes``."""
@@ -129,12 +198,14 @@ class _Failure:
             f"{what} failed on {_ranks_phrase(failed)} of {size}; every rank raises this error:\n"
             + "\n".join(f"  rank {r}: {self.causes[r]}" for r in failed)
         )
-        cls = _WIRE_ERRORS.get(self.type or "", DistributedError)
+        cls = self.error_class()
         err: TardigradeError
         try:
             err = cls(message)
         except Exception:  # a class whose constructor wants more than a message
             err = DistributedError(message)
+        if isinstance(err, OSError) and self.errno is not None:
+            err.errno = self.errno  # str(err) stays the message: strerror is left unset
         err.causes = dict(self.causes)  # type: ignore[attr-defined]
         return err
 
@@ -199,11 +270,15 @@ class Ranks:
     Every method is a collective: every rank of the group must call it, in the same order, with
     the same ``what`` (a short description such as ``"save 'ckpt/step-100': plan"`` that also
     names the step in errors). The callables passed in run inside a ``try``: when one raises on
-    any rank, every rank raises the same error. Its class is that of the lowest failing rank's
-    exception when that is a Tardigrade error (``SaveError`` stays ``SaveError``), else
-    :class:`~tardigrade.errors.DistributedError`; its message lists each failing rank's cause,
-    and its ``causes`` attribute maps those ranks to them. (Only ``Exception`` is caught: a
-    ``KeyboardInterrupt`` stops its rank at once, and the others see that rank as gone.)
+    any rank, every rank raises the same error. Its class follows the lowest failing rank's
+    exception: a Tardigrade error keeps its class (``SaveError`` stays ``SaveError``,
+    ``CheckpointNotFoundError`` stays a ``FileNotFoundError``); a plain ``OSError`` becomes the
+    :class:`~tardigrade.errors.StorageError` that is also its built-in class (a
+    ``PermissionError`` stays a ``PermissionError``), and an OSError keeps its ``errno``;
+    anything else becomes :class:`~tardigrade.errors.DistributedError`. Its message lists each
+    failing rank's cause, and its ``causes`` attribute maps those ranks to them. (Only
+    ``Exception`` is caught: a ``KeyboardInterrupt`` stops its rank at once, and the others see
+    that rank as gone.)
 
     Each wait for the other ranks is bounded by ``timeout`` seconds. When a rank died, hangs or
     did not make the call, the others raise ``DistributedError`` within that time; the process

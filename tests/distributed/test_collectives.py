@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +359,26 @@ def test_a_group_of_one_has_the_same_semantics(world_of_one: Any) -> None:
         tg.DistributedError, match=r"rank 0: ZeroDivisionError: .* \(raised by combine\)"
     ):
         ranks.reduce("r", lambda: b"", lambda parts: bytes(1 // 0))
+
+
+def test_a_ranks_keeps_no_group_alive_but_its_own_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", LOOPBACK)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = Ranks()
+        world = weakref.ref(ranks.group)
+        forked = ranks.fork()
+        fork_group = weakref.ref(forked.group)
+    finally:
+        dist.destroy_process_group()
+    # Freed by destroy_process_group() although `ranks` lives: its threads are stopped.
+    assert world() is None
+    with pytest.raises(tg.DistributedError, match="its process group no longer exists"):
+        ranks.group  # noqa: B018
+    # A fork is its Ranks's own: it lives while that Ranks does.
+    assert forked.group is fork_group()
+    del forked
+    assert fork_group() is None
 
 
 def test_timeouts_and_values_are_checked(world_of_one: Any) -> None:

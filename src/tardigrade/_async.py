@@ -624,6 +624,9 @@ class AsyncCheckpointer:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            # Free the forked groups now (at exit: before the interpreter's teardown, which
+            # their gloo threads must not outlive; see distributed._collectives).
+            self._forks.clear()
 
     def __enter__(self) -> AsyncCheckpointer:
         return self

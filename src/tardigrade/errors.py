@@ -92,7 +92,12 @@ class SaveError(TardigradeError, RuntimeError):
 
 
 class StorageError(TardigradeError, OSError):
-    """The storage backend failed to read, write or list."""
+    """The storage backend failed to read, write or list.
+
+    In a collective operation a plain ``OSError`` raised on one rank reaches every rank as a
+    StorageError that is also the same built-in class (``PermissionError``, ...) with the same
+    ``errno``.
+    """
 
 
 class DistributedError(TardigradeError, RuntimeError):

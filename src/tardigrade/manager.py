@@ -832,9 +832,10 @@ class CheckpointManager:
     # rank outranks the clock, which only rank 0 reads (ranks' clocks and save times differ).
     _NOTHING, _DUE, _PREEMPTED = 0, 1, 2
 
-    def _agree(self, doing: str, mine: int = 0) -> int:
+    def _agree(self, call: str, doing: str, mine: int = 0) -> int:
         """Consume a pending preemption signal; the level agreed for this call on every rank.
 
+        ``call`` names the public call (``".step(5)"``) in the error of a rank left waiting;
         ``mine`` is this rank's other reason (``_DUE``). One tiny all-reduce in a distributed
         job, whatever the level: every rank calls it at the same point. It also tells whether
         any rank's background save is still running; when none is and nothing else happens
@@ -849,7 +850,9 @@ class CheckpointManager:
         # The low bit is "a save still runs here"; its max is exact among the ranks at the
         # agreed level, which is all of them at _NOTHING, the only level where it is used
         # (a save or a stop waits for every save in flight anyway).
-        agreed = self._ranks.agree_max(mine << 1 | running)
+        agreed = self._ranks.agree_max(
+            mine << 1 | running, f"CheckpointManager({self.directory!r}){call}"
+        )
         level = agreed >> 1
         if level == self._PREEMPTED and mine != self._PREEMPTED:
             log.warning(
@@ -879,7 +882,9 @@ class CheckpointManager:
         if self._ranks is None:
             self._drain(wait=False)  # a distributed job records them in _agree, agreed
         timed = self._coordinating and self._due_by_time()
-        level = self._agree(f"saving step {step}", self._DUE if timed else self._NOTHING)
+        level = self._agree(
+            f".step({step})", f"saving step {step}", self._DUE if timed else self._NOTHING
+        )
         if level == self._PREEMPTED:
             try:
                 saved = self._save(step, epoch, metrics, sync=True)
@@ -912,6 +917,7 @@ class CheckpointManager:
         the others waiting in their next collective.
         """
         level = self._agree(
+            ": JobRunner's check between epochs",
             "the latest state is saved already: committing any save in flight",
             self._DUE if finished else self._NOTHING,
         )
@@ -949,7 +955,7 @@ class CheckpointManager:
             raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
         if self._ranks is None:
             self._drain(wait=False)  # a distributed job records them in _save, agreed
-        preempted = self._agree(f"saving step {step}") == self._PREEMPTED
+        preempted = self._agree(f".save({step})", f"saving step {step}") == self._PREEMPTED
         try:
             ok = self._save(step, epoch, metrics, sync=preempted, force=force)
         finally:

@@ -62,6 +62,21 @@ def run_ranks(
     environment. Each rank runs with one torch thread and a gloo default group whose own timeout
     is ``timeout``.
     """
+    return run_ranks_and_exits(target, world_size, *args, timeout=timeout, env=env)[0]
+
+
+def run_ranks_and_exits(
+    target: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> tuple[list[Any], list[int | None]]:
+    """:func:`run_ranks`, and each rank's exit code once it left after reporting its result.
+
+    An exit code is None for a rank still alive ``_EXIT_GRACE`` seconds after the results were
+    in (it was then killed): a rank whose teardown hangs.
+    """
     module = sys.modules.get(target.__module__)
     if module is None or getattr(module, target.__qualname__, None) is not target:
         raise ValueError(
@@ -82,9 +97,10 @@ def _start_and_collect(
     port: int,
     timeout: float,
     env: dict[str, str] | None,
-) -> list[Any]:
+) -> tuple[list[Any], list[int | None]]:
     procs: list[Any] = []
     readers: list[multiprocessing.connection.Connection] = []
+    exit_codes: list[int | None] = []
     try:
         with _importable_by_ranks(target, env):
             for rank in range(world_size):
@@ -99,10 +115,14 @@ def _start_and_collect(
                 writer.close()  # the rank holds the only writer: its death reads as EOF here
                 procs.append(proc)
                 readers.append(reader)
-        return _collect(procs, readers, timeout)
+        results = _collect(procs, readers, timeout)
+        grace = time.monotonic() + _EXIT_GRACE
+        for proc in procs:
+            proc.join(timeout=max(0.0, grace - time.monotonic()))
+            exit_codes.append(proc.exitcode)
+        return results, exit_codes
     finally:
         for proc in procs:
-            proc.join(timeout=max(0.0, _EXIT_GRACE / max(1, len(procs))))
             _kill(proc)
         for reader in readers:
             reader.close()

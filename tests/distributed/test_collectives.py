@@ -9,12 +9,14 @@ never calls, a rank that dies) come last in their run.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import json
 import os
 import signal
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,8 @@ def failure(call: Any) -> dict[str, Any]:
             "message": str(exc),
             "causes": {str(r): c for r, c in exc.causes.items()},
             "chained": type(exc.__cause__).__name__ if exc.__cause__ else None,
+            "errno": getattr(exc, "errno", None),
+            "file_not_found": isinstance(exc, FileNotFoundError),
         }
     raise AssertionError("expected an error")
 
@@ -236,8 +240,10 @@ def test_collectives_on_three_ranks() -> None:
     assert set(not_bytes["causes"]) == {"0", "1", "2"}
     assert "local() returned str, expected bytes" in not_bytes["causes"]["0"]
 
+    # A plain OSError keeps its built-in class and errno on every rank.
     produce = same_everywhere("produce_fails")
-    assert produce["type"] == "DistributedError"
+    assert produce["type"] == "StorageFileNotFoundError"
+    assert produce["file_not_found"] and produce["errno"] == errno.ENOENT
     assert list(produce["causes"]) == ["0"]
     assert "FileNotFoundError" in produce["causes"]["0"]
 
@@ -355,6 +361,26 @@ def test_a_group_of_one_has_the_same_semantics(world_of_one: Any) -> None:
         ranks.reduce("r", lambda: b"", lambda parts: bytes(1 // 0))
 
 
+def test_a_ranks_keeps_no_group_alive_but_its_own_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", LOOPBACK)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ranks = Ranks()
+        world = weakref.ref(ranks.group)
+        forked = ranks.fork()
+        fork_group = weakref.ref(forked.group)
+    finally:
+        dist.destroy_process_group()
+    # Freed by destroy_process_group() although `ranks` lives: its threads are stopped.
+    assert world() is None
+    with pytest.raises(tg.DistributedError, match="its process group no longer exists"):
+        ranks.group  # noqa: B018
+    # A fork is its Ranks's own: it lives while that Ranks does.
+    assert forked.group is fork_group()
+    del forked
+    assert fork_group() is None
+
+
 def test_timeouts_and_values_are_checked(world_of_one: Any) -> None:
     assert Ranks(timeout=datetime.timedelta(milliseconds=1500)).timeout == 1.5
     for bad in (0, -1, float("nan"), "10", True):
@@ -378,6 +404,44 @@ def test_an_error_rebuilt_from_the_wire_is_never_an_arbitrary_class() -> None:
         pass
 
     assert _collectives._Failure.of(0, PrivateSaveError("boom")).type == "SaveError"
+    # Nor a built-in OSError class outside its table; a malformed errno makes the report
+    # unreadable rather than reach an exception's attributes.
+    odd = _collectives._Failure("StorageError", {1: "x"}, "SystemExit", 5)
+    assert type(_collectives._Failure.decode(odd.encode(), 1).error("x", 2)) is tg.StorageError
+    bad = json.dumps({"type": None, "causes": {"1": "x"}, "os_type": None, "errno": "13"})
+    assert _collectives._Failure.decode(bad.encode(), 1).causes[1].startswith("(an error report")
+
+
+def rebuilt(exc: Exception) -> Exception:
+    """``exc`` as the other ranks raise it: through the wire format and back."""
+    wire = _collectives._Failure.of(1, exc).encode()
+    return _collectives._Failure.decode(wire, 1).error("tg.save", 2)
+
+
+def test_an_oserror_keeps_its_class_and_errno_across_ranks() -> None:
+    denied = rebuilt(PermissionError(errno.EACCES, "Permission denied", "/ckpt/x"))
+    assert isinstance(denied, PermissionError) and isinstance(denied, tg.StorageError)
+    assert denied.errno == errno.EACCES
+    assert str(denied) == (
+        "tg.save failed on rank 1 of 2; every rank raises this error:\n"
+        "  rank 1: PermissionError: [Errno 13] Permission denied: '/ckpt/x'"
+    )
+    full = rebuilt(OSError(errno.ENOSPC, "No space left on device"))
+    assert type(full) is tg.StorageError and full.errno == errno.ENOSPC
+    for builtin in (FileNotFoundError, FileExistsError, IsADirectoryError, BlockingIOError):
+        err = rebuilt(builtin("x"))
+        assert isinstance(err, builtin) and isinstance(err, tg.StorageError), builtin
+        assert err.errno is None
+    # Tardigrade classes stay themselves, with the errno of those that are OSErrors.
+    missing = rebuilt(tg.CheckpointNotFoundError("/ckpt/x: no committed checkpoint"))
+    assert type(missing) is tg.CheckpointNotFoundError
+    eio = rebuilt(tg.StorageError(errno.EIO, "cannot read /ckpt/x"))
+    assert type(eio) is tg.StorageError and eio.errno == errno.EIO
+    assert type(rebuilt(tg.SaveError("disk full"))) is tg.SaveError
+    assert type(rebuilt(ValueError("bad shard"))) is tg.DistributedError
+    # Sent on once more (an error raised through a collective inside another): the same again.
+    again = rebuilt(denied)
+    assert type(again) is type(denied) and again.errno == errno.EACCES
 
 
 # -- the harness itself ----------------------------------------------------------------------

@@ -117,10 +117,10 @@ def train(args: argparse.Namespace) -> int:
     store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=wait)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=wait)
     status = _train(args, cfg, rank, world)
-    # After a failed collective the group is unusable and tearing it down could wait on the
-    # dead rank: only a clean run destroys it.
-    if status == 0:
-        dist.destroy_process_group()
+    # Also after a failed save: freeing the group stops its gloo threads, which must not run
+    # into the interpreter's teardown (see distributed._collectives). The peer that failed
+    # the save was killed, so its connections are closed and nothing waits for it here.
+    dist.destroy_process_group()
     return status
 
 
@@ -220,10 +220,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave without running interpreter and C++ static teardown: in about half the runs a rank
-    # that had resumed and finished cleanly (process group destroyed) died at that teardown
-    # with "terminate called without an active exception" (SIGABRT), after all its work.
-    os._exit(code)
+    sys.exit(main())

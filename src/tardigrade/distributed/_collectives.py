@@ -22,11 +22,14 @@ Payloads are bytes (JSON the callers encode) moved as CPU uint8 tensors: never p
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import operator
 import threading
 import time
+import traceback
+import weakref
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,9 +40,21 @@ import torch
 import torch.distributed as dist
 
 from .. import errors
-from ..errors import DistributedError, InvalidArgumentError, TardigradeError
+from ..errors import DistributedError, InvalidArgumentError, StorageError, TardigradeError
 
 __all__ = ["DEFAULT_TIMEOUT", "Ranks"]
+
+# torch.distributed.nn.functional binds ``group.WORLD`` as a default argument of its functions
+# when first imported; torch._dynamo imports it, and a program's first optimizer imports
+# torch._dynamo. Imported after init_process_group(), it holds the default group for good and
+# destroy_process_group() cannot free it (see the note on process groups at exit below).
+# Imported now, before the program initializes its group, it binds None. (Not when a group
+# exists already: then this import would be the one to hold it.)
+if dist.is_available() and not dist.is_initialized():
+    try:
+        import torch.distributed.nn.functional
+    except ImportError:  # a build without it has nothing to hold the group either
+        pass
 
 DEFAULT_TIMEOUT: float = 600.0
 """Seconds any one wait for the other ranks may take before it becomes a DistributedError."""
@@ -50,6 +65,49 @@ _WIRE_ERRORS: dict[str, type[TardigradeError]] = {
     cls.__name__: cls
     for cls in vars(errors).values()
     if isinstance(cls, type) and issubclass(cls, TardigradeError)
+}
+
+# The built-in OSError classes an error keeps across ranks, by name (the same table rule as
+# _WIRE_ERRORS). A plain one arrives on every rank as a StorageError that is also that class,
+# so ``except PermissionError`` and ``e.errno`` behave on every rank as on the failing one.
+_OS_ERRORS: dict[str, type[OSError]] = {
+    cls.__name__: cls
+    for cls in (
+        OSError,
+        BlockingIOError,
+        ChildProcessError,
+        ConnectionError,
+        BrokenPipeError,
+        ConnectionAbortedError,
+        ConnectionRefusedError,
+        ConnectionResetError,
+        FileExistsError,
+        FileNotFoundError,
+        InterruptedError,
+        IsADirectoryError,
+        NotADirectoryError,
+        PermissionError,
+        ProcessLookupError,
+        TimeoutError,
+    )
+}
+
+
+def _storage_error_like(builtin: type[OSError]) -> type[StorageError]:
+    if builtin is OSError:
+        return StorageError
+    return type(
+        f"Storage{builtin.__name__}",
+        (StorageError, builtin),
+        {
+            "__module__": __name__,
+            "__doc__": f"A {builtin.__name__} raised on another rank (a StorageError here).",
+        },
+    )
+
+
+_STORAGE_ERRORS: dict[str, type[StorageError]] = {
+    name: _storage_error_like(cls) for name, cls in _OS_ERRORS.items()
 }
 
 # One rank's cause in an error message; bounds what a failing rank can make the others hold.
@@ -78,41 +136,55 @@ def _ranks_phrase(ranks: list[int]) -> str:
 
 @dataclass(frozen=True)
 class _Failure:
-    """What failed, as it travels between ranks: a class name from the table and each cause."""
+    """What failed, as it travels between ranks: class names from the tables and each cause.
+
+    ``type`` is the nearest Tardigrade class of the exception (None: DistributedError);
+    ``os_type`` and ``errno`` are, for an OSError, its nearest built-in OSError class and its
+    ``errno``, so a plain ``PermissionError`` stays one and an ``ENOSPC`` keeps its number.
+    """
 
     type: str | None  # a key of _WIRE_ERRORS, or None for DistributedError
     causes: dict[int, str]
+    os_type: str | None = None  # a key of _OS_ERRORS, or None when not an OSError
+    errno: int | None = None
 
     @classmethod
     def of(cls, rank: int, exc: BaseException, during: str = "") -> _Failure:
         # The nearest Tardigrade class in the MRO, so a private subclass still arrives as its
         # public parent (and a ValueError as DistributedError).
-        name = next(
-            (k.__name__ for k in type(exc).__mro__ if _WIRE_ERRORS.get(k.__name__) is k), None
-        )
+        mro = type(exc).__mro__
+        name = next((k.__name__ for k in mro if _WIRE_ERRORS.get(k.__name__) is k), None)
+        os_type = next((k.__name__ for k in mro if _OS_ERRORS.get(k.__name__) is k), None)
+        number = getattr(exc, "errno", None) if os_type is not None else None
         try:
             text = f"{type(exc).__name__}: {exc}{during}"
         except Exception:  # a __str__ that raises must not keep this rank out of the exchange
             text = f"{type(exc).__name__}: (its message could not be formatted){during}"
         if len(text) > _MAX_CAUSE_CHARS:
             text = text[: _MAX_CAUSE_CHARS - 16] + " ...(truncated)"
-        return cls(name, {rank: text})
+        return cls(name, {rank: text}, os_type, number if type(number) is int else None)
 
     def encode(self) -> bytes:
         causes = {str(r): c for r, c in self.causes.items()}
-        return json.dumps({"type": self.type, "causes": causes}).encode()
+        doc = {"type": self.type, "causes": causes, "os_type": self.os_type, "errno": self.errno}
+        return json.dumps(doc).encode()
 
     @classmethod
     def decode(cls, data: bytes, rank: int) -> _Failure:
         try:
             doc = json.loads(data)
-            name = doc["type"]
+            name, os_type, number = doc["type"], doc.get("os_type"), doc.get("errno")
             causes = {int(r): str(c) for r, c in doc["causes"].items()}
-            if (name is not None and not isinstance(name, str)) or not causes:
+            if (
+                (name is not None and not isinstance(name, str))
+                or (os_type is not None and not isinstance(os_type, str))
+                or (number is not None and type(number) is not int)
+                or not causes
+            ):
                 raise ValueError(name)
         except (ValueError, TypeError, KeyError, AttributeError):
             return cls(None, {rank: f"(an error report that could not be read: {data[:200]!r})"})
-        return cls(name, causes)
+        return cls(name, causes, os_type, number)
 
     @classmethod
     def merge(cls, failures: list[_Failure]) -> _Failure:
@@ -120,7 +192,19 @@ class _Failure:
         for failure in failures:
             causes.update(failure.causes)
         lowest = min(failures, key=lambda f: min(f.causes))
-        return cls(lowest.type, dict(sorted(causes.items())))
+        return cls(lowest.type, dict(sorted(causes.items())), lowest.os_type, lowest.errno)
+
+    def error_class(self) -> type[TardigradeError]:
+        """The class every rank raises: the Tardigrade class, made to keep the OSError class.
+
+        A plain OSError becomes the StorageError that is also its built-in class; a
+        StorageError raised as a PermissionError subclass stays a PermissionError too.
+        """
+        cls = _WIRE_ERRORS.get(self.type or "")
+        builtin = _OS_ERRORS.get(self.os_type or "")
+        if builtin is not None and (cls is None or cls is StorageError):
+            return _STORAGE_ERRORS[builtin.__name__]
+        return cls or DistributedError
 
     def error(self, what: str, size: int) -> TardigradeError:
         """The exception every rank raises: same class, same message, same ``causes``."""
@@ -129,12 +213,14 @@ class _Failure:
             f"{what} failed on {_ranks_phrase(failed)} of {size}; every rank raises this error:\n"
             + "\n".join(f"  rank {r}: {self.causes[r]}" for r in failed)
         )
-        cls = _WIRE_ERRORS.get(self.type or "", DistributedError)
+        cls = self.error_class()
         err: TardigradeError
         try:
             err = cls(message)
         except Exception:  # a class whose constructor wants more than a message
             err = DistributedError(message)
+        if isinstance(err, OSError) and self.errno is not None:
+            err.errno = self.errno  # str(err) stays the message: strerror is left unset
         err.causes = dict(self.causes)  # type: ignore[attr-defined]
         return err
 
@@ -187,10 +273,28 @@ def _carries_cpu_over_gloo(group: Any) -> bool:
     return "gloo" in backends
 
 
-# A gloo group beside each non-gloo (NCCL) group, created on its first collective and kept for
-# the life of the process: creating one is itself a collective, so it must happen once.
-_GLOO_SIBLINGS: dict[Any, Any] = {}
+# Process groups and interpreter exit. Freeing a process group (its last reference going) is
+# what stops its gloo worker threads; torch.distributed.destroy_process_group() only drops
+# torch's own references. A gloo worker that outlives the interpreter's finalization may still
+# free the last reference to a finished operation, whose tensors' Python objects then need the
+# GIL: a thread taking the GIL during finalization is ended with pthread_exit, which unwinds
+# through a noexcept C++ destructor and aborts the process ("terminate called without an
+# active exception", SIGABRT) after all its work is done. So Tardigrade never keeps a group
+# alive: a Ranks refers to the group it was given weakly (a reference cycle or a traceback that
+# holds a Ranks cannot keep the group's threads running past destroy_process_group()), and the
+# groups it creates itself are freed with their owner or, at the latest, at exit.
+
+# A gloo group beside each non-gloo (NCCL) group, created on its first collective and kept
+# while that group exists: creating one is itself a collective, so it must happen once.
+_GLOO_SIBLINGS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _GLOO_SIBLINGS_LOCK = threading.Lock()
+
+
+@atexit.register
+def _free_gloo_siblings() -> None:
+    """Free the sibling groups (joining their threads) while the interpreter is fully alive."""
+    with _GLOO_SIBLINGS_LOCK:
+        _GLOO_SIBLINGS.clear()
 
 
 class Ranks:
@@ -199,21 +303,33 @@ class Ranks:
     Every method is a collective: every rank of the group must call it, in the same order, with
     the same ``what`` (a short description such as ``"save 'ckpt/step-100': plan"`` that also
     names the step in errors). The callables passed in run inside a ``try``: when one raises on
-    any rank, every rank raises the same error. Its class is that of the lowest failing rank's
-    exception when that is a Tardigrade error (``SaveError`` stays ``SaveError``), else
-    :class:`~tardigrade.errors.DistributedError`; its message lists each failing rank's cause,
-    and its ``causes`` attribute maps those ranks to them. (Only ``Exception`` is caught: a
-    ``KeyboardInterrupt`` stops its rank at once, and the others see that rank as gone.)
+    any rank, every rank raises the same error. Its class follows the lowest failing rank's
+    exception: a Tardigrade error keeps its class (``SaveError`` stays ``SaveError``,
+    ``CheckpointNotFoundError`` stays a ``FileNotFoundError``); a plain ``OSError`` becomes the
+    :class:`~tardigrade.errors.StorageError` that is also its built-in class (a
+    ``PermissionError`` stays a ``PermissionError``), and an OSError keeps its ``errno``;
+    anything else becomes :class:`~tardigrade.errors.DistributedError`. Its message lists each
+    failing rank's cause, and its ``causes`` attribute maps those ranks to them. (Only
+    ``Exception`` is caught: a ``KeyboardInterrupt`` stops its rank at once, and the others see
+    that rank as gone.)
 
     Each wait for the other ranks is bounded by ``timeout`` seconds. When a rank died, hangs or
     did not make the call, the others raise ``DistributedError`` within that time; the process
-    group is then in an unknown state and should not be used for further collectives.
+    group is then in an unknown state and should not be used for further collectives. The
+    operation given up on stays queued in the group (gloo cannot cancel one), so destroying the
+    group, or the process's exit, waits until the missing ranks leave or the group's own
+    ``init_process_group(timeout=...)`` passes, whichever comes first.
 
     Payloads travel as CPU tensors. On a gloo group (or one mapping CPU to gloo) the group itself
     carries them; on any other (NCCL) group the first collective call creates a gloo group over
     the same ranks, cached per group, so that first call must be made by every rank of the group
     (as every collective must). A ``Ranks`` is used by one thread at a time; for coordination in
     a background thread, :meth:`fork` one.
+
+    A ``Ranks`` does not keep the group it was given alive (it holds it weakly): once the
+    program has destroyed the group and dropped it, using the ``Ranks`` raises
+    ``DistributedError``, and ``torch.distributed.destroy_process_group()`` frees the group
+    whatever Tardigrade objects remain.
 
     >>> ranks = Ranks.current()  # doctest: +SKIP
     >>> if ranks is not None:  # doctest: +SKIP
@@ -245,17 +361,23 @@ class Ranks:
             )
         self.timeout = _seconds(timeout)
         self._wait = datetime.timedelta(seconds=self.timeout)
-        self.group = process_group if process_group is not None else dist.group.WORLD
-        rank = dist.get_rank(self.group)
+        group = process_group if process_group is not None else dist.group.WORLD
+        rank = dist.get_rank(group)
         if rank < 0:
             raise InvalidArgumentError(
                 f"this process (global rank {dist.get_rank()}) is not a member of the process "
                 "group given to Ranks: pass a group this rank belongs to"
             )
         self.rank = rank
-        self.size = dist.get_world_size(self.group)
+        self.size = dist.get_world_size(group)
         self.coordinator = rank == 0
-        self._transport: Any = None
+        self._group: Callable[[], Any]
+        try:
+            self._group = weakref.ref(group)
+        except TypeError:  # a group type without weak references: held, as before
+            self._group = lambda: group
+        self._owned: Any = None  # the group itself, only when this Ranks made it (fork())
+        self._transport: weakref.ref[Any] | None = None
         self._root = 0  # the coordinator's global rank, which the gather/broadcast ops want
 
     @classmethod
@@ -275,6 +397,18 @@ class Ranks:
 
     def __repr__(self) -> str:
         return f"Ranks(rank={self.rank}, size={self.size}, timeout={self.timeout:g})"
+
+    @property
+    def group(self) -> Any:
+        """The process group, while the program keeps it (raises DistributedError after)."""
+        group = self._group()
+        if group is None:
+            raise DistributedError(
+                f"{self!r}: its process group no longer exists (it was destroyed and freed, "
+                "e.g. by torch.distributed.destroy_process_group()). Create the Ranks, manager "
+                "or save again once a process group is initialized."
+            )
+        return group
 
     # -- the collectives -------------------------------------------------------------------
 
@@ -310,7 +444,6 @@ class Ranks:
             self._raise_if_failed(what, [result])
             return result.payload
         headers = self._open(what, _tag("reduce", what), mine)
-        transport = self._transport_group(what)
         lengths = [h[1] for h in headers]
         longest = max(lengths)
         payloads = [b""] * self.size
@@ -324,7 +457,7 @@ class Ranks:
             self._issue(
                 what,
                 "gathering payloads on the coordinator",
-                lambda: dist.gather(sent, received, dst=self._root, group=transport, async_op=True),
+                lambda group: dist.gather(sent, received, self._root, group, async_op=True),
             )
             if received is not None:
                 payloads = [_to_bytes(t, n) for t, n in zip(received, lengths, strict=True)]
@@ -339,7 +472,7 @@ class Ranks:
         self._issue(
             what,
             "receiving the combined result",
-            lambda: dist.broadcast(header, src=self._root, group=transport, async_op=True),
+            lambda group: dist.broadcast(header, src=self._root, group=group, async_op=True),
         )
         status, nbytes = (int(x) for x in header.tolist())
         data = self._broadcast_bytes(what, "receiving the combined result", body, nbytes)
@@ -356,10 +489,12 @@ class Ranks:
         headers = self._open(what, _tag("broadcast", what), mine)
         return self._broadcast_bytes(what, "receiving the payload", mine.payload, headers[0][1])
 
-    def agree_max(self, value: int) -> int:
+    def agree_max(self, value: int, what: str = "agree_max") -> int:
         """The largest ``value`` any rank passed, on every rank: one tiny all-reduce, no header.
 
-        Cheap enough to call every training step (e.g. "did any rank get SIGTERM?").
+        Cheap enough to call every training step (e.g. "did any rank get SIGTERM?"). ``what``
+        names the call in the error a rank that waited too long raises (there is no header,
+        so ranks in different calls are not told apart here).
         """
         try:
             tensor = torch.tensor([operator.index(value)], dtype=torch.int64)
@@ -369,11 +504,10 @@ class Ranks:
             ) from exc
         if self.size == 1:
             return int(tensor.item())
-        transport = self._transport_group("agree_max")
         self._issue(
-            "agree_max",
+            what,
             "agreeing on the largest value",
-            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=transport, async_op=True),
+            lambda group: dist.all_reduce(tensor, dist.ReduceOp.MAX, group, async_op=True),
         )
         return int(tensor.item())
 
@@ -388,10 +522,15 @@ class Ranks:
         Collective now: every rank of the group calls ``fork()`` at the same point. The new
         group's collectives never interleave with this one's, so a background save can agree
         with its peers while training runs collectives on the original group. Each fork is a
-        new process group kept until the process ends: fork once, not per operation.
+        new process group: fork once, not per operation. The returned ``Ranks`` owns it (the
+        only Ranks that holds its group strongly): the group lives while that ``Ranks`` or
+        its ``group`` is referenced; drop both when done, at the latest before exit (freeing
+        a group stops its threads; see the note on process groups at exit above).
         """
         group = self._new_gloo_group("fork()", "creating a gloo process group")
-        return Ranks(group, timeout=self.timeout)
+        forked = Ranks(group, timeout=self.timeout)
+        forked._owned = group
+        return forked
 
     def _new_gloo_group(self, what: str, during: str) -> Any:
         """A new gloo group over this group's ranks (collective: every member calls it)."""
@@ -415,14 +554,13 @@ class Ranks:
 
         Returns every rank's (status, payload length, tag) when all ranks succeeded.
         """
-        transport = self._transport_group(what)
         status = _OK if mine.failure is None else _FAILED
         sent = torch.tensor([status, len(mine.wire), tag], dtype=torch.int64)
         received = [torch.empty(3, dtype=torch.int64) for _ in range(self.size)]
         self._issue(
             what,
             "exchanging headers",
-            lambda: dist.all_gather(received, sent, group=transport, async_op=True),
+            lambda group: dist.all_gather(received, sent, group=group, async_op=True),
         )
         headers = [(int(s), int(n), int(t)) for s, n, t in (h.tolist() for h in received)]
         others = [r for r, h in enumerate(headers) if h[2] != tag]
@@ -456,52 +594,58 @@ class Ranks:
         longest = max(lengths)
         if not longest:
             return [b""] * self.size
-        transport = self._transport_group(what)
         sent = _to_tensor(data, longest)
         received = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
         self._issue(
-            what, step, lambda: dist.all_gather(received, sent, group=transport, async_op=True)
+            what, step, lambda group: dist.all_gather(received, sent, group=group, async_op=True)
         )
         return [_to_bytes(t, n) for t, n in zip(received, lengths, strict=True)]
 
     def _broadcast_bytes(self, what: str, step: str, data: bytes, nbytes: int) -> bytes:
         if not nbytes:
             return b""
-        transport = self._transport_group(what)
         tensor = (
             _to_tensor(data, nbytes) if self.coordinator else torch.empty(nbytes, dtype=torch.uint8)
         )
         self._issue(
             what,
             step,
-            lambda: dist.broadcast(tensor, src=self._root, group=transport, async_op=True),
+            lambda group: dist.broadcast(tensor, src=self._root, group=group, async_op=True),
         )
         return data if self.coordinator else _to_bytes(tensor, nbytes)
 
     def _transport_group(self, what: str) -> Any:
-        if self._transport is None:
-            if _carries_cpu_over_gloo(self.group):
-                self._transport = self.group
+        """The group that carries the payloads: the group itself, or its gloo sibling."""
+        transport = self._transport() if self._transport is not None else None
+        if transport is None:
+            group = self.group
+            if _carries_cpu_over_gloo(group):
+                transport = group
             else:
                 with _GLOO_SIBLINGS_LOCK:
-                    sibling = _GLOO_SIBLINGS.get(self.group)
-                    if sibling is None:
-                        sibling = self._new_gloo_group(
+                    transport = _GLOO_SIBLINGS.get(group)
+                    if transport is None:
+                        transport = self._new_gloo_group(
                             what, "creating the gloo group for CPU payloads"
                         )
-                        _GLOO_SIBLINGS[self.group] = sibling
-                self._transport = sibling
-            self._root = dist.get_global_rank(self._transport, 0)
-        return self._transport
+                        _GLOO_SIBLINGS[group] = transport
+            self._transport = weakref.ref(transport)
+            self._root = dist.get_global_rank(transport, 0)
+        return transport
 
-    def _issue(self, what: str, step: str, op: Callable[[], Any]) -> None:
-        """Run one async collective op and wait for it, at most ``timeout`` seconds."""
+    def _issue(self, what: str, step: str, op: Callable[[Any], Any]) -> None:
+        """Run ``op(group)``, one async collective op, and wait for it, at most ``timeout`` s.
+
+        The group is passed in rather than held in callers' locals: the frames a traceback
+        keeps must not keep the group alive (see the note on process groups at exit).
+        """
         start = time.monotonic()
         try:
-            work = op()
+            work = op(self._transport_group(what))
             if not work.wait(timeout=self._wait):
                 raise TimeoutError("Operation timed out!")
         except Exception as exc:
+            traceback.clear_frames(exc.__traceback__)
             raise self._transport_error(what, step, exc, time.monotonic() - start) from exc
 
     def _transport_error(

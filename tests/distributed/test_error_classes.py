@@ -1,0 +1,181 @@
+"""An error raised on one rank of a collective keeps its class and errno on every rank, so code
+that handles it as in one process (``except FileNotFoundError``, ``restore()`` skipping an
+unreadable checkpoint) behaves the same in a distributed job.
+
+One run of two ranks checks everything in order: an error raised through a collective leaves the
+group in step, so each check also proves the previous one left it usable.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tardigrade as tg
+from tardigrade.storage import local as local_storage
+
+from ._harness import run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
+
+ROWS = 12
+
+
+def make_state(rank: int, world: int, value: float) -> dict[str, Any]:
+    lo, hi = rank * ROWS // world, (rank + 1) * ROWS // world
+    return {
+        "emb": tg.Sharded(torch.full((hi - lo, 4), value), (lo, 0), (ROWS, 4)),
+        "w": torch.full((8, 8), value),
+        "mine": tg.PerRank(rank),
+        "step": int(value),
+    }
+
+
+def caught(call: Any) -> dict[str, Any]:
+    """What ``call()`` raised, as JSON: its class tree, errno, message and causes."""
+    try:
+        call()
+    except Exception as exc:
+        return {
+            "type": type(exc).__name__,
+            "mro": [k.__name__ for k in type(exc).__mro__],
+            "errno": getattr(exc, "errno", None),
+            "message": str(exc),
+            "causes": sorted(getattr(exc, "causes", {})),
+        }
+    return {"type": None}
+
+
+class ReadsASecret:
+    """A stateful object whose ``state_dict()`` fails the way reading a protected file does."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.fail:
+            raise PermissionError(errno.EACCES, "Permission denied", "/etc/secret-token")
+        return {"token": "t"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def error_classes(rank: int, world: int, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    here = os.path.join(root, "here")
+    tg.save(here, make_state(rank, world, 1.0), step=1, timeout=30)
+
+    # 1. A collective load of a missing checkpoint, on every rank, then on rank 1 only.
+    out["missing_everywhere"] = caught(lambda: tg.load(os.path.join(root, "nope"), timeout=30))
+    out["missing_on_1"] = caught(
+        lambda: tg.load(os.path.join(root, "nope") if rank == 1 else here, timeout=30)
+    )
+
+    # 2. A PermissionError on rank 1 while the save gathers its state: in one process it
+    # propagates as itself.
+    state = {**make_state(rank, world, 2.0), "secret": ReadsASecret(fail=rank == 1)}
+    out["denied_state"] = caught(
+        lambda: tg.save(os.path.join(root, "denied"), state, step=2, timeout=30)
+    )
+
+    # 3. ENOSPC on rank 1 while it writes its data file: a SaveError, as in one process.
+    real_write = os.write
+
+    def full_disk(fd: int, data: Any) -> int:
+        if rank == 1 and "data-r00001" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    local_storage.os.write = full_disk  # type: ignore[attr-defined]
+    try:
+        out["disk_full"] = caught(
+            lambda: tg.save(os.path.join(root, "full"), make_state(rank, world, 2.0), timeout=30)
+        )
+    finally:
+        local_storage.os.write = real_write  # type: ignore[attr-defined]
+    dist.barrier()
+    out["listing"] = sorted(os.listdir(root))
+
+    # 4. restore() skips candidates that rank 1 cannot read: step 3 gives it an I/O error
+    # (EIO) reading data, step 2 lost a data file; it restores step 1 on every rank.
+    skipped: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: skipped.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tardigrade").addHandler(handler)
+    state = make_state(rank, world, 1.0)
+    mgr = tg.CheckpointManager(os.path.join(root, "mgr"), state, async_save=False, timeout=30)
+    for step in (1, 2, 3):
+        for leaf in (state["emb"].local, state["w"]):
+            leaf.fill_(float(step))
+        state["step"] = step
+        mgr.save(step)
+    dist.barrier()
+    if rank == 0:
+        step_2 = mgr.path(2)
+        os.remove(os.path.join(step_2, next(f for f in os.listdir(step_2) if "r00001" in f)))
+    dist.barrier()
+    real_preadv = os.preadv
+
+    def failing_disk(fd: int, buffers: Any, offset: int) -> int:
+        if rank == 1 and f"{os.sep}step-000000003{os.sep}" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(fd, buffers, offset)
+
+    local_storage.os.preadv = failing_disk  # type: ignore[attr-defined]
+    try:
+        out["restored"] = mgr.restore()
+    finally:
+        local_storage.os.preadv = real_preadv  # type: ignore[attr-defined]
+    out["state"] = [float(state["emb"].local[0, 0]), float(state["w"][0, 0]), state["step"]]
+    out["skipped"] = [m for m in skipped if "skipping checkpoint" in m]
+    mgr.close()
+    return out
+
+
+def test_errors_keep_their_class_and_errno_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(error_classes, 2, str(tmp_path), timeout=120)
+    assert not [r for r in results if "error" in r], results
+
+    def same_everywhere(key: str) -> dict[str, Any]:
+        assert results[0][key] == results[1][key], key
+        return results[0][key]
+
+    missing = same_everywhere("missing_everywhere")
+    assert missing["type"] == "CheckpointNotFoundError" and "FileNotFoundError" in missing["mro"]
+    assert missing["causes"] == [0, 1]
+    missing = same_everywhere("missing_on_1")
+    assert missing["type"] == "CheckpointNotFoundError" and "FileNotFoundError" in missing["mro"]
+    assert missing["causes"] == [1]
+    assert missing["message"].startswith("tg.load failed on rank 1 of 2;")
+
+    denied = same_everywhere("denied_state")
+    assert {"PermissionError", "StorageError", "TardigradeError"} <= set(denied["mro"])
+    assert denied["errno"] == errno.EACCES
+    assert denied["causes"] == [1]
+    assert (
+        "rank 1: PermissionError: [Errno 13] Permission denied: '/etc/secret-token'"
+        in (denied["message"])
+    )
+
+    full = same_everywhere("disk_full")
+    assert full["type"] == "SaveError" and full["causes"] == [1]
+    assert "No space left on device" in full["message"]
+
+    for out in results:
+        assert out["listing"] == ["here"]  # neither failed save committed anything
+        assert out["restored"] == 1
+        assert out["state"] == [1.0, 1.0, 1]
+        assert [m.split(": ")[1].rsplit("/", 1)[1] for m in out["skipped"]] == [
+            "step-000000003",
+            "step-000000002",
+        ], out["skipped"]
+        assert "failed on rank 1 of 2" in out["skipped"][0]
+        assert "rank 1: OSError: [Errno 5] Input/output error" in out["skipped"][0]

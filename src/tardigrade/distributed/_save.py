@@ -20,6 +20,7 @@ import hashlib
 import json
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -70,11 +71,13 @@ class _Cached:
     gplan: GlobalPlan | None  # on the coordinator
 
 
-_cache: dict[tuple[int, int], _Cached] = {}
+# Keyed by the group itself, held weakly: a group destroyed and made again (perhaps at the same
+# address) starts without a plan, and the cache never keeps a group alive.
+_cache: weakref.WeakKeyDictionary[Any, _Cached] = weakref.WeakKeyDictionary()
 
 
-def _cache_key(ranks: Ranks) -> tuple[int, int]:
-    return (id(ranks.group), ranks.size)
+def _cache_key(ranks: Ranks) -> Any:
+    return ranks.group
 
 
 def first_difference(a: Any, b: Any, path: tuple[Any, ...] = ()) -> tuple[Any, ...]:
@@ -141,7 +144,9 @@ class _Save:
         # What rank sends at "begin" and how the writers get their bytes. An async save
         # describes and stages in the caller's thread and runs the rest in the background:
         # it replaces both (a failure while staging is then raised, on every rank, at begin).
-        self.begin_payload: Callable[[], bytes] = self.describe
+        # None means ``describe``: a bound method stored here would make a reference cycle
+        # keeping the state's tensors alive until the next garbage collection.
+        self.begin_payload: Callable[[], bytes] | None = None
         self.make_streams: Callable[[SaveJob], list[Any]] = stream_borrowed
 
     # -- phase 1 -----------------------------------------------------------------------------
@@ -226,7 +231,9 @@ class _Save:
 
     def run(self) -> SaveResult:
         ranks = self.ranks
-        verdict = json.loads(ranks.reduce("tg.save (begin)", self.begin_payload, self.open))
+        verdict = json.loads(
+            ranks.reduce("tg.save (begin)", self.begin_payload or self.describe, self.open)
+        )
         if verdict.get("diverged"):
             # A second exchange, on this error path only, to name what differs.
             ranks.reduce("tg.save (comparing state trees)", self.tree_bytes, _raise_diverged)

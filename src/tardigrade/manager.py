@@ -717,7 +717,8 @@ class CheckpointManager:
         mine = self._ranks.rank not in getattr(e, "causes", {}) or bool(
             getattr(e.__cause__, "live_overwritten", False)
         )
-        return bool(self._ranks.agree_max(int(mine)))
+        what = f"CheckpointManager({self.directory!r}).restore() (after a failed candidate)"
+        return bool(self._ranks.agree_max(int(mine), what))
 
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest committed checkpoint that verifies into ``state``; return its step.
@@ -1173,7 +1174,10 @@ class CheckpointManager:
         if exc is not None:
             mine = self._LOST if isinstance(exc, DistributedError) else self._FAILED
         try:
-            worst = self._ranks.agree_max(mine)
+            worst = self._ranks.agree_max(
+                mine,
+                f"CheckpointManager({self.directory!r}) (agreeing a background save's outcome)",
+            )
         except TardigradeError as e:
             # The job's own group is gone too; the next collective call raises again.
             return exc if exc is not None else e

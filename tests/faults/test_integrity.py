@@ -218,3 +218,31 @@ def test_a_sync_save_racing_a_mutation_commits_a_checkpoint_that_verifies(
         thread.join()
     for i in range(6):
         tg.verify(tmp_path / f"c{i}")  # raised ChecksumMismatchError before the fix
+
+
+def test_a_read_error_names_the_file_as_a_storage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO from a failing disk while reading a data file: a StorageError (also an OSError with
+    that errno) naming the file and the byte, not a bare OSError."""
+    import errno
+
+    from tardigrade.errors import StorageError
+    from tardigrade.storage import local
+
+    tg.save(tmp_path / "ckpt", {"w": torch.arange(10.0)})
+
+    real, calls = local.os.preadv, []
+
+    def failing(*args: Any) -> int:
+        calls.append(args)
+        if len(calls) == 1:  # the manifest reads; then the data file fails
+            return real(*args)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(local.os, "preadv", failing)
+    with pytest.raises(
+        StorageError, match=r"reading .*data-00000-of-00001\.safetensors at byte"
+    ) as e:
+        tg.load(tmp_path / "ckpt")
+    assert e.value.errno == errno.EIO and isinstance(e.value, OSError)

@@ -254,7 +254,15 @@ class LocalReader(Reader):
     def readinto(self, offset: int, buf: memoryview) -> None:
         view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
         while view.nbytes:
-            n = os.preadv(self._fd, [view], offset)
+            try:
+                n = os.preadv(self._fd, [view], offset)
+            except OSError as e:  # EIO from a failing disk, ESTALE from NFS, ...
+                raise StorageError(
+                    e.errno,
+                    f"reading {self.name} at byte {offset}: {e.strerror}; the disk or "
+                    "filesystem failed. Check it; CheckpointManager.restore() falls back to an "
+                    "older checkpoint",
+                ) from e
             if n == 0:
                 raise CorruptCheckpointError(
                     f"{self.name}: file ended early at byte {offset} (truncated); delete this "

@@ -239,3 +239,18 @@ def manifest_of(ckpt: str | Path) -> Manifest:
     """A checkpoint's manifest as readers see it (chunk columns made into Chunk objects)."""
     path = Path(ckpt) / MANIFEST
     return parse(path.read_bytes(), str(path))
+
+
+SMALL_ROWS = 12
+
+
+def make_state(rank: int, world: int, value: float) -> dict[str, Any]:
+    """A small state of every leaf class, ``value`` everywhere: a row-sharded table, a
+    replicated tensor, a per-rank value and a plain value."""
+    lo, hi = rank * SMALL_ROWS // world, (rank + 1) * SMALL_ROWS // world
+    return {
+        "emb": tardigrade.Sharded(torch.full((hi - lo, 4), value), (lo, 0), (SMALL_ROWS, 4)),
+        "w": torch.full((8, 8), value),
+        "mine": tardigrade.PerRank(rank),
+        "step": int(value),
+    }

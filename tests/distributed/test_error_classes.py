@@ -16,27 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import tardigrade as tg
 from tardigrade.storage import local as local_storage
 
-from ._harness import run_ranks
+from ._harness import make_state, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
-
-ROWS = 12
-
-
-def make_state(rank: int, world: int, value: float) -> dict[str, Any]:
-    lo, hi = rank * ROWS // world, (rank + 1) * ROWS // world
-    return {
-        "emb": tg.Sharded(torch.full((hi - lo, 4), value), (lo, 0), (ROWS, 4)),
-        "w": torch.full((8, 8), value),
-        "mine": tg.PerRank(rank),
-        "step": int(value),
-    }
 
 
 def caught(call: Any) -> dict[str, Any]:

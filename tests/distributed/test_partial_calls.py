@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import tardigrade as tg
 
-from ._harness import run_ranks_and_exits
+from ._harness import make_state, run_ranks_and_exits
 
 pytestmark = pytest.mark.distributed
 
@@ -29,17 +28,6 @@ TIMEOUT = 2.0  # the short timeout of the call under test
 # How long after the timeout a caller may take to raise: header exchange, message, scheduling
 # on a loaded 2-core machine.
 MARGIN = 2.5
-ROWS = 12
-
-
-def make_state(rank: int, world: int, value: float) -> dict[str, Any]:
-    lo, hi = rank * ROWS // world, (rank + 1) * ROWS // world
-    return {
-        "emb": tg.Sharded(torch.full((hi - lo, 4), value), (lo, 0), (ROWS, 4)),
-        "w": torch.full((8, 8), value),
-        "mine": tg.PerRank(rank),
-        "step": int(value),
-    }
 
 
 def error_of(call: Any) -> dict[str, Any]:

@@ -254,3 +254,24 @@ def make_state(rank: int, world: int, value: float) -> dict[str, Any]:
         "mine": tardigrade.PerRank(rank),
         "step": int(value),
     }
+
+
+def caught(call: Callable[[], Any], *, timed: bool = False) -> dict[str, Any]:
+    """What ``call()`` raised, as JSON a rank can return: its class and class tree, errno,
+    message and the failing ranks it names (``causes``); with ``timed``, also how long the
+    call took (left out otherwise, so that ranks' reports compare equal)."""
+    start = time.monotonic()
+    out: dict[str, Any] = {"type": None}
+    try:
+        call()
+    except Exception as exc:
+        out = {
+            "type": type(exc).__name__,
+            "mro": [k.__name__ for k in type(exc).__mro__],
+            "errno": getattr(exc, "errno", None),
+            "message": str(exc),
+            "causes": sorted(getattr(exc, "causes", {})),
+        }
+    if timed:
+        out["seconds"] = time.monotonic() - start
+    return out

@@ -21,24 +21,9 @@ import torch.distributed as dist
 import tardigrade as tg
 from tardigrade.storage import local as local_storage
 
-from ._harness import make_state, run_ranks
+from ._harness import caught, make_state, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(150)]
-
-
-def caught(call: Any) -> dict[str, Any]:
-    """What ``call()`` raised, as JSON: its class tree, errno, message and causes."""
-    try:
-        call()
-    except Exception as exc:
-        return {
-            "type": type(exc).__name__,
-            "mro": [k.__name__ for k in type(exc).__mro__],
-            "errno": getattr(exc, "errno", None),
-            "message": str(exc),
-            "causes": sorted(getattr(exc, "causes", {})),
-        }
-    return {"type": None}
 
 
 class ReadsASecret:

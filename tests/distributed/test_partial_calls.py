@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import tardigrade as tg
 
-from ._harness import make_state, run_ranks_and_exits
+from ._harness import caught, make_state, run_ranks_and_exits
 
 pytestmark = pytest.mark.distributed
 
@@ -28,20 +28,6 @@ TIMEOUT = 2.0  # the short timeout of the call under test
 # How long after the timeout a caller may take to raise: header exchange, message, scheduling
 # on a loaded 2-core machine.
 MARGIN = 2.5
-
-
-def error_of(call: Any) -> dict[str, Any]:
-    start = time.monotonic()
-    try:
-        call()
-    except Exception as exc:
-        return {
-            "type": type(exc).__name__,
-            "mro": [k.__name__ for k in type(exc).__mro__],
-            "message": str(exc),
-            "seconds": time.monotonic() - start,
-        }
-    return {"type": None, "seconds": time.monotonic() - start}
 
 
 def partial_call(
@@ -71,7 +57,7 @@ def partial_call(
         "manager.save": lambda: mgr.save(2),  # type: ignore[union-attr]
         "manager.restore": lambda: mgr.restore(),  # type: ignore[union-attr]
     }
-    out = error_of(calls[op])
+    out = caught(calls[op], timed=True)
     if mgr is not None:
         # Leaving as a `with` block does on an exception: no wait for the missing ranks.
         mgr._close(meet=False)
@@ -142,11 +128,12 @@ def save_against_load(rank: int, world: int, root: str) -> dict[str, Any]:
     state = make_state(rank, world, 2.0)
     out: dict[str, Any] = {}
     if rank == 0:
-        out["crossed"] = error_of(
-            lambda: tg.save(os.path.join(root, "step-2"), state, step=2, timeout=TIMEOUT)
+        out["crossed"] = caught(
+            lambda: tg.save(os.path.join(root, "step-2"), state, step=2, timeout=TIMEOUT),
+            timed=True,
         )
     else:
-        out["crossed"] = error_of(lambda: tg.load(previous, timeout=TIMEOUT))
+        out["crossed"] = caught(lambda: tg.load(previous, timeout=TIMEOUT), timed=True)
     out["listing"] = sorted(os.listdir(root))
     # The header exchange kept the ranks in step: the group is still usable.
     tg.save(os.path.join(root, "step-3"), state, step=3, timeout=60)

@@ -21,11 +21,16 @@ from .storage.local import fsync_dir, is_committed, lock_dir
 log = logging.getLogger("tardigrade")
 
 STEP_NAME = re.compile(r"^step-(\d{9,})$")
+# A committed checkpoint of a timeline that restore(step) abandoned, moved aside by the manager.
+ABANDONED = "abandoned"
+ABANDONED_NAME = re.compile(rf"^step-(\d{{9,}})\.{ABANDONED}-[0-9T]+(-\d+)?$")
 # A committed checkpoint a replace without atomic swap moved aside (storage/local.py).
 # Any id is accepted: a checkpoint is put back, never deleted, whoever named it.
 _REPLACED = re.compile(rf"^{re.escape(TMP_PREFIX)}(.+)-replaced-[^-]+$")
 
 __all__ = [
+    "ABANDONED",
+    "ABANDONED_NAME",
     "MANIFEST",
     "STEP_NAME",
     "Tidied",

@@ -31,8 +31,8 @@ from .errors import SaveError, StorageError, TardigradeError
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher, checksum
-from .format.jsonio import dumps
-from .format.manifest import COLUMNAR_VERSION, MANIFEST, seal, validate
+from .format.jsonio import check_parse_cost, dumps, parse_cost
+from .format.manifest import COLUMNAR_VERSION, MANIFEST, PACKED_VERSION, seal, validate
 
 
 @dataclass(frozen=True)
@@ -321,13 +321,17 @@ def manifest_doc(
     per_rank: list[list[Any]],
     gplan: GlobalPlan,
     written: dict[str, WrittenFile],
+    *,
+    packed: bool,
 ) -> dict[str, Any]:
     """The manifest of a save: its header, the state tree, and every chunk of every rank.
 
     A single-process save lists each chunk as an object (format 4, which older readers read).
     A distributed one stores each tensor's chunks as columns (format 5): a job of a thousand
     ranks has millions of chunks, and columns of integers build, encode and parse several
-    times faster than an object per chunk, and take a third of the bytes.
+    times faster than an object per chunk, and take a third of the bytes. A state tree that
+    holds a ``packed`` list or tuple (any rank's, ``packed``) makes it format 6, which older
+    readers refuse by its version rather than misread.
     """
     # Each chunk's checksum, by table row: files report theirs in file order.
     sums = np.zeros(len(gplan.table), dtype="S16")
@@ -366,7 +370,9 @@ def manifest_doc(
         tensors.append(record)
     doc = {
         **header,
-        "format_version": COLUMNAR_VERSION if columnar else header["format_version"],
+        "format_version": (
+            PACKED_VERSION if packed else COLUMNAR_VERSION if columnar else header["format_version"]
+        ),
         "files": [
             {"name": n, "size": written[n].size, "header_checksum": written[n].header_checksum}
             for n in gplan.files
@@ -399,8 +405,18 @@ def seal_checked(doc: dict[str, Any], where: str) -> bytes:
             "nothing was committed. Save fewer, larger tensors (e.g. flatten parameters into "
             "fewer buffers) or from fewer ranks."
         )
-    # Commit only what a reader accepts: the same validation that guards every load
-    # (unique keys, chunks tiling each tensor, sizes) runs on this save's own manifest.
+    # Commit only what a reader accepts: the same checks that guard every load run on this
+    # save's own manifest, first the one on its bytes (the cost of parsing them), then the
+    # validation of the document (unique keys, chunks tiling each tensor, sizes).
+    try:
+        check_parse_cost(manifest, f"{where}/{MANIFEST}")
+    except TardigradeError as e:
+        raise SaveError(
+            f"{where}: the state holds so many small values that its manifest "
+            f"({len(manifest) >> 20} MiB) would take about {parse_cost(manifest) >> 20} MiB to "
+            "parse, more than any reader accepts; nothing was committed. Store large tables of "
+            "values (a dict or list of millions of entries) as tensors or numpy arrays."
+        ) from e
     try:
         validate(doc, f"{where}/{MANIFEST}")
     except TardigradeError as e:
@@ -488,7 +504,9 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
         subs = job.flat.per_rank
         base = job.gplan.own_base[0]
         trees = [per_rank_trees([f.tree for f in subs], [len(f.entries) for f in subs], base)]
-        doc = manifest_doc(job.header, job.flat.tree, trees, job.gplan, written)
+        doc = manifest_doc(
+            job.header, job.flat.tree, trees, job.gplan, written, packed=job.flat.uses_packed
+        )
         manifest = seal_checked(doc, job.storage.url(job.name))
         commit_staging(job, staging, manifest)
     except BaseException as e:

@@ -27,7 +27,15 @@ from typing import Any
 
 from ._async import AsyncCheckpointer, SaveFuture
 from ._job import SaveResult
-from ._layout import STEP_NAME, deleting_name, is_committed, step_name, tidy
+from ._layout import (
+    ABANDONED,
+    ABANDONED_NAME,
+    STEP_NAME,
+    deleting_name,
+    is_committed,
+    step_name,
+    tidy,
+)
 from ._load import load
 from ._lock import DirectoryLock
 from ._match import Key
@@ -48,10 +56,9 @@ from .errors import (
     StateMismatchError,
     StorageError,
     TardigradeError,
-    UnsupportedFormatError,
     UnsupportedTypeError,
 )
-from .storage.local import LocalStorage
+from .storage.local import LocalStorage, fsync_dir
 
 log = logging.getLogger("tardigrade")
 
@@ -394,12 +401,14 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._restored_step: int | None = None
         self._lock_error: OSError | None = None
-        # Steps above a restored older step, from the run that was abandoned; each is replaced
-        # (once) when this run saves that step again, and none of them counts for retention.
+        # Steps above a restored older step that could not be moved aside (restore(step) moves
+        # them to step-N.abandoned-*); each is replaced (once) when this run saves that step
+        # again, and none of them counts for retention.
         self._abandoned: set[int] = set()
         self._pending: list[tuple[int, SaveFuture]] = []
         self._loading: set[int] = set()
         self._metric_cache: dict[int, float | None] = {}
+        self._readable_cache: dict[int, bool] = {}
         self._signalled: int | None = None
         self._signals: list[int] = []
         self._async: AsyncCheckpointer | None = None
@@ -709,9 +718,13 @@ class CheckpointManager:
         return {"steps": committed, "candidates": committed[::-1]}
 
     def _live_touched(self, e: BaseException) -> bool:
-        """Whether a failed restore of one candidate changed the live state (on any rank)."""
+        """Whether a failed restore of one candidate changed the live state (on any rank).
+
+        Tardigrade's own errors say whether bytes landed; any other error might have come
+        after they did, so it counts as touched.
+        """
         if self._ranks is None:
-            return bool(getattr(e, "live_overwritten", False))
+            return bool(getattr(e, "live_overwritten", not isinstance(e, TardigradeError)))
         # The same error reaches every rank: a rank it names failed, after bytes landed only
         # when its own error says so; a rank it does not name restored the whole candidate.
         mine = self._ranks.rank not in getattr(e, "causes", {}) or bool(
@@ -734,8 +747,9 @@ class CheckpointManager:
         CorruptCheckpointError instead of returning None. Saves of this manager still in
         flight are waited for first (a failure among them is reported as ``step`` would).
         With ``step`` given, restore exactly that one; later checkpoints then belong to an
-        abandoned timeline and are replaced as this run saves those steps again. Returns None
-        when the directory holds no checkpoint.
+        abandoned timeline: each is moved aside to ``step-N.abandoned-<time>``, so that a crash
+        before this run saves again resumes from this timeline, and is deleted once this run
+        commits step N or later. Returns None when the directory holds no checkpoint.
         """
         self._check_open("restore")
         # Our own async save still in flight has a .tmp-* staging directory that the cleanup
@@ -762,15 +776,10 @@ class CheckpointManager:
                 load(self.path(s), into=self.state, verify="all", **self._collective)
             except StateMismatchError:
                 raise  # the live state does not fit: an older checkpoint would not fit either
-            except (
-                CorruptCheckpointError,
-                UnsupportedFormatError,
-                CheckpointNotFoundError,
-                StorageError,
-                OSError,
-            ) as e:
+            except Exception as e:
                 # Damaged, or unreadable here (permissions, a socket or device in place of a
-                # file, an I/O error): either way this one cannot be restored; an older may.
+                # file, an I/O error), or failing in a way no check foresaw (a reader's bug):
+                # either way this one cannot be restored; an older may.
                 # Damage found before a byte lands (manifest, structure, sizes) leaves the
                 # live state untouched; damage in tensor bytes is found as they are read, so
                 # some live tensors may hold them: the next older checkpoint rewrites every
@@ -784,13 +793,25 @@ class CheckpointManager:
                     "tardigrade: skipping checkpoint %s: %s (kept on disk; trying the next "
                     "older one)",
                     self.path(s),
-                    e,
+                    e if isinstance(e, TardigradeError) else f"{type(e).__name__}: {e}",
                 )
                 continue
             finally:
                 self._loading.discard(s)
             self._restored_step = s
+            # Checkpoints above an explicit restore(step) leave the listing, so that after a
+            # crash this timeline's newest is restored, not theirs. Newer ones restore() skipped
+            # stay in place as evidence (a crash skips them again) and are replaced as this
+            # run saves their steps.
             self._abandoned = {x for x in committed if x > s}
+            if step is not None and self._abandoned:
+                self._abandoned = set(
+                    self._agreed(
+                        f"CheckpointManager({self.directory!r}).restore({s}): setting the "
+                        "later checkpoints aside",
+                        lambda s=s: self._abandon_after(s, committed),
+                    )
+                )
             self._last_step = s
             self._last_epoch = epoch
             self._last_save_time = time.monotonic()
@@ -1077,14 +1098,7 @@ class CheckpointManager:
         path = self.path(step)
         if not os.path.lexists(path) or self._exists_here(step):
             return
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        aside = f"{path}.incomplete-{stamp}"
-        n = 1
-        # rename() would silently replace an empty directory of that name: pick a free one.
-        while os.path.lexists(aside):
-            n += 1
-            aside = f"{path}.incomplete-{stamp}-{n}"
-        os.rename(path, aside)
+        aside = self._move_aside(step, "incomplete")
         log.warning(
             "tardigrade: %s had no manifest.json (an uncommitted save, or a copy still in "
             "progress); moved it aside to %s to save step %d. Nothing was deleted: inspect it "
@@ -1094,8 +1108,82 @@ class CheckpointManager:
             step,
         )
 
+    def _move_aside(self, step: int, why: str) -> str:
+        """Rename ``step-N`` to a free ``step-N.<why>-<time>`` (which ``steps()`` ignores)."""
+        path = self.path(step)
+        aside = f"{path}.{why}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+        stem, n = aside, 1
+        # rename() would silently replace an empty directory of that name: pick a free one.
+        while os.path.lexists(aside):
+            n += 1
+            aside = f"{stem}-{n}"
+        os.rename(path, aside)
+        return aside
+
+    def _abandon_after(self, step: int, committed: list[int]) -> list[int]:
+        """Move the checkpoints above ``step`` aside: ``restore(step)`` began a new timeline.
+
+        On disk, so that a crash before this run saves again resumes from the new timeline,
+        not from the newest checkpoint of the abandoned one. Each ``step-N.abandoned-*`` is
+        deleted once this run commits a step at or above N (as saving step N again would
+        replace it). Returns the steps that could not be moved (kept in memory instead).
+        """
+        later = [x for x in committed if x > step]
+        if not self._lock.held or not self._still_ours("setting abandoned checkpoints aside"):
+            return later
+        left = []
+        for x in later:
+            try:
+                aside = self._move_aside(x, ABANDONED)
+            except OSError as e:
+                log.warning(
+                    "tardigrade: could not set %s aside (%s); a crash before this run saves "
+                    "step %d again would resume from it",
+                    self.path(x),
+                    e,
+                    x,
+                )
+                left.append(x)
+                continue
+            log.warning(
+                "tardigrade: restore(%d) began a new timeline: moved %s to %s (deleted once "
+                "this run saves step %d or later)",
+                step,
+                step_name(x),
+                os.path.basename(aside),
+                x,
+            )
+        if len(left) < len(later):
+            fsync_dir(self.directory)  # the new timeline survives a power loss
+        return left
+
+    def _drop_abandoned(self, step: int) -> None:
+        """Delete the abandoned checkpoints this run has now saved past (``step`` committed)."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for n in sorted(names):
+            m = ABANDONED_NAME.match(n)
+            if m and int(m.group(1)) <= step and self._still_ours("removing " + n):
+                self._remove(n, "a step of an abandoned timeline, saved again by this run")
+
+    def _remove(self, name: str, why: str) -> bool:
+        """Delete the checkpoint directory ``name``: renamed first, so a crash mid-delete never
+        leaves a half-deleted checkpoint in view."""
+        doomed = os.path.join(self.directory, deleting_name(name))
+        try:
+            os.rename(os.path.join(self.directory, name), doomed)
+        except OSError as e:
+            log.warning("tardigrade: could not remove %s: %s", name, e)
+            return False
+        shutil.rmtree(doomed, ignore_errors=True)
+        log.info("tardigrade: removed %s (%s)", name, why)
+        return True
+
     def _record_ok(self, step: int, res: SaveResult) -> None:
         self._metric_cache.pop(step, None)  # a replaced checkpoint has a new metric
+        self._readable_cache.pop(step, None)
         self._abandoned.discard(step)
         s = SaveStats(step, res.nbytes, res.blocking_seconds, res.total_seconds, True)
         self.stats.append(s)
@@ -1107,6 +1195,8 @@ class CheckpointManager:
             s.total_seconds,
             s.throughput_gbps,
         )
+        if self._coordinating:
+            self._drop_abandoned(step)
         if self._coordinating and (
             self.keep_last is not None or self.keep_every_steps or self.keep_best
         ):
@@ -1213,6 +1303,17 @@ class CheckpointManager:
             self._metric_cache[step] = value
         return self._metric_cache[step]
 
+    def _readable(self, step: int) -> bool:
+        """Whether the manifest of ``step`` reads and validates (remembered per step)."""
+        if step not in self._readable_cache:
+            try:
+                open_manifest(self.path(step))
+                self._readable_cache[step] = True
+            except Exception as e:
+                log.warning("tardigrade: %s cannot be restored: %s", self.path(step), e)
+                self._readable_cache[step] = False
+        return self._readable_cache[step]
+
     def keep(self, steps: Sequence[int]) -> set[int]:
         """Which of ``steps`` (committed, ascending) the retention policy keeps.
 
@@ -1223,7 +1324,9 @@ class CheckpointManager:
         steps = [s for s in steps if s not in self._abandoned]
         if not steps:
             return set(abandoned)
-        keep = {steps[-1]}
+        # The newest checkpoint a restore can read is never deleted because of newer ones that
+        # it cannot (damaged since, or written by a reader-incompatible writer).
+        keep = {steps[-1], next((s for s in reversed(steps) if self._readable(s)), steps[-1])}
         if self.keep_last is not None:
             keep.update(steps[-self.keep_last :])
         if self.keep_every_steps is not None:
@@ -1244,13 +1347,6 @@ class CheckpointManager:
         if not doomed_steps or not self._still_ours("removing old checkpoints"):
             return
         for s in doomed_steps:
-            # Rename first so a crash mid-delete never leaves a half-deleted "committed" dir.
-            doomed = os.path.join(self.directory, deleting_name(step_name(s)))
-            try:
-                os.rename(self.path(s), doomed)
-            except OSError as e:
-                log.warning("tardigrade: could not remove old checkpoint %s: %s", self.path(s), e)
-                continue
-            shutil.rmtree(doomed, ignore_errors=True)
-            self._metric_cache.pop(s, None)
-            log.info("tardigrade: removed old checkpoint %s (retention)", step_name(s))
+            if self._remove(step_name(s), "retention"):
+                self._metric_cache.pop(s, None)
+                self._readable_cache.pop(s, None)

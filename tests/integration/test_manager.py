@@ -506,7 +506,8 @@ def test_restore_latest_and_exact_step(tmp_path: Path, async_save: bool):
         assert mgr.restore(step=5) == 5
         assert float(state["model"].weight.detach()[1, 2]) == 5.0
         assert state["step"] == 5
-        with pytest.raises(CheckpointNotFoundError, match=r"step 7.*\[0, 5, 10\]"):
+        # restore(step=5) set step 10 aside: it belongs to an abandoned timeline now
+        with pytest.raises(CheckpointNotFoundError, match=r"step 7.*\[0, 5\]"):
             mgr.restore(step=7)
 
 
@@ -703,17 +704,25 @@ def test_restore_to_an_older_step_replaces_the_abandoned_future(tmp_path: Path, 
         save_steps(mgr, [1, 2, 3, 4])
     with tg.CheckpointManager(tmp_path, make_state(), every_steps=1, async_save=async_save) as mgr:
         assert mgr.restore(step=2) == 2
+        assert mgr.steps() == [1, 2]  # 3 and 4 are set aside, not deleted
+        assert abandoned(tmp_path) == [3, 4]
         mark(mgr.state, 300)
         assert mgr.step(3) is True
         mgr.wait()
         assert mgr.stats[-1].ok
-        assert saved_value(mgr, 3) == 300.0  # replaced by the new timeline
-        assert saved_value(mgr, 4) == 4.0  # not yet reached again
-        assert mgr.steps() == [1, 2, 3, 4]
+        assert saved_value(mgr, 3) == 300.0  # the new timeline
+        assert abandoned(tmp_path) == [4]  # not yet reached again
+        assert mgr.steps() == [1, 2, 3]
         mark(mgr.state, 400)
         assert mgr.save(4) is True
         mgr.wait()
         assert saved_value(mgr, 4) == 400.0
+        assert abandoned(tmp_path) == []
+
+
+def abandoned(d: Path) -> list[int]:
+    """Steps of the checkpoints restore(step) moved aside (``step-N.abandoned-<time>``)."""
+    return sorted(int(n[5:14]) for n in os.listdir(d) if ".abandoned-" in n)
 
 
 def test_only_the_abandoned_timeline_is_replaced_silently(tmp_path: Path):

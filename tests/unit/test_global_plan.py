@@ -160,7 +160,9 @@ def coordinator_manifest(world: int, tensors: int = 40) -> bytes:
     }
     header = {"format": "tardigrade", "format_version": 4, "world_size": world,
               "checksum_algorithm": ALGORITHM, "step": None, "epoch": None}  # fmt: skip
-    doc = manifest_doc(header, {"t": "dict", "v": []}, [[] for _ in range(world)], g, written)
+    doc = manifest_doc(
+        header, {"t": "dict", "v": []}, [[] for _ in range(world)], g, written, packed=False
+    )
     return seal_checked(doc, "simulated")
 
 

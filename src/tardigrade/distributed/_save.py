@@ -277,6 +277,7 @@ class _Save:
                     },
                     "per_rank": [sub.tree for sub in self.flat.per_rank],  # type: ignore[union-attr]
                     "own": [len(sub.entries) for sub in self.flat.per_rank],  # type: ignore[union-attr]
+                    "packed": self.flat.uses_packed,  # type: ignore[union-attr]
                 }
             )
 
@@ -284,12 +285,14 @@ class _Save:
             assert c.gplan is not None
             written: dict[str, WrittenFile] = {}
             trees = []
+            packed = False
             for r, p in enumerate(payloads):
                 d = json.loads(p)
+                packed = packed or d["packed"]
                 for n, (size, head, sums) in d["files"].items():
                     written[n] = WrittenFile(size, head, sums)
                 trees.append(per_rank_trees(d["per_rank"], d["own"], c.gplan.own_base[r]))
-            doc = manifest_doc(self.header, self.flat.tree, trees, c.gplan, written)  # type: ignore[union-attr]
+            doc = manifest_doc(self.header, self.flat.tree, trees, c.gplan, written, packed=packed)  # type: ignore[union-attr]
             manifest = seal_checked(doc, job.storage.url(job.name))
             commit_staging(job, staging, manifest)
             return _json({"nbytes": sum(w.size for w in written.values()) + len(manifest),

@@ -280,11 +280,9 @@ def test_a_sigkilled_holder_in_another_pid_namespace_frees_the_lock_at_once(
         DirectoryLock(str(d), lease_seconds=30).acquire()
     holder.kill()
     caplog.set_level(logging.WARNING, logger="tardigrade")
-    began = time.monotonic()
     lock = DirectoryLock(str(d), lease_seconds=30)
-    lock.acquire()
+    lock.acquire()  # within the holder's 30 s lease: acquire() never waits, it would raise
     try:
-        assert time.monotonic() - began < 5  # at once, not after the 30 s lease
         assert record(d)["pid"] == os.getpid()
     finally:
         lock.release()
@@ -368,9 +366,8 @@ def test_a_dead_holder_frees_the_lock_at_once_while_its_forked_worker_lives(
         assert holder.wait(CHILD_TIMEOUT) in (0, -signal.SIGKILL)
         assert _lock._pid_alive(worker)
         caplog.set_level(logging.WARNING, logger="tardigrade")
-        began = time.monotonic()
+        # Within the holder's 30 s lease: taking the lock never waits, it would raise.
         with tg.CheckpointManager(d, {"x": torch.ones(2)}, save_on_signals=()) as mgr:
-            assert time.monotonic() - began < 10  # at once, not after the 30 s lease
             assert mgr.save(1) is True
             mgr.wait()
         (msg,) = took_over(caplog)

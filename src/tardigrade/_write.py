@@ -8,6 +8,7 @@ fsyncs it, then writes the manifest last and makes the checkpoint visible atomic
 
 from __future__ import annotations
 
+import errno
 import functools
 import threading
 import time
@@ -182,7 +183,8 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
     try:
         head = file_header(fp)
         layout = _Layout(job.storage.url(f"{job.name}/{fp.name}"), head, fp)
-        writer = job.storage.open_writer(f"{staging}/{fp.name}", size_hint=len(head) + fp.nbytes)
+        stored = job.storage.data_name(fp.name, job.header["save_id"])
+        writer = job.storage.open_writer(f"{staging}/{stored}", size_hint=len(head) + fp.nbytes)
     except BaseException as e:
         failure = e
     # Drain the whole stream even after a failure: every segment must release its staging
@@ -246,6 +248,17 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
             writer.abort()
         raise failure
     writer.close()  # type: ignore[union-attr]
+    assert layout is not None
+    # The storage says how many bytes it kept: a write that lost some without an error (a
+    # faulty disk or store) is found here, before the manifest points at the file.
+    kept = job.storage.stat(f"{staging}/{stored}")
+    if kept is None or kept.size != layout.pos:
+        raise StorageError(
+            errno.EIO,
+            f"{layout.where}: the storage holds {None if kept is None else kept.size} bytes of "
+            f"this file after writing {layout.pos}; nothing was committed. Check the disk or "
+            "store and save again.",
+        )
     return WrittenFile(
         layout.pos,  # type: ignore[union-attr]
         checksum(head),
@@ -323,6 +336,7 @@ def manifest_doc(
     written: dict[str, WrittenFile],
     *,
     packed: bool,
+    stored_name: Callable[[str], str] = str,
 ) -> dict[str, Any]:
     """The manifest of a save: its header, the state tree, and every chunk of every rank.
 
@@ -361,7 +375,7 @@ def manifest_doc(
         else:
             assert gplan.keys is not None
             record["chunks"] = [
-                {"file": gplan.files[f], "key": gplan.keys[r], "offsets": o, "shape": n,
+                {"file": stored_name(gplan.files[f]), "key": gplan.keys[r], "offsets": o, "shape": n,
                  "checksum": sums[r].decode()}
                 for r, f, o, n in zip(range(bounds[i], bounds[i + 1]),
                                       files.tolist(), offsets.tolist(),
@@ -374,7 +388,11 @@ def manifest_doc(
             PACKED_VERSION if packed else COLUMNAR_VERSION if columnar else header["format_version"]
         ),
         "files": [
-            {"name": n, "size": written[n].size, "header_checksum": written[n].header_checksum}
+            {
+                "name": stored_name(n),
+                "size": written[n].size,
+                "header_checksum": written[n].header_checksum,
+            }
             for n in gplan.files
         ],
         "tensors": tensors,
@@ -455,17 +473,16 @@ def write_files(
 
 
 def commit_staging(job: SaveJob, staging: str, manifest: bytes) -> None:
-    """Write the manifest into ``staging`` and make the checkpoint visible atomically."""
-    storage = job.storage
-    w = storage.open_writer(f"{staging}/{MANIFEST}")
-    try:
-        w.write(manifest)
-    except BaseException:
-        w.abort()
-        raise
-    w.close()
-    check_target(storage, job.name, job.overwrite, racing=True)
-    storage.commit(staging, job.name, replace=job.overwrite)
+    """Write the manifest and make the checkpoint visible atomically (the backend's strategy)."""
+    check_target(job.storage, job.name, job.overwrite, racing=True)
+    job.storage.commit(
+        staging, job.name, manifest, save_id=job.header["save_id"], replace=job.overwrite
+    )
+
+
+def abort_staging(job: SaveJob, staging: str) -> None:
+    """Remove what a save that will not commit wrote."""
+    job.storage.abort(staging, job.name, job.header["save_id"])
 
 
 def as_save_error(job: SaveJob, e: BaseException) -> BaseException:
@@ -505,13 +522,19 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
         base = job.gplan.own_base[0]
         trees = [per_rank_trees([f.tree for f in subs], [len(f.entries) for f in subs], base)]
         doc = manifest_doc(
-            job.header, job.flat.tree, trees, job.gplan, written, packed=job.flat.uses_packed
+            job.header,
+            job.flat.tree,
+            trees,
+            job.gplan,
+            written,
+            packed=job.flat.uses_packed,
+            stored_name=job.stored_name,
         )
         manifest = seal_checked(doc, job.storage.url(job.name))
         commit_staging(job, staging, manifest)
     except BaseException as e:
         if staging is not None:
-            job.storage.delete(staging)
+            abort_staging(job, staging)
         err = as_save_error(job, e)
         if err is e:
             raise

@@ -37,7 +37,6 @@ from ._layout import (
     tidy,
 )
 from ._load import load
-from ._lock import DirectoryLock
 from ._match import Key
 from ._open import open_manifest
 from ._save import save
@@ -58,6 +57,7 @@ from .errors import (
     TardigradeError,
     UnsupportedTypeError,
 )
+from .storage import open_root
 from .storage.local import LocalStorage, fsync_dir
 
 log = logging.getLogger("tardigrade")
@@ -420,7 +420,7 @@ class CheckpointManager:
         self._ranks = Ranks.current(process_group, timeout)
         self._process_group = process_group
         self._timeout = timeout
-        self._lock = DirectoryLock(self.directory, lease_seconds=lock_lease_seconds)
+        self._lock = open_root(self.directory).lease(lease_seconds=lock_lease_seconds)
         if self._ranks is None:
             _check_directory(self.directory)
             self._take_lock()

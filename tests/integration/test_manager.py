@@ -418,10 +418,10 @@ def test_retention_deletes_only_after_the_new_checkpoint_commits(
 
     real_commit = local.LocalStorage.commit
 
-    def failing_commit(self: Any, staging: str, name: str, *, replace: bool) -> None:
+    def failing_commit(self: Any, staging: str, name: str, manifest: bytes, **kw: Any) -> None:
         if name.endswith("000000002"):
             raise StorageError(5, "injected commit failure")
-        real_commit(self, staging, name, replace=replace)
+        real_commit(self, staging, name, manifest, **kw)
 
     monkeypatch.setattr(local.LocalStorage, "commit", failing_commit)
     newest.append(2)

@@ -75,3 +75,10 @@ def test_rows_of_a_table_example_loads_those_rows(tmp_path: Path) -> None:
     run = run_example(code + "print('ROWS OK')\n", tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.splitlines() == ["ROWS OK"], run.stdout + run.stderr
+
+
+def test_faulty_storage_example_runs(tmp_path: Path) -> None:
+    done = run_example(readme_block("FaultyStorage("), tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "injected ENOSPC" in done.stdout
+    assert "'commit': 1" in done.stdout  # the second save committed

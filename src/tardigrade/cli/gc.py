@@ -11,8 +11,8 @@ import argparse
 import os
 
 from .._layout import tidy
-from .._lock import DirectoryLock
 from ..errors import CheckpointNotFoundError
+from ..storage import open_root
 from ._output import human_bytes
 
 HELP = "remove leftovers of interrupted saves from a checkpoint directory"
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(directory):
         what = "is not a directory" if os.path.exists(directory) else "does not exist"
         raise CheckpointNotFoundError(f"{args.dir}: {what}; pass a checkpoint directory")
-    lock = DirectoryLock(directory)
+    lock = open_root(directory).lease()
     try:
         # CheckpointLockedError names the live owner. A full disk does not stop us: the lock is
         # held without its record, and removing leftovers is what frees the space.

@@ -15,26 +15,63 @@ import numpy as np
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError
 from ..format.checksum import Hasher
-from .base import MANIFEST, Reader, Storage, Writer, replaced_name, staging_name
+from .base import (
+    MANIFEST,
+    PreconditionFailed,
+    PutMode,
+    Reader,
+    Stat,
+    Storage,
+    Writer,
+    replaced_name,
+    staging_name,
+)
+from .local_lease import DirectoryLock
 
+# A small object being written by put(): a dot file, not a ``.tmp-`` one (whose directories
+# cleanup judges by their flock).
+TMP_PUT = ".put-"
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+def _renameat2(a: str, b: str, flags: int) -> bool:
+    """Linux renameat2(a, b, flags); False where the kernel or filesystem lacks it."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
     except (OSError, AttributeError):
         return False
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), b)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (RENAME_EXCHANGE); False if unsupported."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def _rename_new(a: str, b: str) -> None:
+    """Rename ``a`` to ``b`` only if nothing is at ``b`` (RENAME_NOREPLACE where there is one:
+    a plain rename silently replaces an empty directory)."""
+    try:
+        if _renameat2(a, b, _RENAME_NOREPLACE):
+            return
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        raise FileExistsError(e.errno, e.strerror, b) from None
+    if os.path.lexists(b):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), b)
+    os.rename(a, b)
 
 
 def fsync_dir(path: str) -> None:
@@ -189,8 +226,13 @@ class LocalWriter(Writer):
             self._release()
 
     def abort(self) -> None:
+        """Close and remove the file (created by this writer): nothing is left visible."""
         try:
             self._release()
+        except OSError:
+            pass
+        try:
+            os.unlink(self.path)
         except OSError:
             pass
 
@@ -276,7 +318,11 @@ class LocalReader(Reader):
 
 
 class LocalStorage(Storage):
-    """Checkpoints as directories under ``root`` on a POSIX filesystem."""
+    """Checkpoints as directories under ``root`` on a POSIX filesystem.
+
+    Its commit strategy is the rename: a save writes into a staging directory (``.tmp-*``),
+    fsyncs it, writes the manifest, and renames (or atomically exchanges) it into place.
+    """
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -286,7 +332,16 @@ class LocalStorage(Storage):
         return os.path.join(self.root, name) if name else self.root
 
     def open_writer(self, name: str, *, size_hint: int | None = None) -> Writer:
+        self._parent(name)
         return LocalWriter(self._path(name), size_hint=size_hint)
+
+    def _parent(self, name: str) -> None:
+        """Create the directories above ``name``, as a store's prefixes exist implicitly."""
+        parent = os.path.dirname(self._path(name))
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot create {parent}: {e.strerror}") from e
 
     def open_reader(self, name: str) -> Reader:
         return LocalReader(self._path(name))
@@ -299,6 +354,68 @@ class LocalStorage(Storage):
 
     def exists(self, name: str) -> bool:
         return os.path.lexists(self._path(name))
+
+    def lease(self, *, lease_seconds: float = 30.0) -> DirectoryLock:
+        return DirectoryLock(self.root, lease_seconds=lease_seconds)
+
+    def stat(self, name: str) -> Stat | None:
+        try:
+            st = os.lstat(self._path(name))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot stat {self._path(name)}: {e.strerror}") from e
+        version = f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+        return Stat(st.st_size, version, stat.S_ISDIR(st.st_mode))
+
+    def put(
+        self, name: str, data: bytes, *, mode: PutMode = "create", expect: str | None = None
+    ) -> str:
+        """Write ``name`` whole: a fsynced temporary file, then link (create) or rename.
+
+        ``"create"`` links the file into place, which fails if anything is there, atomically.
+        ``"if_match"`` compares and renames: atomic against a crash, not against a concurrent
+        writer (on a local directory the lease keeps writers out; stores do it in one call).
+        """
+        path = self._path(name)
+        if mode == "if_match":
+            now = self.stat(name)
+            if now is None or now.version != expect:
+                raise PreconditionFailed(
+                    errno.ESTALE, f"{path}: changed since it was read; nothing was written"
+                )
+        self._parent(name)
+        tmp = os.path.join(os.path.dirname(path), f"{TMP_PUT}{uuid.uuid4().hex}")
+        try:
+            w = LocalWriter(tmp)
+            try:
+                w.write(data)
+            except BaseException:
+                w.abort()
+                raise
+            w.close()
+            if mode == "create":
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise PreconditionFailed(
+                        errno.EEXIST, f"{path}: exists already; nothing was written"
+                    ) from None
+            else:
+                os.replace(tmp, path)
+            fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            if isinstance(e, StorageError):
+                raise
+            raise StorageError(e.errno, f"cannot write {path}: {e.strerror}") from e
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        got = self.stat(name)
+        assert got is not None
+        return got.version
 
     def is_dir(self, name: str) -> bool:
         path = self._path(name)
@@ -349,9 +466,21 @@ class LocalStorage(Storage):
         finally:
             self._unlock(name)
 
-    def commit(self, staging: str, name: str, *, replace: bool) -> None:
+    def abort(self, staging: str, name: str, save_id: str) -> None:
+        self.delete(staging)
+
+    def commit(
+        self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
+    ) -> None:
         src, dst = self._path(staging), self._path(name)
         try:
+            w = self.open_writer(f"{staging}/{MANIFEST}")
+            try:
+                w.write(manifest)
+            except BaseException:
+                w.abort()
+                raise
+            w.close()
             fsync_dir(src)
             if replace and os.path.lexists(dst):
                 # rename() cannot replace a non-empty directory. Swap the two atomically, so at
@@ -369,9 +498,15 @@ class LocalStorage(Storage):
                 else:
                     self._replace_by_renames(src, dst, name)
             else:
-                os.rename(src, dst)
+                try:
+                    _rename_new(src, dst)
+                except (FileExistsError, IsADirectoryError, NotADirectoryError):
+                    raise CheckpointExistsError(
+                        f"{dst}: something appeared here during the save; it was left in place "
+                        "and nothing was committed."
+                    ) from None
             fsync_dir(self.root)
-        except CheckpointExistsError:
+        except (CheckpointExistsError, StorageError):
             raise
         except OSError as e:
             raise StorageError(e.errno, f"cannot commit {dst}: {e.strerror}") from e

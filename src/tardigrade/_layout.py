@@ -15,7 +15,8 @@ import re
 import shutil
 from dataclasses import dataclass
 
-from .storage.base import MANIFEST, TMP_PREFIX
+from .format.manifest import MANIFEST
+from .storage.base import TMP_PREFIX
 from .storage.local import fsync_dir, is_committed, lock_dir
 
 log = logging.getLogger("tardigrade")

@@ -18,14 +18,15 @@ from ..errors import (
     TardigradeError,
     UnsupportedFormatError,
 )
-from ..storage.base import MANIFEST as MANIFEST
-from ..storage.base import check_name
 from . import limits
 from .checksum import ALGORITHM, checksum
 from .dtypes import ITEMSIZE
 from .jsonio import gc_paused, loads_strict
 from .tiling import TilingError, check_exact_tiling
 
+# The commit record of a checkpoint, and how every manifest Tardigrade writes begins.
+MANIFEST = "manifest.json"
+MANIFEST_START = b'{"format":"tardigrade"'
 FORMAT_NAME = "tardigrade"
 # v2: the manifest carries its own checksum and every data file's header checksum, so every
 # byte of a checkpoint is covered. v1 (no manifest or header checksum) is still read.
@@ -591,3 +592,23 @@ def _check_tiling_columns(
         check_exact_tiling(boxes, shape, limits.MAX_BOX_CHUNKS)
     except TilingError as e:
         raise _fail(where, f"tensor #{i}: {e}") from None
+
+
+def check_name(name: object, where: str) -> str:
+    """A data file name from a manifest must be a plain file name inside the checkpoint."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or ".." in name
+        or len(name) > 255
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: data file name {name!r} is not a plain file name inside the checkpoint "
+            "(it contains a path separator, '..', NUL or is empty). The manifest is damaged or "
+            "hostile; refusing to read it."
+        )
+    return name

@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from .base import ManifestLastCommit, PreconditionFailed, Reader, Stat, Storage, Writer, check_name
+from ..format.manifest import check_name
+from .base import ManifestLastCommit, PreconditionFailed, Reader, Stat, Storage, Writer
 from .local import LocalStorage
 from .memory import MemoryStorage
 

@@ -32,10 +32,8 @@ from typing import Any, Literal
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError, TardigradeError
 from ..format.checksum import Hasher
+from ..format.manifest import MANIFEST, MANIFEST_START
 
-# The commit record of a checkpoint, and how every manifest Tardigrade writes begins.
-MANIFEST = "manifest.json"
-MANIFEST_START = b'{"format":"tardigrade"'
 # Everything in flight or left behind starts with this; readers never read it.
 TMP_PREFIX = ".tmp-"
 
@@ -267,23 +265,3 @@ class ManifestLastCommit(Storage):
         if kind == "directory" and all(_SAVE_DATA.match(n) for n in self.list(name)):
             return None
         return kind
-
-
-def check_name(name: object, where: str) -> str:
-    """A data file name from a manifest must be a plain file name inside the checkpoint."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-        or ".." in name
-        or len(name) > 255
-    ):
-        raise CorruptCheckpointError(
-            f"{where}: data file name {name!r} is not a plain file name inside the checkpoint "
-            "(it contains a path separator, '..', NUL or is empty). The manifest is damaged or "
-            "hostile; refusing to read it."
-        )
-    return name

@@ -31,6 +31,7 @@ from tardigrade.errors import (
     StorageError,
 )
 from tardigrade.storage import local
+from tardigrade.testing import FaultyStorage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -864,10 +865,10 @@ def test_injected_storage_failure_warn_and_raise(
     real_commit = local.LocalStorage.commit
     failing = {"on": False}
 
-    def commit(self: Any, staging: str, name: str, *, replace: bool) -> None:
+    def commit(self: Any, staging: str, name: str, manifest: bytes, **kw: Any) -> None:
         if failing["on"]:
             raise StorageError(5, "injected I/O error")
-        real_commit(self, staging, name, replace=replace)
+        real_commit(self, staging, name, manifest, **kw)
 
     monkeypatch.setattr(local.LocalStorage, "commit", commit)
     with tg.CheckpointManager(tmp_path / "w", make_state(), async_save=async_save) as mgr:
@@ -903,10 +904,10 @@ def test_raise_mode_raises_each_failure_once(
     real_commit = local.LocalStorage.commit
     failing = {"on": True}
 
-    def commit(self: Any, staging: str, name: str, *, replace: bool) -> None:
+    def commit(self: Any, staging: str, name: str, manifest: bytes, **kw: Any) -> None:
         if failing["on"]:
             raise StorageError(5, "injected I/O error")
-        real_commit(self, staging, name, replace=replace)
+        real_commit(self, staging, name, manifest, **kw)
 
     monkeypatch.setattr(local.LocalStorage, "commit", commit)
     mgr = tg.CheckpointManager(tmp_path, make_state(), on_save_error="raise", async_save=async_save)
@@ -998,16 +999,10 @@ def test_a_step_dir_that_cannot_be_moved_aside_is_a_failed_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
     (tmp_path / "step-000000002").mkdir()
-    real_rename = os.rename
-
-    def rename(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
-        if ".incomplete-" in os.fspath(dst):
-            raise PermissionError(13, "Permission denied (injected)", os.fspath(src))
-        real_rename(src, dst, *a, **kw)
-
-    monkeypatch.setattr(os, "rename", rename)
+    faulty = FaultyStorage(str(tmp_path))
+    faulty.fail("move", error="EACCES")  # the rename of step-2 to step-2.incomplete-*
     caplog.set_level(logging.ERROR, logger="tardigrade")
-    with tg.CheckpointManager(tmp_path, make_state(), every_steps=1) as mgr:
+    with tg.CheckpointManager(faulty.root, make_state(), every_steps=1) as mgr:
         assert mgr.step(2) is False  # reported, counted, training goes on
         assert mgr.step(3) is True
         mgr.wait()

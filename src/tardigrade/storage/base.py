@@ -26,7 +26,9 @@ names unique to the save, then the manifest created only if none exists).
 from __future__ import annotations
 
 import abc
+import errno
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,12 +47,22 @@ class PreconditionFailed(StorageError):
 
 
 @dataclass(frozen=True)
+class Tidied:
+    """One leftover of a dead writer that :meth:`Storage.tidy` dealt with."""
+
+    name: str
+    action: str  # "removed" or "recovered"
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Stat:
     """What is at a name: an object of ``size`` bytes in its ``version``, or a directory."""
 
     size: int
     version: str
     is_dir: bool = False
+    is_link: bool = False  # a symbolic link (POSIX), never followed: not a checkpoint's file
 
 
 def staging_name(name: str, save_id: str) -> str:
@@ -172,6 +184,30 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def abort(self, staging: str, name: str, save_id: str) -> None:
         """Remove what a save that will not commit wrote (it never became visible)."""
+
+    # Whether move() works: POSIX directories rename; object stores cannot.
+    can_move = False
+
+    def move(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` durably, never replacing anything at ``dst``."""
+        raise StorageError(
+            errno.EOPNOTSUPP, f"{self.url(src)}: this storage cannot rename (an object store)"
+        )
+
+    def preflight(self) -> None:
+        """Raise StorageError if checkpoints can never be written here (read-only, denied, a
+        file in the way); create the root if missing. A transient failure only warns."""
+        probe = f".probe-{uuid.uuid4().hex}"
+        self.put(probe, b"", mode="create")
+        self.delete(probe)
+
+    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+        """Clean up after writers that died: their staging, half-done replaces and deletes.
+
+        Only what no live writer holds, and never a committed checkpoint. A store's saves
+        leave nothing once aborted; what a crashed one left is not removed yet.
+        """
+        return []
 
     @abc.abstractmethod
     def lease(self, *, lease_seconds: float = 30.0) -> Any:

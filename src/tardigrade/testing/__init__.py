@@ -40,7 +40,7 @@ __all__ = ["ERRORS", "OPERATIONS", "FaultyStorage"]
 SCHEME = "faulty"
 OPERATIONS = (
     "open_writer", "write", "close", "open_reader", "read", "put", "stat", "list", "delete",
-    "begin", "commit", "abort",
+    "move", "begin", "commit", "abort",
 )  # fmt: skip
 # What each injected error raises (short_write raises nothing: it keeps half the bytes).
 ERRORS = {
@@ -173,6 +173,20 @@ class FaultyStorage(Storage):
 
     def lease(self, *, lease_seconds: float = 30.0) -> Any:
         return self.inner.lease(lease_seconds=lease_seconds)
+
+    @property  # type: ignore[override]
+    def can_move(self) -> bool:  # a class attribute on backends
+        return self.inner.can_move
+
+    def move(self, src: str, dst: str) -> None:
+        self._op("move", self.url(src))
+        self.inner.move(src, dst)
+
+    def tidy(self, *, dry_run: bool = False) -> Any:
+        return self.inner.tidy(dry_run=dry_run)
+
+    def preflight(self) -> None:
+        self.inner.preflight()
 
 
 class _FaultyWriter(Writer):

@@ -295,6 +295,7 @@ class _Flattener:
         self.in_per_rank = per_rank  # flattening a PerRank subtree: no nested per-rank parts
         self.per_rank: list[Flat] = []
         self.sharded: dict[tuple[Any, ...], int] = {}  # (piece's memory, box) -> entry
+        self.alive: list[Any] = []  # objects whose id() is a key in ``sharded``
         # storage key -> [(view signature, node)] for dedup of tensors that share memory
         self.by_storage: dict[tuple[str, int], list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
         self.seen: set[int] = set()
@@ -475,7 +476,16 @@ class _Flattener:
         name = tensor_dtype_name(local, path)
         node: dict[str, Any] = {"t": "tensor"}
         self.refs.append(node)
-        key = (local.data_ptr(), local.dtype, tuple(local.shape), local.stride(), box)
+        # An empty piece (an uneven FSDP shard) has no memory to tell pieces apart by: every
+        # empty tensor may share one null address, so pieces of unrelated tensors would be
+        # merged on this rank alone and the ranks' trees would differ. Only the same object
+        # (a tied weight) is the same empty piece; the object is kept so its id stays unique.
+        key: tuple[Any, ...]
+        if local.numel() == 0:
+            key = ("empty", id(obj), box)
+            self.alive.append(obj)
+        else:
+            key = (local.data_ptr(), local.dtype, tuple(local.shape), local.stride(), box)
         if key in self.sharded:  # the same piece twice (tied weights): stored once
             node["e"] = self.sharded[key]
             self.entries[node["e"]].paths.append(path)

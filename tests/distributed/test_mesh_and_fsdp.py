@@ -365,3 +365,82 @@ def test_ddp_with_dropout_resumes_after_sigkill_on_2_ranks_and_on_1(tmp_path: Pa
         random.setstate(saved_rng[0])
         np.random.set_state(saved_rng[1])
         torch.set_rng_state(saved_rng[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP2 with empty shards: a 1-row weight on 2 and 3 ranks, a 3-row one on 2 (uneven) and 4
+
+
+def fsdp_tiny_build(seed: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Rows 1 and 3: every rank but rank 0 holds an empty shard of the 1-row weight and bias."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(nn.Linear(8, 1), nn.Linear(1, 3))
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def full_values(model: nn.Module, optim: Any) -> dict[str, list[float]]:
+    """Parameters and Adam moments as whole tensors (every rank must call it: a collective)."""
+    out = {k: v.full_tensor().flatten().tolist() for k, v in model.state_dict().items()}
+    for i, s in optim.state_dict()["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"{i}.{k}"] = s[k].full_tensor().flatten().tolist()
+    return out
+
+
+def fsdp_empty_save_rank(rank: int, world: int, ckpt: str) -> Any:
+    model, optim = fsdp_tiny_build(0, world)
+    reference = fsdp_train(model, optim, rank, world, range(4))
+
+    first, first_optim = fsdp_tiny_build(0, world)
+    losses = fsdp_train(first, first_optim, rank, world, range(2))
+    empty = [k for k, v in first.state_dict().items() if v.to_local().numel() == 0]
+    tg.save(ckpt, {"model": first, "optim": first_optim, "step": 2})
+    resumed, resumed_optim = fsdp_tiny_build(1, world)
+    tg.load(ckpt, into={"model": resumed, "optim": resumed_optim, "step": 0})
+    losses += fsdp_train(resumed, resumed_optim, rank, world, range(2, 4))
+    assert losses == reference, (losses, reference)
+    assert full_values(resumed, resumed_optim) == full_values(model, optim)
+
+    # Tied pieces stay tied on the rank whose piece is empty, as on the rank whose is not;
+    # different empty pieces stay apart.
+    rows = torch.arange(4.0).reshape(1, 4)[: 1 - rank]
+    tied = tg.Sharded(rows, (0, 0), (1, 4))
+    other = tg.Sharded(rows.clone() + 10, (0, 0), (1, 4))
+    tg.save(f"{ckpt}-tied", {"a": tied, "b": tied, "c": other})
+    return {"empty": empty}
+
+
+def fsdp_empty_load_rank(rank: int, world: int, ckpt: str) -> Any:
+    model, optim = fsdp_tiny_build(1, world)
+    fsdp_train(model, optim, rank, world, range(1))  # moments of other values, to be replaced
+    tg.load(ckpt, into={"model": model, "optim": optim, "step": 0})
+    empty = [k for k, v in model.state_dict().items() if v.to_local().numel() == 0]
+    return {"empty": empty, "values": full_values(model, optim)}
+
+
+def test_fsdp2_empty_and_uneven_shards_save_load_and_reshard(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    out = run_ranks(fsdp_empty_save_rank, 2, ckpt, timeout=120)
+    # Rank 1's shards of the 1-row weight and bias are empty, and so are its Adam moments.
+    assert out == [{"empty": []}, {"empty": ["0.weight", "0.bias"]}], out
+
+    tree = tg.load(ckpt)  # one process: whole tensors
+    saved = {k: v.flatten().tolist() for k, v in tree["model"].items()}
+    for i, s in tree["optim"]["state"].items():
+        saved.update({f"{i}.{k}": s[k].flatten().tolist() for k in ("exp_avg", "exp_avg_sq")})
+    assert [len(saved[k]) for k in ("0.weight", "0.bias", "1.weight", "1.bias")] == [8, 1, 3, 3]
+    tied = tg.load(f"{ckpt}-tied")
+    assert tied["a"] is tied["b"] and tied["c"] is not tied["a"]
+    assert tied["a"].tolist() == [[0, 1, 2, 3]] and tied["c"].tolist() == [[10, 11, 12, 13]]
+
+    # Resharded onto 3 ranks (two of them empty for the 1-row tensors) and 4 (one 3-row piece
+    # empty too): every rank gets exactly its box.
+    for world, empty in [(3, ["0.weight", "0.bias"]), (4, ["0.weight", "0.bias", "1.weight", "1.bias"])]:  # fmt: skip
+        loaded = run_ranks(fsdp_empty_load_rank, world, ckpt, timeout=120)
+        assert [o["values"] for o in loaded] == [saved] * world
+        assert [o["empty"] for o in loaded] == [[], *[empty[:2]] * 2, *[empty] * (world - 3)]

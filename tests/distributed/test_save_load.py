@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import tardigrade as tg
 
-from ._harness import manifest_of, run_ranks
+from ._harness import caught, manifest_of, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -181,6 +181,49 @@ def test_ranks_that_disagree_on_a_plain_value_fail_naming_the_key(tmp_path: Path
         assert o["error"] == "InvalidArgumentError", o
         assert "state['opt']['step']" in o["message"] and "tg.PerRank" in o["message"]
     assert not (tmp_path / "ckpt").exists()
+
+
+def disagreeing_target_rank(rank: int, world: int, root: str) -> Any:
+    from tardigrade.distributed import _collectives
+
+    state = {"w": torch.full((4, 4), 1.0), "step": 1}
+    tg.save(f"{root}/step-1", state)
+    new = {"w": torch.full((4, 4), 2.0), "step": 1}
+    out = {
+        "path": caught(lambda: tg.save(f"{root}/step-{2 + rank}", state)),
+        "overwrite": caught(lambda: tg.save(f"{root}/step-1", new, overwrite=rank == 0)),
+        "step": caught(lambda: tg.save(f"{root}/s", state, step=7 + rank)),
+        "epoch": caught(lambda: tg.save(f"{root}/s", state, epoch=None if rank else 3)),
+        "metadata": caught(lambda: tg.save(f"{root}/s", state, metadata={"run": f"r{rank}"})),
+        "async path": caught(
+            lambda: tg.save(f"{root}/async-{rank}", state, async_=True).result(timeout=60)  # type: ignore[union-attr]
+        ),
+    }
+    # Metrics are often each rank's own (a local loss): they may differ, rank 0's are kept.
+    tg.save(f"{root}/metrics", state, step=5, metrics={"loss": float(rank)})
+    _collectives.Ranks.current().barrier("test: every rank has saved")  # type: ignore[union-attr]
+    return out
+
+
+def test_ranks_that_disagree_on_the_target_fail_on_every_rank_naming_the_ranks(
+    tmp_path: Path,
+) -> None:
+    out = run_ranks(disagreeing_target_rank, 2, str(tmp_path), timeout=120)
+    assert out[0] == out[1], out  # the same error on every rank
+    for arg, got in out[0].items():
+        assert got["type"] == "InvalidArgumentError", (arg, got)
+        msg = got["message"]
+        assert arg.split()[-1] in msg and "rank(s) [1]" in msg, (arg, msg)
+        assert "the ranks disagree on what to save" in msg and "Nothing was written" in msg
+    assert "step-2'" in out[0]["path"]["message"] and "step-3'" in out[0]["path"]["message"]
+    assert "overwrite=True on rank 0 but False on rank(s) [1]" in out[0]["overwrite"]["message"]
+    assert "step=7 on rank 0 but 8 on rank(s) [1]" in out[0]["step"]["message"]
+    assert "epoch=3 on rank 0 but None on rank(s) [1]" in out[0]["epoch"]["message"]
+    assert "metadata differs between rank 0 and rank(s) [1]" in out[0]["metadata"]["message"]
+    # Nothing was committed or left behind; step-1 is the first save's.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics", "step-1"]
+    assert torch.equal(tg.load(tmp_path / "step-1")["w"], torch.full((4, 4), 1.0))
+    assert tg.read_manifest(tmp_path / "metrics")["metrics"] == {"loss": 0.0}
 
 
 def failing_writer_rank(rank: int, world: int, root: str) -> Any:

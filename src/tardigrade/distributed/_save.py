@@ -3,10 +3,11 @@
 The phases, each one exchange through :class:`Ranks` (an error on any rank raises the same
 error on every rank, and nothing is committed):
 
-1. **begin**: every rank flattens its state and describes it (the local plan's signature and a
-   digest of its state tree); the coordinator checks that the ranks agree on the tree and
-   what is at the path, and, when every rank's tensors are laid out as at the previous save,
-   reuses that save's plan and opens the staging location at once;
+1. **begin**: every rank flattens its state and describes it (its target: path, overwrite,
+   step, epoch and metadata; the local plan's signature and a digest of its state tree); the
+   coordinator checks that the ranks agree on the target and the tree and what is at the path,
+   and, when every rank's tensors are laid out as at the previous save, reuses that save's
+   plan and opens the staging location at once;
 2. **plan** (only when the layout changed): local plans are gathered, the coordinator builds
    the global plan (who writes which chunk, which files) and hands each rank its own;
 3. **write + commit**: every rank writes its files into the staging location and sends back
@@ -126,6 +127,28 @@ def _raise_diverged(trees: list[bytes]) -> bytes:
     )
 
 
+def _check_same_target(targets: list[dict[str, Any]]) -> None:
+    """Raise, naming each argument and the ranks that differ from rank 0, unless all agree."""
+    differ = []
+    for arg, mine in targets[0].items():
+        bad = [r for r, t in enumerate(targets) if t[arg] != mine]
+        if not bad:
+            continue
+        if arg == "metadata":  # compared by digest: say only that it differs
+            differ.append(f"metadata differs between rank 0 and rank(s) {bad}")
+        else:
+            theirs = targets[bad[0]][arg]
+            differ.append(f"{arg}={mine!r} on rank 0 but {theirs!r} on rank(s) {bad}")
+    if differ:
+        raise InvalidArgumentError(
+            f"tg.save {targets[0]['path']}: the ranks disagree on what to save: "
+            + "; ".join(differ)
+            + ". A collective save commits one checkpoint, so every rank must pass the same "
+            "path, overwrite, step, epoch and metadata (metrics may differ: rank 0's are "
+            "recorded). Nothing was written."
+        )
+
+
 class _Save:
     """One collective save, as seen by one rank."""
 
@@ -167,6 +190,7 @@ class _Save:
         c = self.cached
         return _json(
             {
+                "target": self.target(),
                 # The tree and the tensors' dtypes and global shapes: what ranks must agree on.
                 "tree": hashlib.blake2b(
                     dumps(self.flat.tree) + self.lp.meta().encode(), digest_size=16
@@ -174,6 +198,24 @@ class _Save:
                 "plan": c.plan_id if c is not None and c.signature == sig else None,
             }
         )
+
+    def target(self) -> dict[str, Any]:
+        """What decides what is committed, and where: every rank must pass the same.
+
+        The coordinator alone commits, with its own path and header; a rank that meant
+        another path, another step or no overwrite would otherwise be told its save
+        succeeded. Metrics are not compared: they are often each rank's own (a local loss),
+        and rank 0's are recorded.
+        """
+        assert self.storage is not None
+        return {
+            "path": self.storage.url(self.name),
+            "overwrite": self.kw["overwrite"],
+            "step": self.header["step"],
+            "epoch": self.header["epoch"],
+            # A digest: metadata may be large, and only its equality matters here.
+            "metadata": hashlib.blake2b(dumps(self.header["metadata"]), digest_size=16).hexdigest(),
+        }
 
     def unstaged(self) -> tuple[int, ...]:
         """The replicated tensors an async save need not stage: when this rank's layout is
@@ -192,6 +234,7 @@ class _Save:
     def open(self, payloads: list[bytes]) -> bytes:
         """Coordinator: check agreement and the target; reuse the plan if nobody's changed."""
         docs = [json.loads(p) for p in payloads]
+        _check_same_target([d["target"] for d in docs])
         if any(d["tree"] != docs[0]["tree"] for d in docs):
             return _json({"diverged": True})
         assert self.storage is not None

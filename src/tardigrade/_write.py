@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -28,7 +29,7 @@ from ._job import (
     item_source,
 )
 from ._plan import PER_RANK, REPLICATED, FilePlan, GlobalPlan
-from .errors import SaveError, StorageError, TardigradeError
+from .errors import DistributedError, SaveError, StorageError, TardigradeError
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher, checksum
@@ -485,15 +486,67 @@ def abort_staging(job: SaveJob, staging: str) -> None:
     job.storage.abort(staging, job.name, job.header["save_id"])
 
 
-def as_save_error(job: SaveJob, e: BaseException) -> BaseException:
-    """What a failed save raises: our own errors as they are, anything else as a SaveError."""
-    if isinstance(e, TardigradeError) and not isinstance(e, StorageError):
+def committed_here(job: SaveJob) -> bool | None:
+    """Whether this save's checkpoint is committed: its commit record, the manifest at the
+    checkpoint's name, is the one this save wrote (it names this save's ``save_id``).
+
+    The outcome of a save that failed is read from storage, not inferred from where it failed:
+    the commit point is one rename (or one conditional create) that this process, or rank 0 of
+    a collective save, may have passed before the error. None: storage could not tell.
+    """
+    where = f"{job.name}/{MANIFEST}"
+    try:
+        if not job.storage.exists(where):
+            return False
+        doc = json.loads(job.storage.read_bytes(where, limits.MAX_MANIFEST_BYTES))
+    except (OSError, TardigradeError, ValueError, MemoryError):
+        return None
+    return isinstance(doc, dict) and doc.get("save_id") == job.header["save_id"]
+
+
+def _outcome_note(url: str, committed: bool | None) -> str:
+    if committed:
+        return (
+            f" The checkpoint {url} was committed nonetheless (committed=True): this failure "
+            "came after the commit point and the checkpoint is complete; load it rather than "
+            "saving it again."
+        )
+    if committed is None:
+        return (
+            f" Whether {url} was committed is unknown (committed=None): this rank lost rank 0 "
+            "while it was committing, and the checkpoint was not there when this rank looked. "
+            "Once the job has stopped, tg.verify() on that path (or "
+            "CheckpointManager.restore()) tells."
+        )
+    return f" Nothing was committed at {url} (committed=False); what was there is intact."
+
+
+def as_save_error(job: SaveJob, e: BaseException, committed: bool | None = False) -> BaseException:
+    """What a failed save raises: our own errors as they are, anything else as a SaveError;
+    marked with whether the checkpoint was committed (``committed``, ``path``, the message).
+    """
+    url = job.storage.url(job.name)
+    if not isinstance(e, Exception):
         return e
-    if isinstance(e, Exception):
-        err = SaveError(f"{job.storage.url(job.name)}: save failed and nothing was committed: {e}")
+    if isinstance(e, TardigradeError) and not isinstance(e, StorageError):
+        err: TardigradeError = e
+        # Only what does not already say it: our own messages before the commit point do
+        # ("nothing was committed"), a lost rank's does not.
+        if committed is not False or isinstance(e, DistributedError):
+            note = _outcome_note(url, committed)
+            if isinstance(err, OSError) and err.strerror is not None:
+                err.strerror += note
+            else:
+                err.args = (f"{err}{note}",)
+    elif committed is False:
+        err = SaveError(f"{url}: save failed and nothing was committed: {e}")
         err.__cause__ = e
-        return err
-    return e
+    else:
+        err = SaveError(f"{url}: save failed: {e}.{_outcome_note(url, committed)}")
+        err.__cause__ = e
+    err.committed = committed
+    err.path = url
+    return err
 
 
 def save_result(job: SaveJob, nbytes: int, files: int) -> SaveResult:
@@ -511,7 +564,8 @@ def save_result(job: SaveJob, nbytes: int, files: int) -> SaveResult:
 def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResult:
     """Write every file from its segment stream, then the manifest, then commit atomically.
 
-    On any failure the staging directory is removed and nothing becomes visible.
+    On a failure before the commit point the staging location is removed and nothing becomes
+    visible; after it (committed, e.g. an fsync failed after the rename), the error says so.
     """
     staging = None
     try:
@@ -533,9 +587,12 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
         manifest = seal_checked(doc, job.storage.url(job.name))
         commit_staging(job, staging, manifest)
     except BaseException as e:
-        if staging is not None:
+        # The outcome first: past the commit point, aborting would delete the data of a
+        # committed checkpoint (an object store's data objects are not in a staging dir).
+        committed = committed_here(job) if staging is not None else False
+        if staging is not None and committed is False:
             abort_staging(job, staging)
-        err = as_save_error(job, e)
+        err = as_save_error(job, e, committed)
         if err is e:
             raise
         raise err from e

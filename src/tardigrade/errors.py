@@ -44,7 +44,18 @@ __all__ = [
 
 
 class TardigradeError(Exception):
-    """Base class of every error Tardigrade raises on purpose."""
+    """Base class of every error Tardigrade raises on purpose.
+
+    An error raised by a save also says whether the checkpoint was committed, in its message
+    and in ``committed``: ``False`` (the default, and for every error not raised by a save)
+    when nothing was; ``True`` when the failure came after the commit point (in a collective
+    save, a rank died after rank 0 committed): the checkpoint at ``path`` is complete, so load
+    it rather than saving it again; ``None`` when this process cannot know (a rank that lost
+    rank 0 while rank 0 was committing). ``path`` is the checkpoint's location, or None.
+    """
+
+    committed: bool | None = False
+    path: str | None = None
 
 
 class CheckpointNotFoundError(TardigradeError, FileNotFoundError):
@@ -88,7 +99,8 @@ class InsufficientMemoryError(TardigradeError, MemoryError):
 
 
 class SaveError(TardigradeError, RuntimeError):
-    """A save failed; nothing was committed. The cause is chained as ``__cause__``."""
+    """A save failed (see ``committed``: almost always nothing was). The cause is chained as
+    ``__cause__``."""
 
 
 class StorageError(TardigradeError, OSError):

@@ -109,7 +109,11 @@ def _unlisten(mgr: CheckpointManager, sig: int) -> None:
 
 @dataclass(frozen=True)
 class SaveStats:
-    """One save attempt: step, bytes, seconds blocked in the caller, total seconds, outcome."""
+    """One save attempt: step, bytes, seconds blocked in the caller, total seconds, outcome.
+
+    ``error`` is a failed save's error, or that of a save that failed after it committed
+    (``ok`` True: it counts as saved; its bytes are not known, 0).
+    """
 
     step: int
     nbytes: int
@@ -935,12 +939,21 @@ class CheckpointManager:
                 self._record_ok(step, res)
         except (InvalidArgumentError, UnsupportedTypeError):
             raise  # a programming error, not a storage failure: never swallowed
-        except (SaveError, StorageError, CheckpointLockedError, OSError) as e:
-            # OSError includes CheckpointExistsError here: something else put a checkpoint at
-            # this step's name after the check above (a user copying one in). Nothing was
-            # overwritten; report it like any failed save.
-            self._record_failure(step, e, time.perf_counter() - started)
-            return False
+        except Exception as e:
+            if getattr(e, "committed", False) is True:
+                # The failure came after the commit point: the checkpoint is there and
+                # complete. Counted as saved (retention, stats), so nobody saves it again.
+                self._record_ok(step, None, time.perf_counter() - started, e)
+                if isinstance(e, DistributedError):
+                    raise  # the group is in an unknown state: never swallowed
+            elif isinstance(e, (SaveError, StorageError, CheckpointLockedError, OSError)):
+                # OSError includes CheckpointExistsError here: something else put a checkpoint
+                # at this step's name after the check above (a user copying one in). Nothing
+                # was overwritten; report it like any failed save.
+                self._record_failure(step, e, time.perf_counter() - started)
+                return False
+            else:
+                raise
         self._last_save_time = time.monotonic()
         return True
 
@@ -1060,20 +1073,37 @@ class CheckpointManager:
         log.info("tardigrade: removed %s (%s)", name, why)
         return True
 
-    def _record_ok(self, step: int, res: SaveResult) -> None:
+    def _record_ok(
+        self,
+        step: int,
+        res: SaveResult | None,
+        seconds: float = 0.0,
+        error: BaseException | None = None,
+    ) -> None:
+        """Count a committed save; ``res`` None: one that raised ``error`` after committing."""
         self._metric_cache.pop(step, None)  # a replaced checkpoint has a new metric
         self._readable_cache.pop(step, None)
         self._abandoned.discard(step)
-        s = SaveStats(step, res.nbytes, res.blocking_seconds, res.total_seconds, True)
-        self.stats.append(s)
-        log.info(
-            "tardigrade: saved step %d: %.1f MB, blocked %.3f s, total %.3f s, %.2f GB/s",
-            step,
-            s.nbytes / 1e6,
-            s.blocking_seconds,
-            s.total_seconds,
-            s.throughput_gbps,
-        )
+        if res is None:
+            self.stats.append(SaveStats(step, 0, seconds, seconds, True, str(error)))
+            log.warning(
+                "tardigrade: step %d was committed in %s, but its save then failed; it counts "
+                "as saved. Cause: %s",
+                step,
+                self.directory,
+                error,
+            )
+        else:
+            s = SaveStats(step, res.nbytes, res.blocking_seconds, res.total_seconds, True)
+            self.stats.append(s)
+            log.info(
+                "tardigrade: saved step %d: %.1f MB, blocked %.3f s, total %.3f s, %.2f GB/s",
+                step,
+                s.nbytes / 1e6,
+                s.blocking_seconds,
+                s.total_seconds,
+                s.throughput_gbps,
+            )
         if self._coordinating:
             self._drop_abandoned(step)
         if self._coordinating and (
@@ -1115,6 +1145,8 @@ class CheckpointManager:
                 exc = self._agreed_outcome(step, exc)
             if exc is None:
                 self._record_ok(step, fut.result())
+            elif isinstance(exc, TardigradeError) and exc.committed is True:
+                self._record_ok(step, None, fut.blocking_seconds, exc)
             elif isinstance(exc, (InvalidArgumentError, UnsupportedTypeError)):
                 # A programming error found in the background (a collective save learns only
                 # there that a rank cannot flatten its state, or that the ranks' states
@@ -1152,6 +1184,24 @@ class CheckpointManager:
             return exc if exc is not None else e
         if worst == self._LOST:
             self._async.forget_forks()
+        if worst != self._SAVED:
+            # Failed somewhere, yet perhaps after rank 0 committed: rank 0 knows, and a rank
+            # that could not tell (it lost rank 0) learns it here. A committed save counts as
+            # saved on every rank, failed or not.
+            committed = exc is None or getattr(exc, "committed", False) is True
+            try:
+                anywhere = self._ranks.agree_max(
+                    int(committed),
+                    f"CheckpointManager({self.directory!r}) (agreeing whether a failed "
+                    "background save committed)",
+                )
+            except TardigradeError:
+                anywhere = int(committed)
+            if anywhere:
+                if isinstance(exc, TardigradeError) and exc.committed is not True:
+                    exc.committed = True
+                    exc.args = (f"{exc} Another rank found it committed: it counts as saved.",)
+                return exc
         if worst != self._SAVED and exc is None:
             return SaveError(
                 f"{self.path(step)}: the save of step {step} failed on another rank of the "

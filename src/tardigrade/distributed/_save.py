@@ -46,6 +46,7 @@ from .._write import (
     abort_staging,
     as_save_error,
     commit_staging,
+    committed_here,
     manifest_doc,
     per_rank_trees,
     save_result,
@@ -53,7 +54,7 @@ from .._write import (
     stream_borrowed,
     write_files,
 )
-from ..errors import InvalidArgumentError
+from ..errors import DistributedError, InvalidArgumentError
 from ..format.jsonio import dumps
 from ..storage import Storage, storage_for
 from ._collectives import Ranks
@@ -125,6 +126,22 @@ def _raise_diverged(trees: list[bytes]) -> bytes:
         "must save the same values. Wrap what is each rank's own (RNG state, data position, "
         "counters) in tg.PerRank, or make the ranks agree."
     )
+
+
+def _outcome(job: SaveJob, ranks: Ranks, e: BaseException) -> bool | None:
+    """Whether a collective save that failed in its write-and-commit exchange committed.
+
+    Rank 0 commits inside that exchange, and a rank may fail after it did (a peer died while
+    the result was being sent; a rank gave up waiting just as rank 0 finished): every rank
+    reads the outcome from storage. A rank other than rank 0 that lost it without a report
+    (a transport error, no ``causes``) and finds nothing cannot rule out that rank 0 is still
+    about to commit: unknown. Once rank 0 reported a failure, or on rank 0, it is settled.
+    """
+    committed = committed_here(job)
+    lost = isinstance(e, DistributedError) and not getattr(e, "causes", None)
+    if committed is False and lost and not ranks.coordinator:
+        return None
+    return committed
 
 
 def _check_same_target(targets: list[dict[str, Any]]) -> None:
@@ -353,9 +370,12 @@ class _Save:
         try:
             done = json.loads(ranks.reduce("tg.save (write and commit)", write, commit))
         except BaseException as e:
-            if ranks.coordinator:
+            # The outcome first: past the commit point, aborting would delete the data of a
+            # committed checkpoint (an object store's data objects are not in a staging dir).
+            committed = _outcome(job, ranks, e)
+            if ranks.coordinator and committed is False:
                 abort_staging(job, staging)
-            err = as_save_error(job, e)
+            err = as_save_error(job, e, committed)
             if err is e:
                 raise
             raise err from e

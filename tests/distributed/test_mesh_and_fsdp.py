@@ -400,6 +400,8 @@ def fsdp_empty_save_rank(rank: int, world: int, ckpt: str) -> Any:
     losses = fsdp_train(first, first_optim, rank, world, range(2))
     empty = [k for k, v in first.state_dict().items() if v.to_local().numel() == 0]
     tg.save(ckpt, {"model": first, "optim": first_optim, "step": 2})
+    saving = tg.save(f"{ckpt}-async", {"model": first, "optim": first_optim, "step": 2}, async_=True)  # fmt: skip
+    saving.result(timeout=60)  # type: ignore[union-attr]
     resumed, resumed_optim = fsdp_tiny_build(1, world)
     tg.load(ckpt, into={"model": resumed, "optim": resumed_optim, "step": 0})
     losses += fsdp_train(resumed, resumed_optim, rank, world, range(2, 4))
@@ -434,6 +436,10 @@ def test_fsdp2_empty_and_uneven_shards_save_load_and_reshard(tmp_path: Path) -> 
     for i, s in tree["optim"]["state"].items():
         saved.update({f"{i}.{k}": s[k].flatten().tolist() for k in ("exp_avg", "exp_avg_sq")})
     assert [len(saved[k]) for k in ("0.weight", "0.bias", "1.weight", "1.bias")] == [8, 1, 3, 3]
+    again = tg.load(f"{ckpt}-async")  # the async save of the same state
+    assert all(torch.equal(tree["model"][k], again["model"][k]) for k in tree["model"])
+    for i, s in tree["optim"]["state"].items():
+        assert all(torch.equal(s[k], again["optim"]["state"][i][k]) for k in ("exp_avg", "exp_avg_sq"))  # fmt: skip
     tied = tg.load(f"{ckpt}-tied")
     assert tied["a"] is tied["b"] and tied["c"] is not tied["a"]
     assert tied["a"].tolist() == [[0, 1, 2, 3]] and tied["c"].tolist() == [[10, 11, 12, 13]]

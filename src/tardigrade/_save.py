@@ -41,7 +41,9 @@ def save(
     a ``SaveFuture`` as soon as the state is copied to host memory, and writes in the background
     (one save in flight at a time; see ``AsyncCheckpointer``). Raises ``CheckpointExistsError``
     if ``path`` exists (pass ``overwrite=True``) and ``UnsupportedTypeError`` naming the path of
-    any leaf the format cannot store.
+    any leaf the format cannot store. Every error says whether the checkpoint was committed
+    nonetheless (``err.committed``, ``err.path`` and its message: True when it failed after the
+    commit point, e.g. a rank died just after rank 0 committed).
 
     Parameters:
         ``path``: the checkpoint directory to create (its parent is created if missing).
@@ -57,8 +59,10 @@ def save(
         ``metrics``: a dict of name -> number recorded in the manifest (e.g. for ``keep_best``).
         ``process_group``: when ``torch.distributed`` is initialized the save is collective:
             every rank of this group (default: the whole job) calls ``save`` with its own
-            state, and each writes its own files into one checkpoint (see the README's
-            Distributed section). Ignored in a single-process program. With ``async_=True``
+            state and the same ``path``, ``overwrite``, ``step``, ``epoch`` and ``metadata``
+            (a difference raises ``InvalidArgumentError`` on every rank; ``metrics`` may
+            differ, rank 0's are recorded), and each writes its own files into one checkpoint
+            (see the README's Distributed section). Ignored in a single-process program. With ``async_=True``
             each rank returns once its own tensors are staged, and the collective protocol
             runs in the background on a forked gloo group; errors reach every rank's
             ``SaveFuture``.

@@ -253,3 +253,61 @@ def test_a_rank_that_could_not_tell_learns_the_save_committed(tmp_path: Path) ->
     # Rank 1 lost rank 0 while it committed; it counts the save as saved, saying why.
     assert "committed=None" in out[1]["error"], out
     assert "Another rank found it committed: it counts as saved." in out[1]["error"], out
+
+
+# ----------------------------------------------------------------------------------------------
+# rank 1 SIGKILLed while rank 0 commits (its files written and reported)
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie until its parent reaps it, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def rank_dies_during_commit_rank(rank: int, world: int, root: str) -> Any:
+    from tardigrade.distributed import _collectives
+
+    Path(root, f"pid-{rank}").write_text(str(os.getpid()))
+    tg.save(f"{root}/ckpt", make_state(rank, world, 1.0))
+    if rank == 1:
+        real = _collectives.Ranks._issue
+
+        def issue(self: Any, what: str, step: str, op: Any) -> None:
+            real(self, what, step, op)
+            if what == "tg.save (write and commit)" and step.startswith("gathering payloads"):
+                die()  # rank 0 has this rank's files and report: it will commit
+
+        _collectives.Ranks._issue = issue  # type: ignore[method-assign]
+    else:
+        peer = int(Path(root, "pid-1").read_text())
+
+        def wait_for_rank_1_to_die() -> None:
+            while not gone(peer):  # bounded by the run's timeout
+                time.sleep(0.05)
+
+        patch_commit(None, wait_for_rank_1_to_die)
+    return outcome(
+        lambda: tg.save(
+            f"{root}/ckpt", make_state(rank, world, 2.0), overwrite=True, timeout=LOST_TIMEOUT
+        )
+    )
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc to see a rank exit")
+def test_rank_1_killed_while_rank_0_commits_rank_0_says_committed(tmp_path: Path) -> None:
+    out = run_ranks(rank_dies_during_commit_rank, 2, str(tmp_path), timeout=90)
+    assert out[1] == {"died": -signal.SIGKILL}, out
+    err = out[0]
+    # Rank 0 committed, then could not send rank 1 the result. (Whether sending to a peer that
+    # is gone fails is gloo's to notice; it does here, but the test must not depend on it: a
+    # send that seems to succeed returns success, which is also true.)
+    if err["type"] is not None:
+        assert err["type"] == "DistributedError", err
+        assert err["committed"] is True and err["path"] == str(tmp_path / "ckpt"), err
+        assert "was committed nonetheless (committed=True)" in err["message"], err
+    assert tg.load(tmp_path / "ckpt")["step"] == 2
+    tg.verify(tmp_path / "ckpt")

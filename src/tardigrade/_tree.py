@@ -478,12 +478,14 @@ class _Flattener:
         self.refs.append(node)
         # An empty piece (an uneven FSDP shard) has no memory to tell pieces apart by: every
         # empty tensor may share one null address, so pieces of unrelated tensors would be
-        # merged on this rank alone and the ranks' trees would differ. Only the same object
-        # (a tied weight) is the same empty piece; the object is kept so its id stays unique.
+        # merged on this rank alone and the ranks' trees would differ. Only the same local
+        # tensor object (a tied weight, perhaps in two wrappers) is the same empty piece; it
+        # is kept alive meanwhile so that its id stays unique.
         key: tuple[Any, ...]
         if local.numel() == 0:
-            key = ("empty", id(obj), box)
-            self.alive.append(obj)
+            owner = obj.local if type(obj) is Sharded else getattr(obj, "_local_tensor", obj)
+            key = ("empty", id(owner), box)
+            self.alive.append(owner)
         else:
             key = (local.data_ptr(), local.dtype, tuple(local.shape), local.stride(), box)
         if key in self.sharded:  # the same piece twice (tied weights): stored once

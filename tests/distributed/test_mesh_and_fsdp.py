@@ -413,7 +413,8 @@ def fsdp_empty_save_rank(rank: int, world: int, ckpt: str) -> Any:
     rows = torch.arange(4.0).reshape(1, 4)[: 1 - rank]
     tied = tg.Sharded(rows, (0, 0), (1, 4))
     other = tg.Sharded(rows.clone() + 10, (0, 0), (1, 4))
-    tg.save(f"{ckpt}-tied", {"a": tied, "b": tied, "c": other})
+    wrapped = tg.Sharded(rows, (0, 0), (1, 4))  # the same piece in another wrapper
+    tg.save(f"{ckpt}-tied", {"a": tied, "b": tied, "b2": wrapped, "c": other})
     return {"empty": empty}
 
 
@@ -441,7 +442,7 @@ def test_fsdp2_empty_and_uneven_shards_save_load_and_reshard(tmp_path: Path) -> 
     for i, s in tree["optim"]["state"].items():
         assert all(torch.equal(s[k], again["optim"]["state"][i][k]) for k in ("exp_avg", "exp_avg_sq"))  # fmt: skip
     tied = tg.load(f"{ckpt}-tied")
-    assert tied["a"] is tied["b"] and tied["c"] is not tied["a"]
+    assert tied["a"] is tied["b"] is tied["b2"] and tied["c"] is not tied["a"]
     assert tied["a"].tolist() == [[0, 1, 2, 3]] and tied["c"].tolist() == [[10, 11, 12, 13]]
 
     # Resharded onto 3 ranks (two of them empty for the 1-row tensors) and 4 (one 3-row piece

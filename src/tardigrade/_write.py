@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -33,7 +32,7 @@ from .errors import DistributedError, SaveError, StorageError, TardigradeError
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher, checksum
-from .format.jsonio import check_parse_cost, dumps, parse_cost
+from .format.jsonio import check_parse_cost, dumps, loads_strict, parse_cost
 from .format.manifest import COLUMNAR_VERSION, MANIFEST, PACKED_VERSION, seal, validate
 
 
@@ -498,8 +497,11 @@ def committed_here(job: SaveJob) -> bool | None:
     try:
         if not job.storage.exists(where):
             return False
-        doc = json.loads(job.storage.read_bytes(where, limits.MAX_MANIFEST_BYTES))
-    except (OSError, TardigradeError, ValueError, MemoryError):
+        # Guarded as every reader's parse: what is at the path may be anything (a replaced
+        # checkpoint, another writer's), and this runs while handling another error.
+        raw = job.storage.read_bytes(where, limits.MAX_MANIFEST_BYTES)
+        doc = loads_strict(raw, job.storage.url(where))
+    except (OSError, TardigradeError, ValueError, MemoryError, RecursionError):
         return None
     return isinstance(doc, dict) and doc.get("save_id") == job.header["save_id"]
 

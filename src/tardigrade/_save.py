@@ -62,10 +62,10 @@ def save(
             state and the same ``path``, ``overwrite``, ``step``, ``epoch`` and ``metadata``
             (a difference raises ``InvalidArgumentError`` on every rank; ``metrics`` may
             differ, rank 0's are recorded), and each writes its own files into one checkpoint
-            (see the README's Distributed section). Ignored in a single-process program. With ``async_=True``
-            each rank returns once its own tensors are staged, and the collective protocol
-            runs in the background on a forked gloo group; errors reach every rank's
-            ``SaveFuture``.
+            (see the README's Distributed section). Ignored in a single-process program.
+            With ``async_=True`` each rank returns once its own tensors are staged, and the
+            collective protocol runs in the background on a forked gloo group; errors reach
+            every rank's ``SaveFuture``.
         ``timeout``: seconds any rank waits for the others in a collective save before every
             rank raises ``DistributedError`` (a rank died, hangs, or did not call ``save``).
 

@@ -515,9 +515,9 @@ def _outcome_note(url: str, committed: bool | None) -> str:
         )
     if committed is None:
         return (
-            f" Whether {url} was committed is unknown (committed=None): this rank lost rank 0 "
-            "while it was committing, and the checkpoint was not there when this rank looked. "
-            "Once the job has stopped, tg.verify() on that path (or "
+            f" Whether {url} was committed is unknown (committed=None): it was not there when "
+            "this process looked, but rank 0 was lost while committing it (or storage could "
+            "not be read back). Once the job has stopped, tg.verify() on that path (or "
             "CheckpointManager.restore()) tells."
         )
     return f" Nothing was committed at {url} (committed=False); what was there is intact."

@@ -75,10 +75,10 @@ def test_save_failing_after_the_commit_says_committed(
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_manager_counts_a_save_that_committed_before_failing(
-    tmp_path: Path, fail_after_rename: list[bool], async_save: bool
+    root: str, fail_after_rename: list[bool], async_save: bool
 ) -> None:
     state = {"w": torch.ones(3), "step": 0}
-    with tg.CheckpointManager(tmp_path, state, keep_last=1, async_save=async_save) as mgr:
+    with tg.CheckpointManager(root, state, keep_last=1, async_save=async_save) as mgr:
         assert mgr.save(1)
         mgr.wait()
         fail_after_rename[0] = True
@@ -90,5 +90,6 @@ def test_manager_counts_a_save_that_committed_before_failing(
         assert "committed=True" in (mgr.stats[-1].error or "")
         assert mgr.steps() == [2]  # retention (keep_last=1) counted step 2 and removed step 1
         assert mgr.load(2)["step"] == 2
+        tg.verify(mgr.path(2))
         state["step"] = 3
         assert mgr.save(3)  # training goes on

@@ -2,11 +2,12 @@
 ``committed=True`` and the path (and says it in its message) on every rank that can know, and
 ``committed=None`` on a rank that cannot; CheckpointManager counts such a save as saved.
 
-Faults are real: a rank SIGKILLs itself inside rank 0's commit, before or after the rename;
-rank 0's storage fails right after the rename (as an fsync of the parent directory would);
-rank 0 loses the others while sending the result (a transport fault injected on rank 0);
-rank 1 gives up on rank 0 (a short wait) before rank 0 commits, and learns the outcome when the
-manager agrees on it.
+The faults: rank 0 SIGKILLs itself inside its commit, just before or just after the rename;
+rank 1 is SIGKILLed once rank 0 has its files, before rank 0 commits; rank 0's storage fails
+right after the rename (as an fsync of the parent directory would); rank 0 loses the others
+while sending the result (a transport fault injected on rank 0); rank 1 gives up on rank 0 (a
+short wait) before rank 0 commits, and learns the outcome when the manager agrees on it. Every
+hand-off between the ranks is a condition waited for (a file, a process gone), never a delay.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.distributed
 # Seconds a rank waits for the others: a bound, not reached when a peer is gone (its
 # connection closes at once); generous, so that a loaded machine cannot make a rank give up.
 LOST_TIMEOUT = 60
-# The one wait made short on purpose: rank 1 giving up on rank 0's result.
+# The one wait made short on purpose, in the test where rank 1 gives up on rank 0's result.
 GIVE_UP = datetime.timedelta(seconds=2)
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import tardigrade as tg
-from tardigrade import manager as manager_mod
+from tardigrade._catalog import Catalog
 from tardigrade.distributed._collectives import Ranks
 
 from ._harness import run_ranks
@@ -110,13 +110,13 @@ def count_forks() -> list[int]:
 def background_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {"saved": [], "before_commit": [], "all_reduce_ok": []}
     removed: list[str] = []
-    real_rmtree = manager_mod.shutil.rmtree
+    real_retire = Catalog.retire
 
-    def counting_rmtree(path: Any, *a: Any, **kw: Any) -> None:
-        removed.append(os.path.basename(path))
-        real_rmtree(path, *a, **kw)
+    def counting_retire(self: Catalog, name: str) -> None:
+        removed.append(name)
+        real_retire(self, name)
 
-    manager_mod.shutil.rmtree = counting_rmtree  # type: ignore[assignment]
+    Catalog.retire = counting_retire  # type: ignore[method-assign]
     forks = count_forks()
     permits = hold_writes({0, 3, 6, 9})
     state = make_state(rank, world)

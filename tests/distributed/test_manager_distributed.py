@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import tardigrade as tg
-from tardigrade import manager as manager_mod
+from tardigrade._catalog import Catalog
 from tardigrade.distributed._collectives import Ranks
 
 from ._harness import run_ranks
@@ -74,13 +74,13 @@ def policies_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     logging.getLogger("tardigrade").addHandler(handler)
     logging.getLogger("tardigrade").setLevel(logging.INFO)
     removed: list[str] = []
-    real_rmtree = manager_mod.shutil.rmtree
+    real_retire = Catalog.retire
 
-    def counting_rmtree(path: Any, *a: Any, **kw: Any) -> None:
-        removed.append(os.path.basename(path))
-        real_rmtree(path, *a, **kw)
+    def counting_retire(self: Catalog, name: str) -> None:
+        removed.append(name)
+        real_retire(self, name)
 
-    manager_mod.shutil.rmtree = counting_rmtree  # type: ignore[assignment]
+    Catalog.retire = counting_retire  # type: ignore[method-assign]
 
     # 1. Step policy, rank 0's clock and retention.
     state = make_state(rank, world, 0.0)

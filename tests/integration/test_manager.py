@@ -23,6 +23,7 @@ from torch import nn
 
 import tardigrade as tg
 import tardigrade.manager as manager_mod
+from tardigrade._catalog import Catalog
 from tardigrade.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -408,14 +409,13 @@ def test_retention_deletes_only_after_the_new_checkpoint_commits(
     save_steps(mgr, [1])
     # Every deletion must happen while the newest save is already committed.
     newest: list[int] = []
-    real_rmtree = manager_mod.shutil.rmtree
+    real_retire = Catalog.retire
 
-    def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
-        if "deleting" in os.fspath(path):
-            assert mgr.exists(newest[-1]), "deleted an old checkpoint before the new one committed"
-        real_rmtree(path, *args, **kwargs)
+    def retire(self: Catalog, name: str) -> None:
+        assert mgr.exists(newest[-1]), "deleted an old checkpoint before the new one committed"
+        real_retire(self, name)
 
-    monkeypatch.setattr(manager_mod.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(Catalog, "retire", retire)
 
     real_commit = local.LocalStorage.commit
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ._sharding import Box, PerRank, Sharded, box_of, is_dtensor
+from ._validate import class_name
 from .errors import CorruptCheckpointError, UnsupportedTypeError
 from .format import limits
 from .format.dtypes import (
@@ -330,7 +331,7 @@ class _Flattener:
                 )
             self.seen.add(id(obj))
             sd = obj.state_dict()
-            cls = f"{t.__module__}.{t.__qualname__}"
+            cls = class_name(obj)  # a framework's wrapper records the class it wraps
             return {"t": "stateful", "cls": cls, "v": self.node(sd, path, depth + 1)}
         hint = ""
         if isinstance(obj, (int, float, str, bytes)):

@@ -320,6 +320,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.epoch = 0
         self.consumed = 0  # samples consumed globally in self.epoch
         self._tracked = False
+        # (token, length) of the pass whose indices are being handed out: len() holds still.
+        self._pass: tuple[object, int] | None = None
         self.generator = torch.Generator()
         self._reseed()
 
@@ -359,6 +361,14 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return real, padding
 
     def __len__(self) -> int:
+        """This rank's indices in the pass under way, or else in the next pass.
+
+        While a pass hands out indices, its length is fixed: prefetching DataLoader workers
+        pull indices ahead of training (moving the position when ``track()`` is not used), and
+        ``len(loader)`` must not shrink under a loop that takes ``len(loader)`` batches.
+        """
+        if self._pass is not None:
+            return self._pass[1]
         return self._remaining()
 
     def __iter__(self) -> Iterator[int]:
@@ -367,20 +377,30 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         real, padding = self._mine()
         count = len(real) + len(padding)
         seed = self.seed
-        for k, idx in enumerate(real + padding, 1):
-            # A position moved by someone else (load_state_dict(), another pass) is theirs.
-            if not self._tracked and (self.epoch, self.consumed) == (epoch, start):
-                # Handed out = consumed (num_workers=0); every rank hands out as many indices,
-                # so the global position is this rank's count times the world size. The last
-                # index ends the epoch right away: a loop that stops after len(loader) batches
-                # never comes back to exhaust this generator.
-                if k == count:
-                    self._next_epoch()
-                else:
-                    self.consumed = start = min(self.dataset_len, start + self.world_size)
-            yield SampleIndex(idx, epoch, seed, k > len(real))
-        if not count and not self._tracked and (self.epoch, self.consumed) == (epoch, start):
-            self._next_epoch()  # nothing left in this epoch, on any rank
+        me = (object(), count)
+        self._pass = me
+        try:
+            for k, idx in enumerate(real + padding, 1):
+                if k == count and self._pass is me:
+                    # Every index is out: the next len() is the next pass's.
+                    self._pass = None
+                # A position moved by someone else (load_state_dict(), another pass) is theirs.
+                if not self._tracked and (self.epoch, self.consumed) == (epoch, start):
+                    # Handed out = consumed (num_workers=0); every rank hands out as many
+                    # indices, so the global position is this rank's count times the world
+                    # size. The last index ends the epoch right away: a loop that stops after
+                    # len(loader) batches never comes back to exhaust this generator.
+                    if k == count:
+                        self._next_epoch()
+                    else:
+                        self.consumed = start = min(self.dataset_len, start + self.world_size)
+                yield SampleIndex(idx, epoch, seed, k > len(real))
+            if not count and not self._tracked and (self.epoch, self.consumed) == (epoch, start):
+                self._next_epoch()  # nothing left in this epoch, on any rank
+        finally:
+            # Also when the loader's iterator is dropped half-way (the generator is closed).
+            if self._pass is me:
+                self._pass = None
 
     def _next_epoch(self) -> None:
         self.epoch += 1
@@ -461,5 +481,6 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.validate_state_dict(state_dict)
+        self._pass = None  # a pass under way no longer describes the position
         self.epoch, self.consumed = state_dict["epoch"], state_dict["consumed"]
         self._reseed()

@@ -38,6 +38,11 @@ How the position stays exact:
   yielded more than training consumed. Iterate through ``sampler.track(loader)`` instead of
   ``loader``: it advances the position when a batch is *delivered to the training loop*, and
   the sampler's own yields stop counting.
+* Either way, ``sampler.loader(dataset, batch_size=..., num_workers=...)`` builds the
+  ``DataLoader`` with this sampler and its generator, iterating through ``track()`` when it
+  has workers: nothing to remember. Saving a state that holds a sampler (or ``tg.RNGState``)
+  warns when a live loader is set up in one of the ways that resume inexactly (untracked
+  workers, no ``generator=``, a ``shuffle=True`` loader of its own).
 
 The epoch advances the moment its last sample is consumed (handed out, or with ``track()``
 delivered), not when the loader's iterator is exhausted: loops that stop after exactly
@@ -80,6 +85,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from ._loader_audit import audit_live_loaders
 from .errors import InvalidArgumentError, StateMismatchError
 
 
@@ -322,6 +328,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self._tracked = False
         # (token, length) of the pass whose indices are being handed out: len() holds still.
         self._pass: tuple[object, int] | None = None
+        # How the last pass was read, for the save-time warnings (see _loader_audit).
+        self._pass_tracked = False
+        self._foreign_seed = False
         self.generator = torch.Generator()
         self._reseed()
 
@@ -329,6 +338,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """Make the loader's worker seeds a function of the position, not of global RNG draws."""
         mix = self.seed * 0x9E3779B97F4A7C15 + self.epoch * 0xBF58476D1CE4E5B9 + self.consumed
         self.generator.manual_seed(mix % (2**63))
+        self._seed_state = self.generator.get_state()
 
     def order(self, epoch: int) -> torch.Tensor:
         """The global order of indices for ``epoch`` (identical on every rank and world size)."""
@@ -379,6 +389,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         seed = self.seed
         me = (object(), count)
         self._pass = me
+        self._pass_tracked = self._tracked
+        # A DataLoader given generator=self.generator drew its seed from it just before this.
+        self._foreign_seed = torch.equal(self.generator.get_state(), self._seed_state)
         try:
             for k, idx in enumerate(real + padding, 1):
                 if k == count and self._pass is me:
@@ -442,7 +455,33 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         finally:
             self._tracked = False
 
+    def loader(self, dataset: Any, **kwargs: Any) -> torch.utils.data.DataLoader[Any]:
+        """A ``DataLoader`` over ``dataset`` wired for exact resume: this sampler, its generator,
+        and (with ``num_workers > 0``) iteration through :meth:`track`.
+
+        ``kwargs`` go to ``DataLoader`` (``batch_size``, ``num_workers``, ``collate_fn``, ...);
+        ``sampler``, ``shuffle`` and ``generator`` are this sampler's to set::
+
+            sampler = tg.ResumableSampler(len(ds), seed=0)
+            loader = sampler.loader(ds, batch_size=32, num_workers=2)
+            for batch in loader: ...       # exact with prefetching workers too
+        """
+        for taken in ("sampler", "shuffle", "generator", "batch_sampler"):
+            if taken in kwargs:
+                raise InvalidArgumentError(
+                    f"ResumableSampler.loader(): {taken}= is set by the sampler itself; leave it "
+                    "out (the loader uses this sampler and its generator)"
+                )
+        if self.drop_last and kwargs.get("batch_size", 1) != self.batch_size:
+            raise InvalidArgumentError(
+                f"ResumableSampler.loader(): this sampler drops the last partial batch of "
+                f"{self.batch_size}; pass batch_size={self.batch_size}"
+            )
+        kwargs.setdefault("drop_last", self.drop_last)
+        return _TrackedLoader(dataset, sampler=self, generator=self.generator, **kwargs)
+
     def state_dict(self) -> dict[str, Any]:
+        audit_live_loaders()
         return {
             "epoch": self.epoch,
             "consumed": self.consumed,
@@ -484,3 +523,26 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self._pass = None  # a pass under way no longer describes the position
         self.epoch, self.consumed = state_dict["epoch"], state_dict["consumed"]
         self._reseed()
+
+
+class _TrackedLoader(torch.utils.data.DataLoader[Any]):
+    """A DataLoader whose iteration goes through its ResumableSampler's ``track()``."""
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler)
+        if self.num_workers == 0:
+            return super().__iter__()  # the sampler's own count is exact
+        return sampler.track(_Untracked(self))
+
+
+class _Untracked:
+    """The loader seen by ``track()``: its plain iteration, its batch size and drop_last."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader[Any]) -> None:
+        self.loader = loader
+        self.batch_size = loader.batch_size
+        self.drop_last = loader.drop_last
+
+    def __iter__(self) -> Iterator[Any]:
+        return torch.utils.data.DataLoader.__iter__(self.loader)

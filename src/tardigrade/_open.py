@@ -20,8 +20,8 @@ from .errors import (
     TardigradeError,
 )
 from .format import limits
-from .format.dtypes import ITEMSIZE
 from .format.manifest import MANIFEST, Manifest, TensorInfo, parse
+from .format.sizes import ITEMSIZE
 from .storage import Storage, storage_for
 
 __all__ = ["open_manifest", "read_manifest"]

@@ -22,8 +22,8 @@ from ..storage.base import MANIFEST as MANIFEST
 from ..storage.base import check_name
 from . import limits
 from .checksum import ALGORITHM, checksum
-from .dtypes import ITEMSIZE
 from .jsonio import gc_paused, loads_strict
+from .sizes import ITEMSIZE
 from .tiling import TilingError, check_exact_tiling
 
 FORMAT_NAME = "tardigrade"

@@ -326,6 +326,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.epoch = 0
         self.consumed = 0  # samples consumed globally in self.epoch
         self._tracked = False
+        self._hooked = False  # see _hand_over()
         # (token, length) of the pass whose indices are being handed out: len() holds still.
         self._pass: tuple[object, int] | None = None
         # How the last pass was read, for the save-time warnings (see _loader_audit).
@@ -348,9 +349,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         g.manual_seed((self.seed * 0x9E3779B97F4A7C15 + epoch) % (2**63))
         return torch.randperm(self.dataset_len, generator=g)
 
-    def _remaining(self) -> int:
+    def _remaining(self, consumed: int | None = None) -> int:
         """How many indices each rank still hands out in the current epoch: the same on all."""
-        left = max(0, self.dataset_len - self.consumed)
+        left = max(0, self.dataset_len - (self.consumed if consumed is None else consumed))
         if self.drop_last:
             assert self.batch_size is not None
             # Whole global steps only: a per-rank cut would leave ranks a batch apart.
@@ -377,6 +378,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         pull indices ahead of training (moving the position when ``track()`` is not used), and
         ``len(loader)`` must not shrink under a loop that takes ``len(loader)`` batches.
         """
+        if self._hooked:
+            return self._remaining(0)  # see _hand_over()
         if self._pass is not None:
             return self._pass[1]
         return self._remaining()
@@ -437,6 +440,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 f"track(): the loader's batch_size is {bs}, this sampler was built with "
                 f"batch_size={self.batch_size}; pass the same batch size to both"
             )
+        if self._hooked:  # a framework's hooks count the batches (see _hand_over())
+            yield from loader
+            return
         drop_last = self.drop_last or getattr(loader, "drop_last", False) is True
         self._tracked = True
         try:
@@ -454,6 +460,24 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 self._next_epoch()  # nothing left in this epoch, on any rank
         finally:
             self._tracked = False
+
+    def _hand_over(self, batch_size: int, drop_last: bool) -> _BatchCount:
+        """Let a framework's hooks count the batches training got (``tardigrade.integrations``).
+
+        Frameworks iterate the loader themselves and fetch ahead of training (Lightning one
+        batch even without workers), so neither the sampler's yields nor :meth:`track` see what
+        training consumed; their per-batch hooks do. From here on the sampler's own yields and
+        ``track()`` count nothing, and ``len()`` is a whole epoch's: those frameworks count the
+        batches of an epoch and restore how many of it were done.
+        """
+        if self.batch_size is not None and batch_size != self.batch_size:
+            raise InvalidArgumentError(
+                f"the loader's batch_size is {batch_size}, this sampler was built with "
+                f"batch_size={self.batch_size}; pass the same batch size to both"
+            )
+        self._hooked = True
+        self._tracked = True
+        return _BatchCount(self, batch_size, drop_last or self.drop_last)
 
     def loader(self, dataset: Any, **kwargs: Any) -> torch.utils.data.DataLoader[Any]:
         """A ``DataLoader`` over ``dataset`` wired for exact resume: this sampler, its generator,
@@ -546,3 +570,46 @@ class _Untracked:
 
     def __iter__(self) -> Iterator[Any]:
         return torch.utils.data.DataLoader.__iter__(self.loader)
+
+
+class _BatchCount:
+    """The position of a :class:`ResumableSampler` advanced by a framework's batch hooks.
+
+    ``before_batch()`` and ``after_batch()`` bracket each batch training gets; ``epoch_end()``
+    ends a pass the framework cut short. The batch that completes the epoch advances it, as in
+    ``track()``.
+    """
+
+    def __init__(self, sampler: ResumableSampler, batch_size: int, drop_last: bool) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.left: int | None = None  # batches left in the pass under way
+        self.epoch = -1
+
+    def restart(self) -> None:
+        """The position was loaded: the next batch starts a new count."""
+        self.left = None
+
+    def before_batch(self) -> None:
+        s = self.sampler
+        if self.left is None or s.epoch != self.epoch:
+            left, bs = s._remaining(), self.batch_size
+            self.left = left // bs if self.drop_last else -(-left // bs)
+            self.epoch = s.epoch
+
+    def after_batch(self) -> None:
+        s = self.sampler
+        if self.left is None or s.epoch != self.epoch:
+            return  # moved by someone else (a load) meanwhile: theirs
+        self.left -= 1
+        if self.left <= 0:
+            s._next_epoch()
+            self.left = None
+        else:
+            s.consumed = min(s.dataset_len, s.consumed + self.batch_size * s.world_size)
+
+    def epoch_end(self) -> None:
+        if self.left is not None and self.sampler.epoch == self.epoch:
+            self.sampler._next_epoch()  # the framework ended the pass early
+        self.left = None

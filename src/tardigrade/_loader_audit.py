@@ -25,7 +25,7 @@ import time
 import warnings
 from typing import Any
 
-from torch.utils.data import BatchSampler, RandomSampler
+from torch.utils.data import RandomSampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 __all__ = ["audit_live_loaders"]
@@ -37,10 +37,16 @@ _warned: set[tuple[str, int]] = set()
 
 
 def _samplers(it: _BaseDataLoaderIter) -> list[Any]:
-    index = getattr(it, "_index_sampler", None)
-    out = [index]
-    if isinstance(index, BatchSampler):
-        out.append(index.sampler)
+    """The index sampler of a loader iterator and what it wraps (a BatchSampler's sampler,
+    accelerate's shard and skip wrappers' batch samplers), a few levels deep."""
+    out: list[Any] = []
+    todo = [getattr(it, "_index_sampler", None)]
+    while todo and len(out) < 8:
+        s = todo.pop()
+        if s is None or any(s is o for o in out):
+            continue
+        out.append(s)
+        todo += [getattr(s, "sampler", None), getattr(s, "batch_sampler", None)]
     return out
 
 
@@ -53,6 +59,13 @@ def _warn(kind: str, obj: object, message: str) -> None:
 
 def audit_live_loaders() -> None:
     """Warn about each live DataLoader iterator whose data position cannot resume exactly."""
+    try:
+        _audit()
+    except Exception:  # a best-effort warning must never fail the save it rides on
+        pass
+
+
+def _audit() -> None:
     global _scans_left, _last_scan
     now = time.monotonic()
     # One save calls this once per RNGState and sampler: one scan serves them all.
@@ -79,7 +92,8 @@ def audit_live_loaders() -> None:
                 )
             elif hasattr(sampler, "_pass_tracked"):  # a tg.ResumableSampler (data imports us)
                 workers = getattr(it, "_num_workers", 0)
-                if workers > 0 and not sampler._pass_tracked:
+                # _position_external: a framework restores the position itself (transformers).
+                if workers > 0 and not (sampler._pass_tracked or sampler._position_external):
                     _warn(
                         "untracked",
                         sampler,

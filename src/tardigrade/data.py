@@ -327,6 +327,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.consumed = 0  # samples consumed globally in self.epoch
         self._tracked = False
         self._hooked = False  # see _hand_over()
+        # A framework sets the position at each (re)start itself (integrations.transformers).
+        self._position_external = False
         # (token, length) of the pass whose indices are being handed out: len() holds still.
         self._pass: tuple[object, int] | None = None
         # How the last pass was read, for the save-time warnings (see _loader_audit).

@@ -432,7 +432,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         batch that completes the epoch advances it before it is handed over, so a loop that
         stops after ``len(loader)`` batches leaves the sampler at the start of the next epoch.
         """
-        bs = batch_size if batch_size is not None else getattr(loader, "batch_size", None)
+        bs = batch_size if batch_size is not None else _batch_size_of(loader)
         if type(bs) is not int or bs < 1:
             raise InvalidArgumentError(
                 "track() needs the loader's batch_size (pass batch_size=... explicitly)"
@@ -549,6 +549,15 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self._pass = None  # a pass under way no longer describes the position
         self.epoch, self.consumed = state_dict["epoch"], state_dict["consumed"]
         self._reseed()
+
+
+def _batch_size_of(loader: Any) -> Any:
+    """A DataLoader's batch size, also where a wrapper built it from a batch sampler
+    (accelerate's prepared loaders have ``batch_size=None``)."""
+    bs = getattr(loader, "batch_size", None)
+    if bs is None:
+        bs = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return bs
 
 
 class _TrackedLoader(torch.utils.data.DataLoader[Any]):

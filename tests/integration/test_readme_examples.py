@@ -75,3 +75,22 @@ def test_rows_of_a_table_example_loads_those_rows(tmp_path: Path) -> None:
     run = run_example(code + "print('ROWS OK')\n", tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.splitlines() == ["ROWS OK"], run.stdout + run.stderr
+
+
+@pytest.mark.parametrize(
+    "marker",
+    [
+        "plugins=[TardigradeCheckpointIO()],",
+        "TardigradeTrainer(model=Regressor()",
+        "accelerator.register_for_checkpointing(progress)",
+    ],
+    ids=["lightning", "transformers", "accelerate"],
+)
+def test_framework_examples_run_and_check_their_resume(tmp_path: Path, marker: str) -> None:
+    """Each Frameworks example trains, is restarted from its checkpoint and asserts where it
+    resumed (steps, epochs, rotation); it must end with those checks."""
+    code = readme_block(marker)
+    assert code.rstrip().splitlines()[-1].lstrip().startswith("assert "), "no closing check"
+    run = run_example(code + "\nprint('EXAMPLE OK')\n", tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.stdout.splitlines()[-1] == "EXAMPLE OK", run.stdout[-2000:] + run.stderr[-2000:]

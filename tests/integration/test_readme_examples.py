@@ -94,3 +94,19 @@ def test_framework_examples_run_and_check_their_resume(tmp_path: Path, marker: s
     run = run_example(code + "\nprint('EXAMPLE OK')\n", tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert run.stdout.splitlines()[-1] == "EXAMPLE OK", run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_distributed_example_runs_under_torchrun(tmp_path: Path) -> None:
+    """The Distributed section's example, as written, on 2 gloo ranks (torchrun)."""
+    code = readme_block("# torchrun --nproc-per-node 2 train.py")
+    (tmp_path / "train.py").write_text(code)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py"],
+        cwd=tmp_path,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert (tmp_path / "ckpt" / "step-100" / "manifest.json").is_file()

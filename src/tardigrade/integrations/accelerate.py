@@ -20,8 +20,10 @@ directly), the grad scaler, every ``register_for_checkpointing`` object, the
 :class:`tg.ResumableSampler` of each prepared loader, every rank's RNGs (``tg.PerRank``) and the
 save iteration, which ``load_state`` puts back (the next automatic name follows on).
 
-Single process, or several with plain data parallelism; FSDP, DeepSpeed and Megatron keep
-their own checkpoint formats and are refused.
+Single process, or several with plain data parallelism (then without a ResumableSampler in
+a prepared loader: accelerate splits its batches over the processes, which the position does
+not follow yet, and this is refused); FSDP, DeepSpeed and Megatron keep their own checkpoint
+formats and are refused.
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ def _state(accelerator: Accelerator) -> dict[str, Any]:
         )
     custom = list(accelerator._custom_objects)
     samplers = [s for s in _samplers(accelerator) if not any(s is c for c in custom)]
+    if samplers and accelerator.num_processes > 1:
+        # accelerate splits the sampler's batches over the processes itself, so a position
+        # counted per process is not the global one (and a sampler built with the job's
+        # rank and world size would be split twice). Not supported yet: say so, never guess.
+        raise InvalidArgumentError(
+            "tardigrade.integrations.accelerate: a tg.ResumableSampler in a loader prepared "
+            f"for {accelerator.num_processes} processes is not supported yet; checkpoint the "
+            "data position yourself, or train in one process"
+        )
     state: dict[str, Any] = {
         "models": [accelerator.unwrap_model(m) for m in accelerator._models],
         "optimizers": list(accelerator._optimizers),

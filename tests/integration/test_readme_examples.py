@@ -110,3 +110,57 @@ def test_distributed_example_runs_under_torchrun(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert (tmp_path / "ckpt" / "step-100" / "manifest.json").is_file()
+
+
+# Every ```python block of the README runs: alone, or after the blocks it continues (the
+# Quickstart's state, the manager's loop). Each block is named by a line only it holds; a block
+# no test names fails test_every_readme_block_is_run, so a new example cannot go untested.
+CHAINS = {
+    "quickstart": [
+        'result = tg.save("ckpt/step-000000100", state, step=100',
+        'tg.load("ckpt/step-000000100", into=state)',
+        'tree = tg.load("ckpt/step-000000100")',
+    ],
+    "manager": [
+        "mgr = tg.CheckpointManager(",
+        'tg.CheckpointManager("runs/exp2", state)  # a second',
+    ],
+    "async": [
+        'result = tg.save("ckpt/step-000000100", state, step=100',
+        'fut = tg.save("ckpt/step-000000200", state, step=200, async_=True)',
+        "with tg.AsyncCheckpointer(max_staging_bytes=256 * 2**20) as ckpt:",
+    ],
+    "data position": [
+        'result = tg.save("ckpt/step-000000100", state, step=100',
+        "dataset = TensorDataset(torch.randn(1000, 16))",
+    ],
+    "job runner": [
+        'result = tg.save("ckpt/step-000000100", state, step=100',
+        'state = {"model": model, "optim": optim, "epoch": 0}',
+        "def download():  # on every rank",
+    ],
+}
+# Blocks with a test of their own above.
+OWN_TESTS = [
+    "tg.SeededDataset(Jitter())",
+    "rows = tg.Sharded(",
+    "# torchrun --nproc-per-node 2 train.py",
+    "plugins=[TardigradeCheckpointIO()],",
+    "TardigradeTrainer(model=Regressor()",
+    "accelerator.register_for_checkpointing(progress)",
+]
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_readme_blocks_run_in_order(tmp_path: Path, chain: str) -> None:
+    code = "\n".join(readme_block(marker) for marker in CHAINS[chain])
+    run = run_example(code + "\nprint('CHAIN OK')\n", tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.stdout.splitlines()[-1] == "CHAIN OK", run.stdout[-2000:]
+
+
+def test_every_readme_block_is_run() -> None:
+    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.M | re.S)
+    markers = [m for chain in CHAINS.values() for m in chain] + OWN_TESTS
+    untested = [b.splitlines()[0] for b in blocks if not any(m in b for m in markers)]
+    assert not untested, f"README python blocks no test runs: {untested}"

@@ -66,3 +66,41 @@ def test_a_generator_does_not_replace_other_leaves_silently(tmp_path: Path) -> N
     tg.save(tmp_path / "ck2", {"gen": 5})
     with pytest.raises(StateMismatchError, match=r"state\['gen'\].*Generator"):
         tg.load(tmp_path / "ck2", into={"gen": torch.Generator()})
+
+
+@pytest.mark.parametrize(
+    ("edit", "pattern"),
+    [
+        ({"v": "AAAA"}, "bad 'generator' value"),  # 3 bytes: no generator's state
+        ({"v": "not base64!"}, "bad 'generator' value"),
+        ({"device": {"t": "str", "v": "cpu"}}, "a generator's device is not a device"),
+    ],
+    ids=["state-size", "encoding", "device"],
+)
+def test_a_forged_generator_is_refused(tmp_path: Path, edit: dict, pattern: str) -> None:
+    from tardigrade.errors import CorruptCheckpointError
+    from tardigrade.format.jsonio import dumps
+    from tardigrade.format.manifest import seal
+
+    tg.save(tmp_path / "ck", {"gen": torch.Generator().manual_seed(1)})
+    doc = tg.read_manifest(tmp_path / "ck")
+    doc.pop("manifest_checksum", None)
+    next(v for k, v in doc["tree"]["v"] if k["v"] == "gen").update(edit)
+    (tmp_path / "ck" / "manifest.json").write_bytes(seal(dumps(doc)))
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        tg.load(tmp_path / "ck")
+
+
+def test_the_cli_shows_and_compares_generators_by_their_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tardigrade.cli import main
+
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        tg.save(tmp_path / name, {"gen": torch.Generator().manual_seed(seed)})
+    assert main(["inspect", str(tmp_path / "a")]) == 0
+    assert "gen: torch.Generator(cpu)" in capsys.readouterr().out
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "c")]) == 1
+    assert "state['gen']  torch.Generator(cpu, state #" in capsys.readouterr().out

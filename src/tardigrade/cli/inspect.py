@@ -208,7 +208,11 @@ def scalar_text(node: dict[str, Any], short: bool = False) -> str:
             body = ", ".join(scalar_text(x) for x in v if isinstance(x, dict))
             return _clip(f"{{{body}}}" if t == "set" and v else f"{t}({{{body}}})")
         if t == "generator":
-            return f"torch.Generator({scalar_text(node.get('device'))})"
+            device = node.get("device")
+            kind = device.get("type") if isinstance(device, dict) else None
+            return (
+                f"torch.Generator({kind})" if isinstance(kind, str) else "<malformed 'generator'>"
+            )
         if t in ("complex", "npscalar", "size", "device"):
             return _clip(repr(decode(node, lambda n, p: None, "manifest")))
     except (TypeError, ValueError, TardigradeError):

@@ -20,7 +20,7 @@ from tardigrade.integrations.lightning import (
     is_tardigrade_checkpoint,
 )
 
-from ._runs import assert_same_run, run
+from ._runs import assert_same_run, run, steps
 
 
 @pytest.mark.slow
@@ -38,6 +38,14 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(tmp_path: Path) -> None:
     assert_same_run(tmp_path / "full", tmp_path / "killed", tmp_path / "resumed", saved_at=12)
     final = tg.load(tmp_path / "resumed" / "final")
     assert (final["epoch"], final["step"]) == (3, 30)
+
+    # Resumed from the checkpoint saved with an epoch's last batch (step 20, end of epoch 1):
+    # the next epoch starts whole, as in the uninterrupted run.
+    boundary = tmp_path / "ck_full" / "step=20.ckpt"
+    run(script, tmp_path / "from20", tmp_path / "ck20", 3, "--resume", boundary)
+    want, got = steps(tmp_path / "full"), steps(tmp_path / "from20")
+    assert sorted(got) == list(range(21, 31))
+    assert all(got[s] == want[s] for s in got), [s for s in got if got[s] != want[s]]
 
 
 class Tiny(pl.LightningModule):

@@ -16,19 +16,27 @@ HERE = Path(__file__).parent
 SRC = str(HERE.parents[1] / "src")
 
 
-def run(script: str, *args: object, expect_kill: bool = False) -> None:
+def run(script: str, *args: object, expect_kill: bool = False, ranks: int = 0) -> None:
+    """Run ``script`` in a fresh interpreter, or on ``ranks`` gloo ranks under torchrun."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    launch = [sys.executable]
+    if ranks:
+        launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
     proc = subprocess.run(
-        [sys.executable, str(HERE / script), *map(str, args)],
+        [*launch, str(HERE / script), *map(str, args)],
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
     )
     if expect_kill:
-        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+        # torchrun ends the other ranks and exits 1 when one is killed.
+        killed = 1 if ranks else -signal.SIGKILL
+        assert proc.returncode == killed, proc.stderr[-3000:]
+        if ranks:
+            assert "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
     else:
         assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -61,6 +61,8 @@ class StepLog(TrainerCallback):
     def on_step_end(
         self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
     ) -> None:
+        if args.process_index != 0:  # under torchrun: rank 0's losses stand for the run
+            return
         _common.log_step(
             self.out, step=state.global_step, epoch=f"{state.epoch:.4f}", loss=model.last_loss
         )

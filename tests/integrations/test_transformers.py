@@ -45,6 +45,20 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically_from_the_last_complete_c
     assert_same_run(tmp_path / "full", tmp_path / "killed", tmp_path / "resumed", saved_at=12)
 
 
+@pytest.mark.slow
+@pytest.mark.crash
+def test_two_gloo_ranks_killed_mid_epoch_resume_bit_identically(tmp_path: Path) -> None:
+    # torchrun, 2 CPU ranks (DDP over gloo): 5 steps an epoch; rank 0 is SIGKILLed after
+    # step 10, the newest checkpoint is step 8 (mid-epoch 1); every rank's RNGs are PerRank.
+    run(SCRIPT, tmp_path / "full", tmp_path / "run_full", 3, ranks=2)
+    run(
+        SCRIPT, tmp_path / "killed", tmp_path / "run", 3, "--kill-at", 10, ranks=2, expect_kill=True
+    )
+    assert last_complete_checkpoint(str(tmp_path / "run")) == str(tmp_path / "run" / "checkpoint-8")
+    run(SCRIPT, tmp_path / "resumed", tmp_path / "run", 3, "--resume", ranks=2)
+    assert_same_run(tmp_path / "full", tmp_path / "killed", tmp_path / "resumed", saved_at=8)
+
+
 def test_an_incomplete_or_missing_run_has_no_complete_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "checkpoint-4").mkdir()  # an incomplete save
     assert last_complete_checkpoint(str(tmp_path)) is None

@@ -42,6 +42,8 @@ class Model(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
+        if self.global_rank != 0:  # under torchrun: rank 0's losses stand for the run
+            return loss
         _common.log_step(
             Path(self.hparams.out),
             step=self.global_step + 1,
@@ -75,7 +77,10 @@ def main() -> None:
     args = p.parse_args()
     KILL_AT = args.kill_at
     torch.set_num_threads(1)
-    pl.seed_everything(0, verbose=False)
+    # Each rank its own random streams (dropout differs per rank), as in real jobs: a resume
+    # must give every rank back its own RNGs, not rank 0's. (DDP starts every rank from rank
+    # 0's parameters.)
+    pl.seed_everything(int(os.environ.get("RANK", "0")), verbose=False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -88,10 +93,13 @@ def main() -> None:
         generator=sampler.generator,
     )
     model = Model(out=str(out))
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: DDP over gloo
     trainer = pl.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
-        devices=1,
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        use_distributed_sampler=False,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -108,6 +108,9 @@ def main() -> None:
         train_dataset=tg.SeededDataset(AsDict()),
         callbacks=[StepLog(out, a.kill_at)],
     )
+    # Each rank its own random streams (dropout differs per rank), as in real jobs: a resume
+    # must give every rank back its own RNGs, not rank 0's.
+    torch.manual_seed(1000 + args.process_index)
     trainer.train(resume_from_checkpoint=True if a.resume else None)
     tg.save(
         out / "final",

@@ -48,6 +48,20 @@ def test_a_run_killed_mid_epoch_resumes_bit_identically(tmp_path: Path) -> None:
     assert all(got[s] == want[s] for s in got), [s for s in got if got[s] != want[s]]
 
 
+@pytest.mark.slow
+@pytest.mark.crash
+def test_two_gloo_ranks_killed_mid_epoch_resume_bit_identically(tmp_path: Path) -> None:
+    # torchrun, strategy="ddp" on 2 CPU ranks with their own dropout streams: 5 steps an
+    # epoch; rank 0 is SIGKILLed after step 11, the newest checkpoint is step 8 (mid-epoch 1).
+    # Lightning writes from rank 0 alone; the callback gathers every rank's RNGs into it.
+    script = "_lightning_script.py"
+    run(script, tmp_path / "full", tmp_path / "ck_full", 3, ranks=2)
+    run(script, tmp_path / "killed", tmp_path / "ck", 3, "--kill-at", 11, ranks=2, expect_kill=True)
+    resume = tmp_path / "ck" / "step=8.ckpt"
+    run(script, tmp_path / "resumed", tmp_path / "ck", 3, "--resume", resume, ranks=2)
+    assert_same_run(tmp_path / "full", tmp_path / "killed", tmp_path / "resumed", saved_at=8)
+
+
 class Tiny(pl.LightningModule):
     def __init__(self, width: int = 4, note: Any = "plain") -> None:
         super().__init__()
@@ -113,3 +127,22 @@ def test_a_hyperparameter_of_unknown_type_is_refused_by_name_unless_opted_in(
         tg.load(tmp_path / "b" / "x.ckpt", keys=["hyper_parameters"])["hyper_parameters"]["note"]
         == "/data"
     )
+
+
+def test_a_ranks_rngs_round_trip_through_the_bytes_gathered_under_ddp() -> None:
+    import random
+
+    import numpy as np
+
+    from tardigrade.integrations.lightning import _rng_bytes, _set_rng_bytes
+
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.gauss(0, 1)  # leaves a cached gaussian in python's state
+    np.random.randn()  # ... and in numpy's
+    saved = _rng_bytes()
+    want = (random.random(), random.gauss(0, 1), np.random.randn(), torch.rand(3))
+    _set_rng_bytes(saved)
+    got = (random.random(), random.gauss(0, 1), np.random.randn(), torch.rand(3))
+    assert want[:3] == got[:3] and torch.equal(want[3], got[3])

@@ -22,20 +22,25 @@ Two pieces, both Lightning's own extension points:
     )
     trainer.fit(model, loader, ckpt_path=None)   # or the path of a checkpoint to resume
 
-Single process (CPU or one GPU). Under a multi-process strategy Lightning writes its checkpoint
-from rank 0 alone, which a collective ``tg.save`` cannot do: :class:`TardigradeCheckpointIO`
-refuses it with a clear error rather than hanging.
+Under DDP (``strategy="ddp"``, also launched by ``torchrun``) Lightning writes its checkpoint
+from rank 0 alone and reads it on every rank: the callback gives the plugin a process group of
+each rank alone for that, and gathers every rank's RNGs into rank 0's checkpoint (each rank
+gets its own back). Build the Trainer with ``use_distributed_sampler=False``; the sampler takes
+the job's rank and world size itself. Without the callback the plugin refuses a multi-process
+job rather than hang. FSDP and DeepSpeed strategies write their own sharded checkpoints.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.core import saving
@@ -61,15 +66,70 @@ def is_tardigrade_checkpoint(path: Any) -> bool:
     )
 
 
-def _single_process() -> None:
+def _distributed() -> bool:
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _single_process() -> None:
+    if _distributed():
         raise InvalidArgumentError(
-            "TardigradeCheckpointIO: Lightning writes its checkpoint from rank 0 alone under "
-            "a multi-process strategy, and a Tardigrade save in a distributed job is "
-            "collective (every rank calls it). Use it in single-process training, or save "
-            "with tg.CheckpointManager from the LightningModule's hooks on every rank."
+            "TardigradeCheckpointIO: under a multi-process strategy Lightning writes its "
+            "checkpoint from rank 0 alone; add TardigradeCallback(...) to the Trainer's "
+            "callbacks, which prepares the plugin for that on every rank"
         )
+
+
+def _plugin_of(trainer: pl.Trainer) -> TardigradeCheckpointIO | None:
+    io = trainer.strategy.checkpoint_io
+    for _ in range(4):  # Lightning may wrap the plugin (async saving)
+        if isinstance(io, TardigradeCheckpointIO):
+            return io
+        io = getattr(io, "checkpoint_io", None)
+    return None
+
+
+# Every RNG of one process (python, numpy, torch CPU) as one fixed-size byte tensor, so the
+# ranks' states can be gathered with a plain all_gather (no pickled objects on the wire).
+_PY_WORDS, _NP_WORDS = 625, 624
+
+
+def _rng_bytes() -> torch.Tensor:
+    version, words, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    head = np.array([version, pos, has_gauss], dtype=np.int64)
+    floats = np.array([np.nan if gauss is None else gauss, cached], dtype=np.float64)
+    parts = [
+        np.asarray(words, dtype=np.uint32).tobytes(),
+        np.asarray(keys, dtype=np.uint32).tobytes(),
+        head.tobytes(),
+        floats.tobytes(),
+        torch.get_rng_state().numpy().tobytes(),
+    ]
+    if torch.cuda.is_available():  # the rank's own device, after the CPU state (fixed size)
+        parts.append(torch.cuda.get_rng_state().numpy().tobytes())
+    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+
+
+def _set_rng_bytes(raw: torch.Tensor) -> None:
+    data = raw.numpy().tobytes()
+    at = 0
+
+    def take(n: int) -> bytes:
+        nonlocal at
+        at += n
+        return data[at - n : at]
+
+    words = np.frombuffer(take(4 * _PY_WORDS), dtype=np.uint32)
+    keys = np.frombuffer(take(4 * _NP_WORDS), dtype=np.uint32)
+    version, pos, has_gauss = np.frombuffer(take(24), dtype=np.int64).tolist()
+    gauss, cached = np.frombuffer(take(16), dtype=np.float64).tolist()
+    random.setstate((version, tuple(words.tolist()), None if gauss != gauss else gauss))
+    np.random.set_state(("MT19937", keys.copy(), pos, has_gauss, cached))
+    cpu = torch.get_rng_state().numel()  # MT19937: the same size in every process
+    torch.set_rng_state(torch.frombuffer(bytearray(take(cpu)), dtype=torch.uint8))
+    if at < len(data) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(data[at:]), dtype=torch.uint8))
 
 
 class TardigradeCheckpointIO(CheckpointIO):
@@ -85,6 +145,10 @@ class TardigradeCheckpointIO(CheckpointIO):
 
     def __init__(self, *, unknown_hparams: str = "error") -> None:
         self.unknown_hparams = check_unknown(unknown_hparams)
+        # Under a multi-process strategy: a group of this rank alone, made by
+        # TardigradeCallback.setup() on every rank. Lightning writes from rank 0 only and
+        # reads on every rank, each on its own, so neither may be collective over the job.
+        self._own_group: Any = None
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -93,7 +157,8 @@ class TardigradeCheckpointIO(CheckpointIO):
             raise InvalidArgumentError(
                 f"TardigradeCheckpointIO: storage_options is not supported; got {storage_options!r}"
             )
-        _single_process()
+        if self._own_group is None:
+            _single_process()
         tree = storable(checkpoint, self.unknown_hparams, free_keys=_HPARAMS_KEYS)
         step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
         _save.save(
@@ -102,6 +167,7 @@ class TardigradeCheckpointIO(CheckpointIO):
             overwrite=True,  # ModelCheckpoint rewrites last.ckpt; the swap is atomic
             step=step if type(step) is int else None,
             epoch=epoch if type(epoch) is int else None,
+            process_group=self._own_group,
         )
 
     def load_checkpoint(
@@ -109,7 +175,7 @@ class TardigradeCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         # Tensors come back on the CPU; Lightning moves the model and optimizer state to their
         # devices itself. (weights_only: nothing here can run code, whatever it says.)
-        tree: dict[str, Any] = _load.load(os.fspath(path))
+        tree: dict[str, Any] = _load.load(os.fspath(path), process_group=self._own_group)
         if isinstance(map_location, (str, torch.device)):
             tree = _to_device(tree, torch.device(map_location))
         return tree
@@ -158,7 +224,8 @@ class TardigradeCallback(pl.Callback):
             )
         self.sampler = sampler
         self._count: _BatchCount | None = None
-        self._rng_to_restore: dict[str, Any] | None = None
+        self._rng_to_restore: Any = None  # RNGState's dict, or one rank's bytes (DDP)
+        self._distributed = False
 
     def _counter(self, trainer: pl.Trainer) -> _BatchCount | None:
         if self.sampler is None:
@@ -176,6 +243,8 @@ class TardigradeCallback(pl.Callback):
         return self._count
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if _distributed():
+            self._setup_ranks(trainer)
         if self.sampler is not None:
             # Before Lightning sizes and first iterates the loader: its prefetching must not
             # move the position, and len() must be a whole epoch.
@@ -187,11 +256,43 @@ class TardigradeCallback(pl.Callback):
                 "ignore", message=r"You're resuming from a checkpoint that ended before the epoch"
             )
 
+    def _setup_ranks(self, trainer: pl.Trainer) -> None:
+        dist = torch.distributed
+        rank, world = dist.get_rank(), dist.get_world_size()
+        # new_group() is collective: every rank makes every rank's group, and keeps its own.
+        groups = [dist.new_group([r], backend="gloo") for r in range(world)]
+        plugin = _plugin_of(trainer)
+        if plugin is not None:
+            plugin._own_group = groups[rank]
+        self._distributed = True
+        sampler = self.sampler
+        if sampler is None:
+            return
+        if trainer._accelerator_connector.use_distributed_sampler:
+            raise InvalidArgumentError(
+                "TardigradeCallback: build the Trainer with use_distributed_sampler=False: "
+                "Lightning would wrap the tg.ResumableSampler in a DistributedSampler, whose "
+                "position is in no checkpoint; the ResumableSampler splits the data over the "
+                "ranks itself"
+            )
+        if sampler.world_size == 1:
+            # Built before Lightning started the process group: take this job's ranks.
+            sampler.rank, sampler.world_size = rank, world
+            sampler._pass = None
+        elif (sampler.rank, sampler.world_size) != (rank, world):
+            raise InvalidArgumentError(
+                f"TardigradeCallback: the sampler was built for rank {sampler.rank} of "
+                f"{sampler.world_size}, this process is rank {rank} of {world}"
+            )
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._rng_to_restore is not None:
-            RNGState().load_state_dict(self._rng_to_restore)
+            if isinstance(self._rng_to_restore, torch.Tensor):
+                _set_rng_bytes(self._rng_to_restore)
+            else:
+                RNGState().load_state_dict(self._rng_to_restore)
             self._rng_to_restore = None
         count = self._counter(trainer)
         if count is not None:
@@ -215,13 +316,28 @@ class TardigradeCallback(pl.Callback):
             count.epoch_end()
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"rng": RNGState().state_dict()}
+        out: dict[str, Any]
+        if self._distributed:
+            # Lightning asks every rank for its state and writes rank 0's: gather the ranks'
+            # RNGs there (the sampler's position is the same on every rank).
+            mine = _rng_bytes()
+            every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(every, mine)
+            out = {"rng_per_rank": every}
+        else:
+            out = {"rng": RNGState().state_dict()}
         if self.sampler is not None:
             out["data"] = self.sampler.state_dict()
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._rng_to_restore = state_dict.get("rng")
+        per_rank = state_dict.get("rng_per_rank")
+        if per_rank is not None and self._distributed:
+            rank = torch.distributed.get_rank()
+            # A rank the saving job did not have takes rank 0's (as tg.PerRank does).
+            self._rng_to_restore = per_rank[rank] if rank < len(per_rank) else per_rank[0]
+        else:
+            self._rng_to_restore = state_dict.get("rng")
         if self.sampler is not None and "data" in state_dict:
             self.sampler.load_state_dict(state_dict["data"])
             if self._count is not None:

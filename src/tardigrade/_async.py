@@ -1,10 +1,10 @@
 """Asynchronous saves: block only to copy the state to host memory, write in the background.
 
-The design follows the Rust ``AsyncCheckpointer``: ``save`` snapshots every tensor into pooled
-host slabs synchronously, a background thread writes and commits, at most one save is in
-flight per checkpointer (the next one waits, or is skipped with a warning), ``wait()`` blocks
-until idle, errors surface on ``result()``, on the next ``save`` and on ``wait()``/``close()``,
-and closing (also at interpreter exit) waits for in-flight work.
+``save`` snapshots every tensor into pooled host slabs synchronously, a background thread writes
+and commits, at most one save is in flight per checkpointer (the next one waits, or is skipped
+with a warning), ``wait()`` blocks until idle, errors surface on ``result()``, on the next
+``save`` and on ``wait()``/``close()``, and closing (also at interpreter exit) waits for
+in-flight work.
 """
 
 from __future__ import annotations

@@ -70,6 +70,10 @@ class SaveJob:
     gplan: GlobalPlan | None = None
     blocking_seconds: float | None = None  # set by an async save once staging is done
 
+    def stored_name(self, file: str) -> str:
+        """The name data file ``file`` of the plan has in storage (and the manifest)."""
+        return self.storage.data_name(file, self.header["save_id"])
+
     @property
     def entries(self) -> list[Entry]:
         """This process's tensors, numbered as the plan's items refer to them."""

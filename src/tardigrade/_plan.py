@@ -209,10 +209,6 @@ class GlobalPlan:
     def nbytes(self) -> int:
         return int(self.table[:, _NBYTES].sum())
 
-    def file_nbytes(self) -> list[int]:
-        """The tensor bytes of each file (its header not included)."""
-        return [int(self.table[rows, _NBYTES].sum()) for rows in self.file_rows]
-
     def tensor_rows(self) -> np.ndarray:
         """Where each tensor's chunk rows start (and, last, the number of rows)."""
         return np.searchsorted(self.table[:, _TENSOR], np.arange(len(self.tensors) + 1))

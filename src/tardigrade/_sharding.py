@@ -1,6 +1,6 @@
 """Leaf classes of a distributed state: sharded tensors and per-rank values.
 
-DESIGN §3 sorts every leaf of a distributed state into one of three classes. A plain tensor is
+Every leaf of a distributed state is one of three classes (README, "Distributed"). A plain tensor is
 *replicated* (every rank holds the same values, as under DDP) and is written once in total. A
 ``DTensor`` or a :class:`Sharded` is *sharded*: each rank holds one box of a global tensor and
 writes only that box. A :class:`PerRank` subtree is each rank's own value. This module only

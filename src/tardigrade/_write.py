@@ -8,6 +8,7 @@ fsyncs it, then writes the manifest last and makes the checkpoint visible atomic
 
 from __future__ import annotations
 
+import errno
 import functools
 import threading
 import time
@@ -31,8 +32,8 @@ from .errors import SaveError, StorageError, TardigradeError
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher, checksum
-from .format.jsonio import dumps
-from .format.manifest import COLUMNAR_VERSION, MANIFEST, seal, validate
+from .format.jsonio import check_parse_cost, dumps, parse_cost
+from .format.manifest import COLUMNAR_VERSION, MANIFEST, PACKED_VERSION, seal, validate
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,8 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
     try:
         head = file_header(fp)
         layout = _Layout(job.storage.url(f"{job.name}/{fp.name}"), head, fp)
-        writer = job.storage.open_writer(f"{staging}/{fp.name}", size_hint=len(head) + fp.nbytes)
+        stored = job.storage.data_name(fp.name, job.header["save_id"])
+        writer = job.storage.open_writer(f"{staging}/{stored}", size_hint=len(head) + fp.nbytes)
     except BaseException as e:
         failure = e
     # Drain the whole stream even after a failure: every segment must release its staging
@@ -246,6 +248,17 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
             writer.abort()
         raise failure
     writer.close()  # type: ignore[union-attr]
+    assert layout is not None
+    # The storage says how many bytes it kept: a write that lost some without an error (a
+    # faulty disk or store) is found here, before the manifest points at the file.
+    kept = job.storage.stat(f"{staging}/{stored}")
+    if kept is None or kept.size != layout.pos:
+        raise StorageError(
+            errno.EIO,
+            f"{layout.where}: the storage holds {None if kept is None else kept.size} bytes of "
+            f"this file after writing {layout.pos}; nothing was committed. Check the disk or "
+            "store and save again.",
+        )
     return WrittenFile(
         layout.pos,  # type: ignore[union-attr]
         checksum(head),
@@ -321,13 +334,18 @@ def manifest_doc(
     per_rank: list[list[Any]],
     gplan: GlobalPlan,
     written: dict[str, WrittenFile],
+    *,
+    packed: bool,
+    stored_name: Callable[[str], str] = str,
 ) -> dict[str, Any]:
     """The manifest of a save: its header, the state tree, and every chunk of every rank.
 
     A single-process save lists each chunk as an object (format 4, which older readers read).
     A distributed one stores each tensor's chunks as columns (format 5): a job of a thousand
     ranks has millions of chunks, and columns of integers build, encode and parse several
-    times faster than an object per chunk, and take a third of the bytes.
+    times faster than an object per chunk, and take a third of the bytes. A state tree that
+    holds a ``packed`` list or tuple (any rank's, ``packed``) makes it format 6, which older
+    readers refuse by its version rather than misread.
     """
     # Each chunk's checksum, by table row: files report theirs in file order.
     sums = np.zeros(len(gplan.table), dtype="S16")
@@ -357,7 +375,7 @@ def manifest_doc(
         else:
             assert gplan.keys is not None
             record["chunks"] = [
-                {"file": gplan.files[f], "key": gplan.keys[r], "offsets": o, "shape": n,
+                {"file": stored_name(gplan.files[f]), "key": gplan.keys[r], "offsets": o, "shape": n,
                  "checksum": sums[r].decode()}
                 for r, f, o, n in zip(range(bounds[i], bounds[i + 1]),
                                       files.tolist(), offsets.tolist(),
@@ -366,9 +384,15 @@ def manifest_doc(
         tensors.append(record)
     doc = {
         **header,
-        "format_version": COLUMNAR_VERSION if columnar else header["format_version"],
+        "format_version": (
+            PACKED_VERSION if packed else COLUMNAR_VERSION if columnar else header["format_version"]
+        ),
         "files": [
-            {"name": n, "size": written[n].size, "header_checksum": written[n].header_checksum}
+            {
+                "name": stored_name(n),
+                "size": written[n].size,
+                "header_checksum": written[n].header_checksum,
+            }
             for n in gplan.files
         ],
         "tensors": tensors,
@@ -399,8 +423,18 @@ def seal_checked(doc: dict[str, Any], where: str) -> bytes:
             "nothing was committed. Save fewer, larger tensors (e.g. flatten parameters into "
             "fewer buffers) or from fewer ranks."
         )
-    # Commit only what a reader accepts: the same validation that guards every load
-    # (unique keys, chunks tiling each tensor, sizes) runs on this save's own manifest.
+    # Commit only what a reader accepts: the same checks that guard every load run on this
+    # save's own manifest, first the one on its bytes (the cost of parsing them), then the
+    # validation of the document (unique keys, chunks tiling each tensor, sizes).
+    try:
+        check_parse_cost(manifest, f"{where}/{MANIFEST}")
+    except TardigradeError as e:
+        raise SaveError(
+            f"{where}: the state holds so many small values that its manifest "
+            f"({len(manifest) >> 20} MiB) would take about {parse_cost(manifest) >> 20} MiB to "
+            "parse, more than any reader accepts; nothing was committed. Store large tables of "
+            "values (a dict or list of millions of entries) as tensors or numpy arrays."
+        ) from e
     try:
         validate(doc, f"{where}/{MANIFEST}")
     except TardigradeError as e:
@@ -439,17 +473,16 @@ def write_files(
 
 
 def commit_staging(job: SaveJob, staging: str, manifest: bytes) -> None:
-    """Write the manifest into ``staging`` and make the checkpoint visible atomically."""
-    storage = job.storage
-    w = storage.open_writer(f"{staging}/{MANIFEST}")
-    try:
-        w.write(manifest)
-    except BaseException:
-        w.abort()
-        raise
-    w.close()
-    check_target(storage, job.name, job.overwrite, racing=True)
-    storage.commit(staging, job.name, replace=job.overwrite)
+    """Write the manifest and make the checkpoint visible atomically (the backend's strategy)."""
+    check_target(job.storage, job.name, job.overwrite, racing=True)
+    job.storage.commit(
+        staging, job.name, manifest, save_id=job.header["save_id"], replace=job.overwrite
+    )
+
+
+def abort_staging(job: SaveJob, staging: str) -> None:
+    """Remove what a save that will not commit wrote."""
+    job.storage.abort(staging, job.name, job.header["save_id"])
 
 
 def as_save_error(job: SaveJob, e: BaseException) -> BaseException:
@@ -488,12 +521,20 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
         subs = job.flat.per_rank
         base = job.gplan.own_base[0]
         trees = [per_rank_trees([f.tree for f in subs], [len(f.entries) for f in subs], base)]
-        doc = manifest_doc(job.header, job.flat.tree, trees, job.gplan, written)
+        doc = manifest_doc(
+            job.header,
+            job.flat.tree,
+            trees,
+            job.gplan,
+            written,
+            packed=job.flat.uses_packed,
+            stored_name=job.stored_name,
+        )
         manifest = seal_checked(doc, job.storage.url(job.name))
         commit_staging(job, staging, manifest)
     except BaseException as e:
         if staging is not None:
-            job.storage.delete(staging)
+            abort_staging(job, staging)
         err = as_save_error(job, e)
         if err is e:
             raise

@@ -8,17 +8,14 @@ epoch intervals, a maximum kept, automatic restore of the latest), Caffe2's
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import logging
 import math
 import os
-import shutil
 import signal
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,10 +23,9 @@ from types import FrameType
 from typing import Any
 
 from ._async import AsyncCheckpointer, SaveFuture
+from ._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_name
 from ._job import SaveResult
-from ._layout import STEP_NAME, deleting_name, is_committed, step_name, tidy
 from ._load import load
-from ._lock import DirectoryLock
 from ._match import Key
 from ._open import open_manifest
 from ._save import save
@@ -48,10 +44,8 @@ from .errors import (
     StateMismatchError,
     StorageError,
     TardigradeError,
-    UnsupportedFormatError,
     UnsupportedTypeError,
 )
-from .storage.local import LocalStorage
 
 log = logging.getLogger("tardigrade")
 
@@ -111,89 +105,6 @@ def _unlisten(mgr: CheckpointManager, sig: int) -> None:
         signal.signal(sig, signal.SIG_DFL if prev is None else prev)
     _listeners.pop(sig, None)
     _before.pop(sig, None)
-
-
-# -- checking the directory ------------------------------------------------------------------
-# Errors that no amount of waiting fixes: a manager on such a directory would run for days with
-# every save failing (and only logged, under on_save_error="warn"), so it refuses to start.
-# A full disk or quota (ENOSPC, EDQUOT) is not among them: space can be freed while training.
-_PERMANENT = {
-    errno.EROFS: "it is on a read-only filesystem; pass a directory on a writable filesystem "
-    "(or remount this one read-write)",
-    errno.EACCES: "permission denied; fix its permissions or pass a directory this process "
-    "(uid {uid}) can write to",
-    errno.EPERM: "operation not permitted; fix its permissions or pass a directory this "
-    "process (uid {uid}) can write to",
-    errno.ENOTDIR: "{blocker} is a regular file, not a directory; move it away or pass "
-    "another directory",
-    errno.EEXIST: "{blocker} is a regular file, not a directory; move it away or pass "
-    "another directory",
-    errno.ELOOP: "too many symbolic links in the path; pass a plain directory",
-    errno.ENAMETOOLONG: "the path is too long; pass a shorter one",
-}
-
-
-# Below this much free space a save of any real model fails: say so when the manager starts.
-_FULL_BYTES = 1 << 20
-
-
-def _first_non_directory(path: str) -> str:
-    """The first component of ``path`` that exists but is not a directory (or ``path``)."""
-    probe = path
-    chain = []
-    while probe and probe != os.path.dirname(probe):
-        chain.append(probe)
-        probe = os.path.dirname(probe)
-    for p in reversed(chain):
-        if os.path.lexists(p) and not os.path.isdir(p):
-            return p
-    return path
-
-
-def _check_directory(directory: str) -> None:
-    """Raise StorageError if ``directory`` can never hold checkpoints; create it if missing.
-
-    The test is what a save does: create the directory, list it, make a subdirectory in it
-    (the staging of a save) and a file in that. A transient failure (a full disk) passes here
-    and is reported by the saves, which may succeed once space is freed.
-    """
-    storage = LocalStorage(directory)
-    try:
-        os.makedirs(directory, exist_ok=True)
-        os.listdir(directory)
-        # A staging directory like a save's (locked, so a concurrent cleanup leaves it alone).
-        probe = storage.begin("probe", uuid.uuid4().hex)
-        try:
-            storage.open_writer(f"{probe}/probe").close()
-        finally:
-            storage.delete(probe)
-    except OSError as e:
-        why = _PERMANENT.get(e.errno or 0)
-        if why is None:
-            log.warning(
-                "tardigrade: checkpoint directory %s: %s; saves will fail until this is fixed "
-                "(training is not stopped for it)",
-                directory,
-                e,
-            )
-            return
-        why = why.format(uid=os.geteuid(), blocker=_first_non_directory(directory))
-        raise StorageError(
-            e.errno,
-            f"{directory}: cannot be used as a checkpoint directory, no save could ever succeed "
-            f"there ({e.strerror}): {why}.",
-        ) from e
-    try:
-        fs = os.statvfs(directory)
-    except OSError:
-        return
-    if fs.f_bavail * fs.f_frsize < _FULL_BYTES:
-        log.warning(
-            "tardigrade: the filesystem of checkpoint directory %s is full (%d bytes free); "
-            "saves will fail until space is freed (training is not stopped for it)",
-            directory,
-            fs.f_bavail * fs.f_frsize,
-        )
 
 
 @dataclass(frozen=True)
@@ -360,12 +271,10 @@ class CheckpointManager:
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
-            raise InvalidArgumentError(f"directory must be a path, got {directory!r}")
-        if "://" in os.fspath(directory):
-            raise InvalidArgumentError(
-                f"{directory}: URLs are not supported by this build yet; use a local directory"
-            )
-        self.directory = os.path.abspath(os.fspath(directory))
+            raise InvalidArgumentError(f"directory must be a path or URL, got {directory!r}")
+        # Every byte, listing and delete goes through the catalog over the storage contract.
+        self._catalog = Catalog(directory)
+        self.directory = self._catalog.root
         self.state = state
         self.every_steps = _positive("every_steps", every_steps)
         self.every_epochs = _positive("every_epochs", every_epochs)
@@ -394,12 +303,14 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._restored_step: int | None = None
         self._lock_error: OSError | None = None
-        # Steps above a restored older step, from the run that was abandoned; each is replaced
-        # (once) when this run saves that step again, and none of them counts for retention.
+        # Steps above a restored older step that could not be moved aside (restore(step) moves
+        # them to step-N.abandoned-*); each is replaced (once) when this run saves that step
+        # again, and none of them counts for retention.
         self._abandoned: set[int] = set()
         self._pending: list[tuple[int, SaveFuture]] = []
         self._loading: set[int] = set()
         self._metric_cache: dict[int, float | None] = {}
+        self._readable_cache: dict[int, bool] = {}
         self._signalled: int | None = None
         self._signals: list[int] = []
         self._async: AsyncCheckpointer | None = None
@@ -411,9 +322,9 @@ class CheckpointManager:
         self._ranks = Ranks.current(process_group, timeout)
         self._process_group = process_group
         self._timeout = timeout
-        self._lock = DirectoryLock(self.directory, lease_seconds=lock_lease_seconds)
+        self._lock = self._catalog.storage.lease(lease_seconds=lock_lease_seconds)
         if self._ranks is None:
-            _check_directory(self.directory)
+            self._catalog.storage.preflight()
             self._take_lock()
         else:
             self._open_collectively()
@@ -437,7 +348,7 @@ class CheckpointManager:
         assert ranks is not None
 
         def check_and_lock() -> bytes:
-            _check_directory(self.directory)
+            self._catalog.storage.preflight()
             self._take_lock()
             return b""
 
@@ -617,16 +528,7 @@ class CheckpointManager:
         return json.loads(self._ranks.broadcast(what, lambda: json.dumps(here()).encode()))
 
     def _steps_here(self) -> list[int]:
-        try:
-            names = os.listdir(self.directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        out = []
-        for n in names:
-            m = STEP_NAME.match(n)
-            if m and is_committed(os.path.join(self.directory, n)):
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return self._catalog.steps()
 
     def latest(self) -> int | None:
         """The newest committed step, or None."""
@@ -643,11 +545,11 @@ class CheckpointManager:
         )
 
     def _exists_here(self, step: int) -> bool:
-        return is_committed(self.path(step))
+        return self._catalog.committed(step_name(step))
 
     def path(self, step: int) -> str:
         """The directory of the checkpoint for ``step``."""
-        return os.path.join(self.directory, step_name(step))
+        return self._catalog.path(step_name(step))
 
     def load(self, step: int | None = None, *, keys: Sequence[Key] | None = None) -> Any:
         """Load a checkpoint (the latest by default) as a plain tree, e.g. weights only."""
@@ -684,12 +586,11 @@ class CheckpointManager:
     def _remove_leftovers(self) -> None:
         """Remove tmp dirs of dead writers; put back a checkpoint a crashed replace moved aside."""
         if self._lock.held and self._still_ours("cleaning up leftovers"):
-            tidy(self.directory)
+            self._catalog.tidy()
 
     def _candidates_here(self, step: int | None) -> dict[str, list[int]]:
         """Clean up, then the committed steps and those ``restore(step)`` tries, newest first."""
-        if os.path.isdir(self.directory):
-            self._remove_leftovers()
+        self._remove_leftovers()
         committed = self._steps_here()
         if step is not None:
             if not self._exists_here(step):
@@ -698,20 +599,23 @@ class CheckpointManager:
                     f"{committed}"
                 )
             return {"steps": committed, "candidates": [step]}
-        for n in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else ():
-            if STEP_NAME.match(n) and not is_committed(os.path.join(self.directory, n)):
-                log.warning(
-                    "tardigrade: skipping checkpoint %s: it has no manifest.json (a save "
-                    "that never committed, or a copy still in progress); kept on disk for "
-                    "inspection, and moved aside if this run saves that step again",
-                    os.path.join(self.directory, n),
-                )
+        for n in self._catalog.uncommitted_steps():
+            log.warning(
+                "tardigrade: skipping checkpoint %s: it has no manifest.json (a save that never "
+                "committed, or a copy still in progress); kept for inspection, and moved aside "
+                "if this run saves that step again",
+                self._catalog.path(n),
+            )
         return {"steps": committed, "candidates": committed[::-1]}
 
     def _live_touched(self, e: BaseException) -> bool:
-        """Whether a failed restore of one candidate changed the live state (on any rank)."""
+        """Whether a failed restore of one candidate changed the live state (on any rank).
+
+        Tardigrade's own errors say whether bytes landed; any other error might have come
+        after they did, so it counts as touched.
+        """
         if self._ranks is None:
-            return bool(getattr(e, "live_overwritten", False))
+            return bool(getattr(e, "live_overwritten", not isinstance(e, TardigradeError)))
         # The same error reaches every rank: a rank it names failed, after bytes landed only
         # when its own error says so; a rank it does not name restored the whole candidate.
         mine = self._ranks.rank not in getattr(e, "causes", {}) or bool(
@@ -734,8 +638,9 @@ class CheckpointManager:
         CorruptCheckpointError instead of returning None. Saves of this manager still in
         flight are waited for first (a failure among them is reported as ``step`` would).
         With ``step`` given, restore exactly that one; later checkpoints then belong to an
-        abandoned timeline and are replaced as this run saves those steps again. Returns None
-        when the directory holds no checkpoint.
+        abandoned timeline: each is moved aside to ``step-N.abandoned-<time>``, so that a crash
+        before this run saves again resumes from this timeline, and is deleted once this run
+        commits step N or later. Returns None when the directory holds no checkpoint.
         """
         self._check_open("restore")
         # Our own async save still in flight has a .tmp-* staging directory that the cleanup
@@ -762,15 +667,10 @@ class CheckpointManager:
                 load(self.path(s), into=self.state, verify="all", **self._collective)
             except StateMismatchError:
                 raise  # the live state does not fit: an older checkpoint would not fit either
-            except (
-                CorruptCheckpointError,
-                UnsupportedFormatError,
-                CheckpointNotFoundError,
-                StorageError,
-                OSError,
-            ) as e:
+            except Exception as e:
                 # Damaged, or unreadable here (permissions, a socket or device in place of a
-                # file, an I/O error): either way this one cannot be restored; an older may.
+                # file, an I/O error), or failing in a way no check foresaw (a reader's bug):
+                # either way this one cannot be restored; an older may.
                 # Damage found before a byte lands (manifest, structure, sizes) leaves the
                 # live state untouched; damage in tensor bytes is found as they are read, so
                 # some live tensors may hold them: the next older checkpoint rewrites every
@@ -784,13 +684,25 @@ class CheckpointManager:
                     "tardigrade: skipping checkpoint %s: %s (kept on disk; trying the next "
                     "older one)",
                     self.path(s),
-                    e,
+                    e if isinstance(e, TardigradeError) else f"{type(e).__name__}: {e}",
                 )
                 continue
             finally:
                 self._loading.discard(s)
             self._restored_step = s
+            # Checkpoints above an explicit restore(step) leave the listing, so that after a
+            # crash this timeline's newest is restored, not theirs. Newer ones restore() skipped
+            # stay in place as evidence (a crash skips them again) and are replaced as this
+            # run saves their steps.
             self._abandoned = {x for x in committed if x > s}
+            if step is not None and self._abandoned:
+                self._abandoned = set(
+                    self._agreed(
+                        f"CheckpointManager({self.directory!r}).restore({s}): setting the "
+                        "later checkpoints aside",
+                        lambda s=s: self._abandon_after(s, committed),
+                    )
+                )
             self._last_step = s
             self._last_epoch = epoch
             self._last_save_time = time.monotonic()
@@ -1074,17 +986,13 @@ class CheckpointManager:
         may be the half-copied checkpoint someone is restoring. It is renamed to a visible
         ``step-N.incomplete-<time>`` that ``steps()`` ignores, and the new path is logged.
         """
-        path = self.path(step)
-        if not os.path.lexists(path) or self._exists_here(step):
+        path, name = self.path(step), step_name(step)
+        storage = self._catalog.storage
+        # On a store a prefix without a manifest is no checkpoint and nothing in the way: the
+        # save writes under its own names and creates the manifest.
+        if not storage.can_move or not storage.exists(name) or self._exists_here(step):
             return
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        aside = f"{path}.incomplete-{stamp}"
-        n = 1
-        # rename() would silently replace an empty directory of that name: pick a free one.
-        while os.path.lexists(aside):
-            n += 1
-            aside = f"{path}.incomplete-{stamp}-{n}"
-        os.rename(path, aside)
+        aside = self._catalog.path(self._catalog.set_aside(name, INCOMPLETE))
         log.warning(
             "tardigrade: %s had no manifest.json (an uncommitted save, or a copy still in "
             "progress); moved it aside to %s to save step %d. Nothing was deleted: inspect it "
@@ -1094,8 +1002,67 @@ class CheckpointManager:
             step,
         )
 
+    def _abandon_after(self, step: int, committed: list[int]) -> list[int]:
+        """Move the checkpoints above ``step`` aside: ``restore(step)`` began a new timeline.
+
+        On disk, so that a crash before this run saves again resumes from the new timeline,
+        not from the newest checkpoint of the abandoned one. Each ``step-N.abandoned-*`` is
+        deleted once this run commits a step at or above N (as saving step N again would
+        replace it). Returns the steps that could not be moved (kept in memory instead: an
+        object store cannot rename, so there a crash before this run saves those steps again
+        resumes from the abandoned timeline).
+        """
+        later = [x for x in committed if x > step]
+        if not self._lock.held or not self._still_ours("setting abandoned checkpoints aside"):
+            return later
+        left = []
+        for x in later:
+            try:
+                aside = self._catalog.set_aside(step_name(x), ABANDONED)
+            except OSError as e:
+                log.warning(
+                    "tardigrade: could not set %s aside (%s); a crash before this run saves "
+                    "step %d again would resume from it",
+                    self.path(x),
+                    e,
+                    x,
+                )
+                left.append(x)
+                continue
+            log.warning(
+                "tardigrade: restore(%d) began a new timeline: moved %s to %s (deleted once "
+                "this run saves step %d or later)",
+                step,
+                step_name(x),
+                aside,
+                x,
+            )
+        return left
+
+    def _drop_abandoned(self, step: int) -> None:
+        """Delete the abandoned checkpoints this run has now saved past (``step`` committed)."""
+        try:
+            names = self._catalog.names()
+        except OSError:
+            return
+        for n in names:
+            m = ABANDONED_NAME.match(n)
+            if m and int(m.group(1)) <= step and self._still_ours("removing " + n):
+                self._remove(n, "a step of an abandoned timeline, saved again by this run")
+
+    def _remove(self, name: str, why: str) -> bool:
+        """Retire checkpoint ``name`` (out of view first, then deleted); False if it failed."""
+        try:
+            self._catalog.retire(name)
+        except OSError as e:
+            log.warning("tardigrade: could not remove %s: %s", self._catalog.path(name), e)
+            return False
+        log.info("tardigrade: removed %s (%s)", name, why)
+        return True
+
     def _record_ok(self, step: int, res: SaveResult) -> None:
         self._metric_cache.pop(step, None)  # a replaced checkpoint has a new metric
+        self._readable_cache.pop(step, None)
         self._abandoned.discard(step)
         s = SaveStats(step, res.nbytes, res.blocking_seconds, res.total_seconds, True)
         self.stats.append(s)
@@ -1107,6 +1074,8 @@ class CheckpointManager:
             s.total_seconds,
             s.throughput_gbps,
         )
+        if self._coordinating:
+            self._drop_abandoned(step)
         if self._coordinating and (
             self.keep_last is not None or self.keep_every_steps or self.keep_best
         ):
@@ -1213,6 +1182,17 @@ class CheckpointManager:
             self._metric_cache[step] = value
         return self._metric_cache[step]
 
+    def _readable(self, step: int) -> bool:
+        """Whether the manifest of ``step`` reads and validates (remembered per step)."""
+        if step not in self._readable_cache:
+            try:
+                open_manifest(self.path(step))
+                self._readable_cache[step] = True
+            except Exception as e:
+                log.warning("tardigrade: %s cannot be restored: %s", self.path(step), e)
+                self._readable_cache[step] = False
+        return self._readable_cache[step]
+
     def keep(self, steps: Sequence[int]) -> set[int]:
         """Which of ``steps`` (committed, ascending) the retention policy keeps.
 
@@ -1223,7 +1203,9 @@ class CheckpointManager:
         steps = [s for s in steps if s not in self._abandoned]
         if not steps:
             return set(abandoned)
-        keep = {steps[-1]}
+        # The newest checkpoint a restore can read is never deleted because of newer ones that
+        # it cannot (damaged since, or written by a reader-incompatible writer).
+        keep = {steps[-1], next((s for s in reversed(steps) if self._readable(s)), steps[-1])}
         if self.keep_last is not None:
             keep.update(steps[-self.keep_last :])
         if self.keep_every_steps is not None:
@@ -1244,13 +1226,6 @@ class CheckpointManager:
         if not doomed_steps or not self._still_ours("removing old checkpoints"):
             return
         for s in doomed_steps:
-            # Rename first so a crash mid-delete never leaves a half-deleted "committed" dir.
-            doomed = os.path.join(self.directory, deleting_name(step_name(s)))
-            try:
-                os.rename(self.path(s), doomed)
-            except OSError as e:
-                log.warning("tardigrade: could not remove old checkpoint %s: %s", self.path(s), e)
-                continue
-            shutil.rmtree(doomed, ignore_errors=True)
-            self._metric_cache.pop(s, None)
-            log.info("tardigrade: removed old checkpoint %s (retention)", step_name(s))
+            if self._remove(step_name(s), "retention"):
+                self._metric_cache.pop(s, None)
+                self._readable_cache.pop(s, None)

@@ -228,7 +228,7 @@ def test_gc_refuses_while_a_live_job_holds_the_lock(
         [
             sys.executable,
             "-c",
-            "import sys, time; from tardigrade._lock import DirectoryLock; "
+            "import sys, time; from tardigrade.storage.local_lease import DirectoryLock; "
             f"DirectoryLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); "
             "time.sleep(60)",
         ],

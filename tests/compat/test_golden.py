@@ -1,4 +1,4 @@
-"""The golden checkpoints of every format version keep loading (``v1/ckpt`` ... ``v5/ckpt``).
+"""The golden checkpoints of every format version keep loading (``v1/ckpt`` ... ``v6/ckpt``).
 
 Each was made once by its ``vN/make_fixture.py`` from the same state and seeds, so every value
 is checked against the same literals or deterministic re-creation written out here (not
@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 import tardigrade as tg
+from tardigrade._tree import decode
 from tardigrade.format.manifest import parse
 
 HERE = Path(__file__).resolve().parent
@@ -648,3 +649,37 @@ def test_distributed_restores_a_piece_into_live_state(golden: Golden) -> None:
     assert live["step"] == 7
     assert live["mine"].value["rank"] == 0
     assert_tensor(live["mine"].value["seen"], torch.tensor([0, 1], dtype=torch.int64))
+
+
+# Format v6: packed lists, from one process (chunks as in v4) and from two (columns, as in v5).
+V6_MANIFESTS = {
+    "ckpt": "5de66aae7a8a6c19987ab372f986e7eebe6b9e2e556b82927322a1b73eb0e12a",
+    "ckpt-2ranks": "f6e184e00bcb1685fba1af517795572db597defa1a0a06b981a79c2f0e432f9f",
+}
+V6_NAN_BITS = 0x7FF8_0000_0000_DEAD
+
+
+@pytest.mark.parametrize("name", list(V6_MANIFESTS))
+def test_v6_packed_lists_load_exactly(name: str) -> None:
+    ckpt = HERE / "v6" / name
+    raw = (ckpt / "manifest.json").read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == V6_MANIFESTS[name]
+    m = tg.read_manifest(ckpt)
+    assert m["format_version"] == 6 and m["step"] == 6
+    assert ("columns" if m["world_size"] == 2 else "list") == (
+        "columns" if isinstance(m["tensors"][0]["chunks"], dict) else "list"
+    )
+    tg.verify(ckpt)
+    state = tg.load(ckpt)
+    assert state["perm"] == [(37 * i) % 101 for i in range(101)]
+    floats = state["floats"]
+    assert type(floats) is tuple
+    expected = [struct.pack("<d", x) for x in (0.5, -0.0)]
+    expected += [struct.pack("<Q", V6_NAN_BITS), struct.pack("<d", math.inf)]
+    assert [struct.pack("<d", x) for x in floats] == expected * 16
+    assert state["short"] == [1, 2, 3]
+    assert_tensor(state["w"], torch.arange(6, dtype=torch.float32) / 4)
+    if name == "ckpt-2ranks":
+        assert state["mine"] == list(range(70))  # one process is rank 0
+        rank1 = decode(m["per_rank"][1][0], lambda n, p: None, "golden")
+        assert rank1 == [1000 + i for i in range(70)]

@@ -76,6 +76,7 @@ def error_classes(rank: int, world: int, root: str) -> dict[str, Any]:
         local_storage.os.write = real_write  # type: ignore[attr-defined]
     dist.barrier()
     out["listing"] = sorted(os.listdir(root))
+    dist.barrier()  # every rank has listed before rank 0 creates mgr/ below
 
     # 4. restore() skips candidates that rank 1 cannot read: step 3 gives it an I/O error
     # (EIO) reading data, step 2 lost a data file; it restores step 1 on every rank.

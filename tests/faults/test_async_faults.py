@@ -167,7 +167,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
         close(self)
         raise OSError(code, words)
 
-    def failing_commit(self: LocalStorage, staging: str, name: str, *, replace: bool) -> None:
+    def failing_commit(self: LocalStorage, staging: str, name: str, *a: Any, **kw: Any) -> None:
         raise OSError(code, words)
 
     monkeypatch.setattr(LocalWriter, "write", failing_write)

@@ -19,7 +19,7 @@ import torch
 
 import tardigrade as tg
 from tardigrade import _write
-from tardigrade._layout import tidy
+from tardigrade._catalog import Catalog
 from tardigrade.errors import CheckpointExistsError
 from tardigrade.storage import local
 
@@ -42,7 +42,7 @@ def test_tidy_looping_beside_a_save_loop_never_breaks_a_save(tmp_path: Path, asy
 
     def gc_loop() -> None:
         while not stop.is_set():
-            removed.extend(t.name for t in tidy(str(tmp_path)))
+            removed.extend(t.name for t in Catalog(str(tmp_path)).tidy())
 
     thread = threading.Thread(target=gc_loop, daemon=True)
     thread.start()
@@ -93,11 +93,11 @@ def test_tidy_skips_another_process_s_live_staging_and_removes_it_once_that_proc
     try:
         staging = child.stdout.readline().strip()  # type: ignore[union-attr]
         assert staging.startswith(".tmp-step-000000007-")
-        assert tidy(str(tmp_path)) == []
+        assert Catalog(str(tmp_path)).tidy() == []
         assert (tmp_path / staging).is_dir()
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
-        assert [t.name for t in tidy(str(tmp_path))] == [staging]
+        assert [t.name for t in Catalog(str(tmp_path)).tidy()] == [staging]
         assert not (tmp_path / staging).exists()
     finally:
         child.kill()
@@ -132,7 +132,7 @@ def test_a_moved_aside_checkpoint_is_put_back_whatever_its_name(tmp_path: Path, 
     tg.save(tmp_path / name, state(4))
     aside = tmp_path / f".tmp-{name}-replaced-{uuid.uuid4().hex}"
     os.rename(tmp_path / name, aside)
-    done = tidy(str(tmp_path))
+    done = Catalog(str(tmp_path)).tidy()
     assert [(t.name, t.action) for t in done] == [(name, "recovered")]
     assert tg.load(tmp_path / name)["step"] == 4
 
@@ -144,7 +144,7 @@ def test_a_moved_aside_checkpoint_is_dropped_only_once_its_replacement_committed
     aside = tmp_path / f".tmp-best-replaced-{uuid.uuid4().hex}"
     os.rename(tmp_path / "best", aside)
     tg.save(tmp_path / "best", state(2))  # the replacement did commit
-    assert [t.action for t in tidy(str(tmp_path))] == ["removed"]
+    assert [t.action for t in Catalog(str(tmp_path)).tidy()] == ["removed"]
     assert tg.load(tmp_path / "best")["step"] == 2
     # Something that is not a checkpoint at the name: both are kept.
     tg.save(tmp_path / "other", state(5))
@@ -152,7 +152,7 @@ def test_a_moved_aside_checkpoint_is_dropped_only_once_its_replacement_committed
     os.rename(tmp_path / "other", aside)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
-    assert tidy(str(tmp_path)) == []
+    assert Catalog(str(tmp_path)).tidy() == []
     assert aside.is_dir() and (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
 
@@ -168,7 +168,7 @@ def test_replace_without_atomic_swap_holds_the_moved_aside_checkpoint_against_cl
         real_rename(src, dst)
         if "-replaced-" in os.fspath(dst):
             # Between the two renames: a cleanup must not put the old one back.
-            seen.append([t.name for t in tidy(str(tmp_path))])
+            seen.append([t.name for t in Catalog(str(tmp_path)).tidy()])
 
     monkeypatch.setattr(os, "rename", rename)
     tg.save(tmp_path / "best", state(2), overwrite=True)

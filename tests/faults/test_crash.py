@@ -102,11 +102,12 @@ CHILD = textwrap.dedent(
 
             local.LocalWriter.__init__ = init
         elif point == "before_rename":
+            # The manifest is written and fsynced in staging; the rename has not happened.
 
-            def commit(self, staging, name, *, replace):
-                die(f"before_rename {staging}")
+            def rename_new(src, dst):
+                die(f"before_rename {src}")
 
-            local.LocalStorage.commit = commit
+            local._rename_new = rename_new
         elif point == "after_rename_before_fsync":
             orig_fsync_dir = local.fsync_dir
 
@@ -119,8 +120,8 @@ CHILD = textwrap.dedent(
         elif point == "after_commit":
             orig_commit = local.LocalStorage.commit
 
-            def commit(self, staging, name, *, replace):
-                orig_commit(self, staging, name, replace=replace)
+            def commit(self, staging, name, manifest, **kw):
+                orig_commit(self, staging, name, manifest, **kw)
                 die(f"after_commit {name}")
 
             local.LocalStorage.commit = commit

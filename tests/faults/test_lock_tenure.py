@@ -36,10 +36,10 @@ import pytest
 import torch
 
 import tardigrade as tg
-from tardigrade import _lock
-from tardigrade._lock import DirectoryLock
 from tardigrade.cli import main
 from tardigrade.errors import CheckpointLockedError
+from tardigrade.storage import local_lease as _lock
+from tardigrade.storage.local_lease import DirectoryLock
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,7 +158,7 @@ def test_contenders_for_a_stale_lock_never_hold_it_together(tmp_path: Path):
 NS_HOLDER = textwrap.dedent(
     r"""
     import json, os, sys
-    from tardigrade._lock import DirectoryLock
+    from tardigrade.storage.local_lease import DirectoryLock
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=30)
     lock.acquire()
@@ -280,11 +280,9 @@ def test_a_sigkilled_holder_in_another_pid_namespace_frees_the_lock_at_once(
         DirectoryLock(str(d), lease_seconds=30).acquire()
     holder.kill()
     caplog.set_level(logging.WARNING, logger="tardigrade")
-    began = time.monotonic()
     lock = DirectoryLock(str(d), lease_seconds=30)
-    lock.acquire()
+    lock.acquire()  # within the holder's 30 s lease: acquire() never waits, it would raise
     try:
-        assert time.monotonic() - began < 5  # at once, not after the 30 s lease
         assert record(d)["pid"] == os.getpid()
     finally:
         lock.release()
@@ -324,7 +322,7 @@ def test_a_dead_writer_whose_pid_was_reused_frees_the_lock_at_once(tmp_path: Pat
 FORKING_HOLDER = textwrap.dedent(
     r"""
     import os, sys, time
-    from tardigrade._lock import DirectoryLock
+    from tardigrade.storage.local_lease import DirectoryLock
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=30)
     lock.acquire()
@@ -368,9 +366,8 @@ def test_a_dead_holder_frees_the_lock_at_once_while_its_forked_worker_lives(
         assert holder.wait(CHILD_TIMEOUT) in (0, -signal.SIGKILL)
         assert _lock._pid_alive(worker)
         caplog.set_level(logging.WARNING, logger="tardigrade")
-        began = time.monotonic()
+        # Within the holder's 30 s lease: taking the lock never waits, it would raise.
         with tg.CheckpointManager(d, {"x": torch.ones(2)}, save_on_signals=()) as mgr:
-            assert time.monotonic() - began < 10  # at once, not after the 30 s lease
             assert mgr.save(1) is True
             mgr.wait()
         (msg,) = took_over(caplog)
@@ -426,7 +423,7 @@ def test_a_holder_on_a_full_disk_keeps_the_lock_and_writes_its_record_later(
 HOLD_AND_DIE = textwrap.dedent(
     r"""
     import sys
-    from tardigrade._lock import DirectoryLock
+    from tardigrade.storage.local_lease import DirectoryLock
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=30)
     try:
@@ -512,7 +509,7 @@ def test_gc_frees_a_full_disk(full_tmpfs: tuple[Path, Path], capsys: pytest.Capt
 STALLER = textwrap.dedent(
     r"""
     import sys
-    from tardigrade._lock import DirectoryLock
+    from tardigrade.storage.local_lease import DirectoryLock
     from tardigrade.errors import CheckpointLockedError
 
     lock = DirectoryLock(sys.argv[1], lease_seconds=float(sys.argv[2]))

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import tardigrade as tg
-import tardigrade.manager as manager_mod
+from tardigrade._catalog import Catalog
 from tardigrade.errors import CorruptCheckpointError, SaveError, StorageError
 from tardigrade.storage import local
 
@@ -310,14 +310,14 @@ def test_restore_waits_for_our_own_async_save_before_cleaning_up(
     monkeypatch.setattr(tg.SaveFuture, "exception", releasing(tg.SaveFuture.exception))
     monkeypatch.setattr(tg.SaveFuture, "result", releasing(tg.SaveFuture.result))
     staging_at_cleanup: list[list[str]] = []
-    real_tidy = manager_mod.tidy
+    real_tidy = Catalog.tidy
 
-    def watched_tidy(directory: str, **kw: Any) -> Any:
-        staging_at_cleanup.append([n for n in os.listdir(directory) if "step-000000002" in n])
+    def watched_tidy(self: Catalog, **kw: Any) -> Any:
+        staging_at_cleanup.append([n for n in self.names() if "step-000000002" in n])
         release.set()
-        return real_tidy(directory, **kw)
+        return real_tidy(self, **kw)
 
-    monkeypatch.setattr(manager_mod, "tidy", watched_tidy)
+    monkeypatch.setattr(Catalog, "tidy", watched_tidy)
     state = make_state()
     with tg.CheckpointManager(tmp_path, state, async_save=True) as mgr:
         save_steps(mgr, [1])

@@ -31,6 +31,7 @@ from tardigrade.errors import (
     StorageError,
 )
 from tardigrade.storage import local
+from tardigrade.testing import FaultyStorage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -418,10 +419,10 @@ def test_retention_deletes_only_after_the_new_checkpoint_commits(
 
     real_commit = local.LocalStorage.commit
 
-    def failing_commit(self: Any, staging: str, name: str, *, replace: bool) -> None:
+    def failing_commit(self: Any, staging: str, name: str, manifest: bytes, **kw: Any) -> None:
         if name.endswith("000000002"):
             raise StorageError(5, "injected commit failure")
-        real_commit(self, staging, name, replace=replace)
+        real_commit(self, staging, name, manifest, **kw)
 
     monkeypatch.setattr(local.LocalStorage, "commit", failing_commit)
     newest.append(2)
@@ -506,7 +507,8 @@ def test_restore_latest_and_exact_step(tmp_path: Path, async_save: bool):
         assert mgr.restore(step=5) == 5
         assert float(state["model"].weight.detach()[1, 2]) == 5.0
         assert state["step"] == 5
-        with pytest.raises(CheckpointNotFoundError, match=r"step 7.*\[0, 5, 10\]"):
+        # restore(step=5) set step 10 aside: it belongs to an abandoned timeline now
+        with pytest.raises(CheckpointNotFoundError, match=r"step 7.*\[0, 5\]"):
             mgr.restore(step=7)
 
 
@@ -703,17 +705,25 @@ def test_restore_to_an_older_step_replaces_the_abandoned_future(tmp_path: Path, 
         save_steps(mgr, [1, 2, 3, 4])
     with tg.CheckpointManager(tmp_path, make_state(), every_steps=1, async_save=async_save) as mgr:
         assert mgr.restore(step=2) == 2
+        assert mgr.steps() == [1, 2]  # 3 and 4 are set aside, not deleted
+        assert abandoned(tmp_path) == [3, 4]
         mark(mgr.state, 300)
         assert mgr.step(3) is True
         mgr.wait()
         assert mgr.stats[-1].ok
-        assert saved_value(mgr, 3) == 300.0  # replaced by the new timeline
-        assert saved_value(mgr, 4) == 4.0  # not yet reached again
-        assert mgr.steps() == [1, 2, 3, 4]
+        assert saved_value(mgr, 3) == 300.0  # the new timeline
+        assert abandoned(tmp_path) == [4]  # not yet reached again
+        assert mgr.steps() == [1, 2, 3]
         mark(mgr.state, 400)
         assert mgr.save(4) is True
         mgr.wait()
         assert saved_value(mgr, 4) == 400.0
+        assert abandoned(tmp_path) == []
+
+
+def abandoned(d: Path) -> list[int]:
+    """Steps of the checkpoints restore(step) moved aside (``step-N.abandoned-<time>``)."""
+    return sorted(int(n[5:14]) for n in os.listdir(d) if ".abandoned-" in n)
 
 
 def test_only_the_abandoned_timeline_is_replaced_silently(tmp_path: Path):
@@ -855,10 +865,10 @@ def test_injected_storage_failure_warn_and_raise(
     real_commit = local.LocalStorage.commit
     failing = {"on": False}
 
-    def commit(self: Any, staging: str, name: str, *, replace: bool) -> None:
+    def commit(self: Any, staging: str, name: str, manifest: bytes, **kw: Any) -> None:
         if failing["on"]:
             raise StorageError(5, "injected I/O error")
-        real_commit(self, staging, name, replace=replace)
+        real_commit(self, staging, name, manifest, **kw)
 
     monkeypatch.setattr(local.LocalStorage, "commit", commit)
     with tg.CheckpointManager(tmp_path / "w", make_state(), async_save=async_save) as mgr:
@@ -894,10 +904,10 @@ def test_raise_mode_raises_each_failure_once(
     real_commit = local.LocalStorage.commit
     failing = {"on": True}
 
-    def commit(self: Any, staging: str, name: str, *, replace: bool) -> None:
+    def commit(self: Any, staging: str, name: str, manifest: bytes, **kw: Any) -> None:
         if failing["on"]:
             raise StorageError(5, "injected I/O error")
-        real_commit(self, staging, name, replace=replace)
+        real_commit(self, staging, name, manifest, **kw)
 
     monkeypatch.setattr(local.LocalStorage, "commit", commit)
     mgr = tg.CheckpointManager(tmp_path, make_state(), on_save_error="raise", async_save=async_save)
@@ -989,16 +999,10 @@ def test_a_step_dir_that_cannot_be_moved_aside_is_a_failed_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
     (tmp_path / "step-000000002").mkdir()
-    real_rename = os.rename
-
-    def rename(src: Any, dst: Any, *a: Any, **kw: Any) -> None:
-        if ".incomplete-" in os.fspath(dst):
-            raise PermissionError(13, "Permission denied (injected)", os.fspath(src))
-        real_rename(src, dst, *a, **kw)
-
-    monkeypatch.setattr(os, "rename", rename)
+    faulty = FaultyStorage(str(tmp_path))
+    faulty.fail("move", error="EACCES")  # the rename of step-2 to step-2.incomplete-*
     caplog.set_level(logging.ERROR, logger="tardigrade")
-    with tg.CheckpointManager(tmp_path, make_state(), every_steps=1) as mgr:
+    with tg.CheckpointManager(faulty.root, make_state(), every_steps=1) as mgr:
         assert mgr.step(2) is False  # reported, counted, training goes on
         assert mgr.step(3) is True
         mgr.wait()

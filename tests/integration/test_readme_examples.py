@@ -77,6 +77,13 @@ def test_rows_of_a_table_example_loads_those_rows(tmp_path: Path) -> None:
     assert run.stdout.splitlines() == ["ROWS OK"], run.stdout + run.stderr
 
 
+def test_faulty_storage_example_runs(tmp_path: Path) -> None:
+    done = run_example(readme_block("FaultyStorage("), tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "refused:" in done.stdout and "injected ENOSPC" in done.stdout
+    assert "'commit': 1" in done.stdout  # the second save committed
+
+
 @pytest.mark.parametrize(
     "marker",
     [
@@ -142,6 +149,7 @@ CHAINS = {
 }
 # Blocks with a test of their own above.
 OWN_TESTS = [
+    "FaultyStorage(",
     "tg.SeededDataset(Jitter())",
     "rows = tg.Sharded(",
     "# torchrun --nproc-per-node 2 train.py",

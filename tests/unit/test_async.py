@@ -866,9 +866,7 @@ def test_close_waits_for_in_flight_work_and_is_idempotent(
     assert fut.done(), "close() returned while the save was still in flight"
     assert_same(tg.load(tmp_path / "ckpt"), snapshot(small_state(5)))
 
-    started = time.perf_counter()
-    ckpt.close()  # idempotent: returns at once, raises nothing
-    assert time.perf_counter() - started < 1.0
+    ckpt.close()  # idempotent: raises nothing
     with pytest.raises(InvalidArgumentError, match="closed"):
         ckpt.save(tmp_path / "again", small_state(6))
     assert not (tmp_path / "again").exists()

@@ -8,6 +8,7 @@ import pytest
 
 from tardigrade import InvalidArgumentError
 from tardigrade._plan import (
+    _NBYTES,
     PER_RANK,
     REPLICATED,
     SHARDED,
@@ -156,11 +157,14 @@ def coordinator_manifest(world: int, tensors: int = 40) -> bytes:
     g = global_plan_from_wire(wire)
     written = {
         name: WrittenFile(size, "0" * 16, "0123456789abcdef" * len(rows))
-        for name, rows, size in zip(g.files, g.file_rows, g.file_nbytes(), strict=True)
+        for name, rows in zip(g.files, g.file_rows, strict=True)
+        for size in [int(g.table[rows, _NBYTES].sum())]  # the file's tensor bytes
     }
     header = {"format": "tardigrade", "format_version": 4, "world_size": world,
               "checksum_algorithm": ALGORITHM, "step": None, "epoch": None}  # fmt: skip
-    doc = manifest_doc(header, {"t": "dict", "v": []}, [[] for _ in range(world)], g, written)
+    doc = manifest_doc(
+        header, {"t": "dict", "v": []}, [[] for _ in range(world)], g, written, packed=False
+    )
     return seal_checked(doc, "simulated")
 
 

@@ -62,3 +62,31 @@ def test_no_import_cycles() -> None:
             visit(m)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
     assert "tardigrade._save" not in graph["tardigrade._async"]
+
+
+# Layers, lowest first: a module may import its own layer and those below, never one above.
+# The format knows bytes on disk; storage moves bytes (and uses the format's checksums and
+# names); everything else (pipelines, manager, CLI, testing) sits on both.
+LAYERS = [
+    ("tardigrade.errors", "tardigrade._version", "tardigrade._units"),
+    ("tardigrade.format",),
+    ("tardigrade.storage",),
+]
+
+
+def layer_of(module: str) -> int:
+    for i, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return len(LAYERS)
+
+
+def test_no_upward_imports() -> None:
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    upward = [
+        f"{m} -> {dep}"
+        for m, p in sorted(files.items())
+        for dep in sorted(imports_of(p, set(files)))
+        if layer_of(dep) > layer_of(m)
+    ]
+    assert not upward, "imports that run upward: " + "; ".join(upward)

@@ -11,8 +11,7 @@ import argparse
 import json
 import os
 
-from .._layout import tidy
-from .._lock import DirectoryLock
+from .._catalog import Catalog
 from ..errors import CheckpointNotFoundError
 from ._output import human_bytes
 
@@ -41,13 +40,14 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(directory):
         what = "is not a directory" if os.path.exists(directory) else "does not exist"
         raise CheckpointNotFoundError(f"{args.dir}: {what}; pass a checkpoint directory")
-    lock = DirectoryLock(directory)
+    catalog = Catalog(directory)
+    lock = catalog.storage.lease()
     try:
         # CheckpointLockedError names the live owner. A full disk does not stop us: the lock is
         # held without its record, and removing leftovers is what frees the space.
         lock.acquire()
         lock.check()  # fencing: still ours right before anything is removed
-        done = tidy(directory, dry_run=args.dry_run)
+        done = catalog.tidy(dry_run=args.dry_run)
     finally:
         lock.release()  # never raises; the lock is free however tidy ended
     freed = sum(t.nbytes for t in done if t.action == "removed")

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from .._open import open_manifest
-from .._tree import decode
+from .._tree import decode, flatten
 from ..errors import CorruptCheckpointError, InvalidArgumentError, TardigradeError
 from ..format.dtypes import COMPLEX_DTYPES, ITEMSIZE
 from ..format.manifest import MANIFEST
@@ -314,6 +314,20 @@ def _plain_list_text(tag: str, items: list[dict[str, Any]]) -> str:
     return f"{tag}[{len(items)}] of {'/'.join(kinds)}: [{head}, ..., {last}]"
 
 
+def _packed_text(node: dict[str, Any]) -> str:
+    """A packed list or tuple (format 6), shown as the same list stored item by item is."""
+    try:
+        items = decode(node, lambda n, p: None, "manifest")
+    except TardigradeError:
+        return "<malformed 'packed' value>"
+    shown = [*items[:3], items[-1]] if len(items) > INLINE_ITEMS else list(items)
+    nodes = [flatten(x).tree for x in shown]
+    if len(items) > INLINE_ITEMS:
+        # Only the count, the kind and the ends are shown; every item has the first's kind.
+        nodes[3:3] = [nodes[0]] * (len(items) - 4)
+    return _plain_list_text(str(node.get("as")), nodes)
+
+
 def render_tree(
     m: dict[str, Any],
     depth: int | None = None,
@@ -360,6 +374,9 @@ def render_tree(
             return
         if t in ("tensor", "ndarray"):
             lines.append(f"{prefix}{tag}{_tensor_text(node, tensors, world_size, files)}")
+            return
+        if t == "packed":
+            lines.append(f"{prefix}{tag}{_packed_text(node)}")
             return
         if t == "per_rank":
             lines.append(f"{prefix}{tag}tg.PerRank #{node.get('i')} (one value per rank, below)")

@@ -42,6 +42,7 @@ from .._staging import SlabPool
 from .._tree import Flat, flatten, path_str
 from .._write import (
     WrittenFile,
+    abort_staging,
     as_save_error,
     commit_staging,
     manifest_doc,
@@ -277,6 +278,7 @@ class _Save:
                     },
                     "per_rank": [sub.tree for sub in self.flat.per_rank],  # type: ignore[union-attr]
                     "own": [len(sub.entries) for sub in self.flat.per_rank],  # type: ignore[union-attr]
+                    "packed": self.flat.uses_packed,  # type: ignore[union-attr]
                 }
             )
 
@@ -284,12 +286,22 @@ class _Save:
             assert c.gplan is not None
             written: dict[str, WrittenFile] = {}
             trees = []
+            packed = False
             for r, p in enumerate(payloads):
                 d = json.loads(p)
+                packed = packed or d["packed"]
                 for n, (size, head, sums) in d["files"].items():
                     written[n] = WrittenFile(size, head, sums)
                 trees.append(per_rank_trees(d["per_rank"], d["own"], c.gplan.own_base[r]))
-            doc = manifest_doc(self.header, self.flat.tree, trees, c.gplan, written)  # type: ignore[union-attr]
+            doc = manifest_doc(
+                self.header,
+                self.flat.tree,  # type: ignore[union-attr]
+                trees,
+                c.gplan,
+                written,
+                packed=packed,
+                stored_name=job.stored_name,
+            )
             manifest = seal_checked(doc, job.storage.url(job.name))
             commit_staging(job, staging, manifest)
             return _json({"nbytes": sum(w.size for w in written.values()) + len(manifest),
@@ -299,7 +311,7 @@ class _Save:
             done = json.loads(ranks.reduce("tg.save (write and commit)", write, commit))
         except BaseException as e:
             if ranks.coordinator:
-                job.storage.delete(staging)
+                abort_staging(job, staging)
             err = as_save_error(job, e)
             if err is e:
                 raise

@@ -64,7 +64,7 @@ def loads_strict(raw: bytes, where: str) -> Any:
             f"{where}: header is not valid UTF-8 ({e}); the file is damaged. "
             "Delete this checkpoint or restore it from a backup."
         ) from None
-    _check_parse_cost(raw, where)
+    check_parse_cost(raw, where)
     try:
         with gc_paused():
             doc = json.loads(text, parse_constant=_reject_constant)
@@ -104,7 +104,12 @@ def parse_cost(raw: bytes) -> int:
     )
 
 
-def _check_parse_cost(raw: bytes, where: str) -> None:
+def check_parse_cost(raw: bytes, where: str) -> None:
+    """Refuse JSON whose parse would build far more memory than its size (checked unparsed).
+
+    Readers run it before parsing a header or manifest; a writer runs it on the manifest it is
+    about to commit, so nothing is committed that a reader would refuse.
+    """
     cost = parse_cost(raw)
     if cost > limits.PARSE_AMPLIFICATION * len(raw) and cost > limits.MAX_PARSE_BYTES:
         raise CorruptCheckpointError(

@@ -18,14 +18,15 @@ from ..errors import (
     TardigradeError,
     UnsupportedFormatError,
 )
-from ..storage.base import MANIFEST as MANIFEST
-from ..storage.base import check_name
 from . import limits
 from .checksum import ALGORITHM, checksum
 from .jsonio import gc_paused, loads_strict
 from .sizes import ITEMSIZE
 from .tiling import TilingError, check_exact_tiling
 
+# The commit record of a checkpoint, and how every manifest Tardigrade writes begins.
+MANIFEST = "manifest.json"
+MANIFEST_START = b'{"format":"tardigrade"'
 FORMAT_NAME = "tardigrade"
 # v2: the manifest carries its own checksum and every data file's header checksum, so every
 # byte of a checkpoint is covered. v1 (no manifest or header checksum) is still read.
@@ -38,9 +39,13 @@ FORMAT_NAME = "tardigrade"
 # ``files``, flat ``offsets`` and ``shape``, ``checksum`` as one hex string) and each tensor's
 # ``name``; a chunk's safetensors key is derived: ``name@tensor.chunk``. Single-process saves
 # need none of it and stay v4, readable by v4 readers.
+# v6: the state tree may hold ``packed`` lists and tuples (long runs of ints or floats as one
+# base64 string of their little-endian bytes). Written only when a tree holds one, by one
+# process (chunks as in v4) or several (chunks as columns, as in v5).
 FORMAT_VERSION = 4
 COLUMNAR_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+PACKED_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 LAYOUTS = ("replicated", "sharded", "per_rank")
 PER_RANK_FALLBACKS = ("rank0", "error")
 SEALED_SINCE = 2  # the first version whose manifests must carry a checksum
@@ -302,8 +307,9 @@ def validate(doc: Any, where: str, *, sealed: bool = True) -> Manifest:
     ):
         raise _fail(where, f"'per_rank' must list each of the {world} ranks' subtrees")
     files, header_sums = _files(doc.get("files"), where, sealed=version >= SEALED_SINCE)
-    tensors = _tensors(doc.get("tensors"), files, where, columnar=version >= COLUMNAR_VERSION)
-    if version < COLUMNAR_VERSION:  # format 5 derives keys, unique by construction
+    columnar = version == COLUMNAR_VERSION or (version >= PACKED_VERSION and world > 1)
+    tensors = _tensors(doc.get("tensors"), files, where, columnar=columnar)
+    if not columnar:  # columns derive keys, unique by construction
         with gc_paused():  # a set of a million (file, key) tuples
             _check_keys_unique(tensors, where)
     return Manifest(doc, tensors, files, header_sums)
@@ -586,3 +592,23 @@ def _check_tiling_columns(
         check_exact_tiling(boxes, shape, limits.MAX_BOX_CHUNKS)
     except TilingError as e:
         raise _fail(where, f"tensor #{i}: {e}") from None
+
+
+def check_name(name: object, where: str) -> str:
+    """A data file name from a manifest must be a plain file name inside the checkpoint."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or ".." in name
+        or len(name) > 255
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: data file name {name!r} is not a plain file name inside the checkpoint "
+            "(it contains a path separator, '..', NUL or is empty). The manifest is damaged or "
+            "hostile; refusing to read it."
+        )
+    return name

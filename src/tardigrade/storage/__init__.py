@@ -1,28 +1,91 @@
-"""Storage backends move bytes; they never decide what the bytes are."""
+"""Storage backends move bytes; they never decide what the bytes are.
 
-from .base import Reader, Storage, Writer, check_name
+``storage_for(location)`` maps a location to its backend: a plain path or ``file://`` URL to
+:class:`LocalStorage`, ``memory://`` to :class:`MemoryStorage` (an object store in this
+process). Any other scheme is refused with a message naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from ..format.manifest import check_name
+from .base import ManifestLastCommit, PreconditionFailed, Reader, Stat, Storage, Writer
 from .local import LocalStorage
+from .memory import MemoryStorage
 
-__all__ = ["LocalStorage", "Reader", "Storage", "Writer", "check_name", "storage_for"]
+__all__ = [
+    "LocalStorage",
+    "ManifestLastCommit",
+    "MemoryStorage",
+    "PreconditionFailed",
+    "Reader",
+    "Stat",
+    "Storage",
+    "Writer",
+    "check_name",
+    "open_root",
+    "register_scheme",
+    "storage_for",
+]
+
+# Schemes and the backend that serves each: a root URL (or directory) -> a Storage there.
+_BACKENDS: dict[str, Callable[[str, Mapping[str, Any]], Storage]] = {
+    "file": lambda root, options: LocalStorage(root.removeprefix("file://")),
+    "memory": lambda root, options: MemoryStorage(root),
+}
 
 
-def storage_for(location: str) -> tuple[Storage, str]:
-    """Split a checkpoint location into (storage rooted at its parent, checkpoint name)."""
-    import os
+def register_scheme(scheme: str, backend: Callable[[str, Mapping[str, Any]], Storage]) -> None:
+    """Serve ``scheme://`` URLs with ``backend(root_url, storage_options)``."""
+    _BACKENDS[scheme] = backend
 
-    from ..errors import InvalidArgumentError
 
+def _scheme(location: str) -> str:
+    scheme, sep, _ = location.partition("://")
+    return scheme.lower() if sep else "file"
+
+
+def _location(location: Any) -> str:
     if not isinstance(location, (str, os.PathLike)):
         raise InvalidArgumentError(
             f"checkpoint path must be a str or os.PathLike, got {type(location).__name__}"
         )
     location = os.fspath(location)
-    if "://" in location:
+    if not isinstance(location, str):
+        raise InvalidArgumentError(f"checkpoint path must be text, got {location!r}")
+    scheme = _scheme(location)
+    if scheme not in _BACKENDS:
         raise InvalidArgumentError(
-            f"{location}: URLs are not supported by this build yet; use a local directory path"
+            f"{location}: unknown storage scheme {scheme}://; this build stores checkpoints "
+            f"in local directories (a path or file://) and in memory:// "
+            f"(known: {', '.join(sorted(f'{s}://' for s in _BACKENDS))})."
         )
-    path = os.path.abspath(location)
-    parent, name = os.path.split(path.rstrip(os.sep))
-    if not name:
-        raise InvalidArgumentError(f"{location!r} does not name a checkpoint directory")
-    return LocalStorage(parent), name
+    if scheme == "file":
+        return os.path.abspath(location.removeprefix("file://"))
+    return location
+
+
+def open_root(location: Any, storage_options: Mapping[str, Any] | None = None) -> Storage:
+    """The storage rooted at ``location`` itself (a directory of checkpoints)."""
+    location = _location(location)
+    return _BACKENDS[_scheme(location)](location.rstrip("/"), storage_options or {})
+
+
+def storage_for(
+    location: Any, storage_options: Mapping[str, Any] | None = None
+) -> tuple[Storage, str]:
+    """Split a checkpoint location into (storage rooted at its parent, checkpoint name)."""
+    location = _location(location)
+    scheme = _scheme(location)
+    if scheme == "file":
+        parent, name = os.path.split(location.rstrip(os.sep))
+    else:
+        head, _, name = location.rstrip("/").rpartition("/")
+        parent = head if "://" in head and not head.endswith(":/") else ""
+    if not name or not parent:
+        raise InvalidArgumentError(f"{location!r} does not name a checkpoint")
+    return _BACKENDS[scheme](parent, storage_options or {}), name

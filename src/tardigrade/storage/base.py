@@ -1,23 +1,68 @@
-"""The backend contract: a handful of primitives over names relative to a root.
+"""The backend contract: a handful of byte primitives over names relative to a root, and the
+commit strategy the backend chooses.
 
-Call order for a save (the commit order is the design):
-``begin(name)`` -> ``open_writer(tmp/...)``; ``write``...; ``close`` (durable) for each data file
--> ``open_writer(tmp/manifest.json)`` ... ``close`` -> ``commit(tmp, name)``.
-After ``commit`` returns, the checkpoint exists and survives power loss; before, it does not.
+Names use '/' and are relative to the root (a directory, or a URL prefix on a store). The byte
+primitives know nothing of checkpoints:
+
+- ``open_writer(name)`` -> ``write``... -> ``close()``: the bytes are durable (fsynced, or the
+  object is complete); ``abort()`` leaves nothing visible under ``name``;
+- ``open_reader(name)`` -> ``readinto(offset, buf)``: ranged reads into the caller's buffer;
+- ``put(name, data, mode=...)``: a small object, ``"create"`` (only if nothing is there),
+  ``"if_match"`` (only if it is still the version ``expect``) or ``"overwrite"``; returns the
+  new version, raising :class:`PreconditionFailed` when the condition does not hold;
+- ``stat(name)``, ``list(name)`` (the entries directly under a prefix), ``delete(name)`` (an
+  object, or everything under a prefix), ``delete_many(names)``.
+
+Call order for a save (the commit order is the design), through the backend's strategy:
+``begin(name, save_id)`` -> a staging location; each data file ``open_writer(staging/
+data_name(file, save_id))``, ``write``..., ``close`` (durable) -> ``commit(staging, name,
+manifest)``. After ``commit`` returns the checkpoint exists and survives power loss; before,
+it does not. On failure ``abort(staging, name, save_id)`` removes what the save wrote. Two
+strategies: :class:`RenameCommit` (POSIX: a staging directory renamed into place, see
+``local.py``) and :class:`ManifestLastCommit` (stores, which cannot rename: data objects under
+names unique to the save, then the manifest created only if none exists).
 """
 
 from __future__ import annotations
 
 import abc
+import errno
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from ..errors import CorruptCheckpointError, TardigradeError
+from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError, TardigradeError
 from ..format.checksum import Hasher
+from ..format.manifest import MANIFEST, MANIFEST_START
 
-# The commit record of a checkpoint, and how every manifest Tardigrade writes begins.
-MANIFEST = "manifest.json"
-MANIFEST_START = b'{"format":"tardigrade"'
 # Everything in flight or left behind starts with this; readers never read it.
 TMP_PREFIX = ".tmp-"
+
+PutMode = Literal["create", "if_match", "overwrite"]
+
+
+class PreconditionFailed(StorageError):
+    """A conditional put found another version (or, creating, an object) in place."""
+
+
+@dataclass(frozen=True)
+class Tidied:
+    """One leftover of a dead writer that :meth:`Storage.tidy` dealt with."""
+
+    name: str
+    action: str  # "removed" or "recovered"
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Stat:
+    """What is at a name: an object of ``size`` bytes in its ``version``, or a directory."""
+
+    size: int
+    version: str
+    is_dir: bool = False
+    is_link: bool = False  # a symbolic link (POSIX), never followed: not a checkpoint's file
 
 
 def staging_name(name: str, save_id: str) -> str:
@@ -75,31 +120,100 @@ class Storage(abc.ABC):
 
     root: str
 
+    # -- the byte primitives -------------------------------------------------------------
+
     @abc.abstractmethod
     def open_writer(self, name: str, *, size_hint: int | None = None) -> Writer:
-        """Create the file ``name``; ``size_hint`` (its expected size) may pick a faster path."""
+        """Create the object ``name``; ``size_hint`` (its expected size) may pick a faster path."""
 
     @abc.abstractmethod
     def open_reader(self, name: str) -> Reader: ...
 
     @abc.abstractmethod
-    def list(self, name: str = "") -> list[str]:
-        """Entries directly under ``name`` (a directory); empty if it does not exist."""
+    def put(
+        self, name: str, data: bytes, *, mode: PutMode = "create", expect: str | None = None
+    ) -> str:
+        """Write the small object ``name`` whole and durably under a condition; return its
+        new version. ``"create"``: only if nothing is at ``name``; ``"if_match"``: only if it
+        is still version ``expect``; ``"overwrite"``: unconditionally. A condition that does
+        not hold raises :class:`PreconditionFailed` and changes nothing."""
 
     @abc.abstractmethod
-    def exists(self, name: str) -> bool: ...
+    def stat(self, name: str) -> Stat | None:
+        """The object (or directory / prefix) at ``name``, or None."""
+
+    @abc.abstractmethod
+    def list(self, name: str = "") -> list[str]:
+        """Entries directly under ``name`` (a directory or prefix), sorted; empty if none."""
 
     @abc.abstractmethod
     def delete(self, name: str) -> None:
-        """Remove a file or a whole directory; missing is not an error."""
+        """Remove an object, or everything under a directory/prefix; missing is not an error."""
+
+    def delete_many(self, names: list[str]) -> None:
+        """Remove several objects (stores batch this)."""
+        for name in names:
+            self.delete(name)
+
+    def exists(self, name: str) -> bool:
+        return self.stat(name) is not None
+
+    def is_dir(self, name: str) -> bool:
+        """Whether ``name`` is a directory (object stores: a prefix with entries)."""
+        st = self.stat(name)
+        return st is not None and st.is_dir
+
+    # -- the commit strategy (see the module docstring) -----------------------------------
 
     @abc.abstractmethod
     def begin(self, name: str, save_id: str) -> str:
-        """Prepare an invisible staging location for checkpoint ``name``; return its name."""
+        """Prepare where the data files of a save of checkpoint ``name`` go; return it."""
+
+    def data_name(self, file: str, save_id: str) -> str:
+        """The name a save stores its data file ``file`` under (in the manifest too)."""
+        return file
 
     @abc.abstractmethod
-    def commit(self, staging: str, name: str, *, replace: bool) -> None:
-        """Make ``staging`` visible as ``name``, durably. ``replace`` swaps out an existing one."""
+    def commit(
+        self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
+    ) -> None:
+        """Write ``manifest`` and make save ``save_id`` in ``staging`` visible as ``name``.
+        ``replace`` replaces an existing checkpoint; without it, one that appeared meanwhile
+        raises CheckpointExistsError and nothing is committed."""
+
+    @abc.abstractmethod
+    def abort(self, staging: str, name: str, save_id: str) -> None:
+        """Remove what a save that will not commit wrote (it never became visible)."""
+
+    # Whether move() works: POSIX directories rename; object stores cannot.
+    can_move = False
+
+    def move(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` durably, never replacing anything at ``dst``."""
+        raise StorageError(
+            errno.EOPNOTSUPP, f"{self.url(src)}: this storage cannot rename (an object store)"
+        )
+
+    def preflight(self) -> None:
+        """Raise StorageError if checkpoints can never be written here (read-only, denied, a
+        file in the way); create the root if missing. A transient failure only warns."""
+        probe = f".probe-{uuid.uuid4().hex}"
+        self.put(probe, b"", mode="create")
+        self.delete(probe)
+
+    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+        """Clean up after writers that died: their staging, half-done replaces and deletes.
+
+        Only what no live writer holds, and never a committed checkpoint. A store's saves
+        leave nothing once aborted; what a crashed one left is not removed yet.
+        """
+        return []
+
+    @abc.abstractmethod
+    def lease(self, *, lease_seconds: float = 30.0) -> Any:
+        """The one-writer lease of this root (a ``lease.Lease``; not yet taken)."""
+
+    # -- derived helpers ------------------------------------------------------------------
 
     def describe(self, name: str) -> str | None:
         """What is at ``name``: None (nothing), ``"checkpoint"`` (a directory whose commit
@@ -116,10 +230,6 @@ class Storage(abc.ABC):
             pass
         return "directory" if self.list(name) or self.is_dir(name) else "file"
 
-    def is_dir(self, name: str) -> bool:
-        """Whether ``name`` is a directory (object stores: a prefix with entries)."""
-        return bool(self.list(name))
-
     def read_bytes(self, name: str, limit: int) -> bytes:
         """Read a whole small file, refusing ones larger than ``limit``."""
         with self.open_reader(name) as r:
@@ -135,21 +245,59 @@ class Storage(abc.ABC):
         return f"{self.root.rstrip('/')}/{name}"
 
 
-def check_name(name: object, where: str) -> str:
-    """A data file name from a manifest must be a plain file name inside the checkpoint."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-        or ".." in name
-        or len(name) > 255
-    ):
-        raise CorruptCheckpointError(
-            f"{where}: data file name {name!r} is not a plain file name inside the checkpoint "
-            "(it contains a path separator, '..', NUL or is empty). The manifest is damaged or "
-            "hostile; refusing to read it."
-        )
-    return name
+# A store's data object: the save's id (16 hex digits), a dot, the file's name in the plan.
+_SAVE_DATA = re.compile(r"^[0-9a-f]{16}\.")
+
+
+class ManifestLastCommit(Storage):
+    """The commit strategy of object stores, which cannot rename (and copy is not atomic).
+
+    Data objects are written straight under the checkpoint's prefix, under names unique to the
+    save (``<save id>.data-...``), so a retry, a zombie writer or ``overwrite=True`` never
+    overwrites bytes a committed manifest points at. The manifest is written last, with one
+    conditional create: of two writers, exactly one commits. A prefix without a manifest holds
+    no checkpoint; ``abort`` deletes the save's own objects. Replacing puts the new manifest
+    only if the old one is still the version read (if-match), then deletes the old data.
+    """
+
+    def begin(self, name: str, save_id: str) -> str:
+        return name  # nothing to prepare: the data go where they stay
+
+    def data_name(self, file: str, save_id: str) -> str:
+        return f"{save_id[:16]}.{file}"
+
+    def commit(
+        self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
+    ) -> None:
+        key = f"{name}/{MANIFEST}"
+        old = self.stat(key) if replace else None
+        try:
+            if old is None:
+                self.put(key, manifest, mode="create")
+            else:
+                self.put(key, manifest, mode="if_match", expect=old.version)
+        except PreconditionFailed:
+            raise CheckpointExistsError(
+                f"{self.url(name)}: another writer committed a checkpoint here while this save "
+                "was running; nothing was overwritten and this save did not commit."
+            ) from None
+        if old is not None:
+            mine = self.data_name("", save_id)
+            self.delete_many(
+                [
+                    f"{name}/{n}"
+                    for n in self.list(name)
+                    if _SAVE_DATA.match(n) and not n.startswith(mine)
+                ]
+            )
+
+    def abort(self, staging: str, name: str, save_id: str) -> None:
+        mine = self.data_name("", save_id)
+        self.delete_many([f"{name}/{n}" for n in self.list(name) if n.startswith(mine)])
+
+    def describe(self, name: str) -> str | None:
+        """As :meth:`Storage.describe`; data a save left without committing is nothing."""
+        kind = super().describe(name)
+        if kind == "directory" and all(_SAVE_DATA.match(n) for n in self.list(name)):
+            return None
+        return kind

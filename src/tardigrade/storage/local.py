@@ -5,7 +5,9 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import logging
 import os
+import re
 import shutil
 import stat
 import uuid
@@ -15,26 +17,69 @@ import numpy as np
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError
 from ..format.checksum import Hasher
-from .base import MANIFEST, Reader, Storage, Writer, replaced_name, staging_name
+from .base import (
+    MANIFEST,
+    TMP_PREFIX,
+    PreconditionFailed,
+    PutMode,
+    Reader,
+    Stat,
+    Storage,
+    Tidied,
+    Writer,
+    replaced_name,
+    staging_name,
+)
+from .local_lease import DirectoryLock
 
+log = logging.getLogger("tardigrade")
+# A committed checkpoint a replace without atomic swap moved aside (``replaced_name``). Any id
+# is accepted: a checkpoint is put back, never deleted, whoever named it.
+_REPLACED = re.compile(rf"^{re.escape(TMP_PREFIX)}(.+)-replaced-[^-]+$")
+# A small object being written by put(): a dot file, not a ``.tmp-`` one (whose directories
+# cleanup judges by their flock).
+TMP_PUT = ".put-"
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+def _renameat2(a: str, b: str, flags: int) -> bool:
+    """Linux renameat2(a, b, flags); False where the kernel or filesystem lacks it."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
     except (OSError, AttributeError):
         return False
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), b)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (RENAME_EXCHANGE); False if unsupported."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def _rename_new(a: str, b: str) -> None:
+    """Rename ``a`` to ``b`` only if nothing is at ``b`` (RENAME_NOREPLACE where there is one:
+    a plain rename silently replaces an empty directory)."""
+    try:
+        if _renameat2(a, b, _RENAME_NOREPLACE):
+            return
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        raise FileExistsError(e.errno, e.strerror, b) from None
+    if os.path.lexists(b):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), b)
+    os.rename(a, b)
 
 
 def fsync_dir(path: str) -> None:
@@ -189,8 +234,13 @@ class LocalWriter(Writer):
             self._release()
 
     def abort(self) -> None:
+        """Close and remove the file (created by this writer): nothing is left visible."""
         try:
             self._release()
+        except OSError:
+            pass
+        try:
+            os.unlink(self.path)
         except OSError:
             pass
 
@@ -276,7 +326,11 @@ class LocalReader(Reader):
 
 
 class LocalStorage(Storage):
-    """Checkpoints as directories under ``root`` on a POSIX filesystem."""
+    """Checkpoints as directories under ``root`` on a POSIX filesystem.
+
+    Its commit strategy is the rename: a save writes into a staging directory (``.tmp-*``),
+    fsyncs it, writes the manifest, and renames (or atomically exchanges) it into place.
+    """
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -286,7 +340,16 @@ class LocalStorage(Storage):
         return os.path.join(self.root, name) if name else self.root
 
     def open_writer(self, name: str, *, size_hint: int | None = None) -> Writer:
+        self._parent(name)
         return LocalWriter(self._path(name), size_hint=size_hint)
+
+    def _parent(self, name: str) -> None:
+        """Create the directories above ``name``, as a store's prefixes exist implicitly."""
+        parent = os.path.dirname(self._path(name))
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot create {parent}: {e.strerror}") from e
 
     def open_reader(self, name: str) -> Reader:
         return LocalReader(self._path(name))
@@ -299,6 +362,133 @@ class LocalStorage(Storage):
 
     def exists(self, name: str) -> bool:
         return os.path.lexists(self._path(name))
+
+    def lease(self, *, lease_seconds: float = 30.0) -> DirectoryLock:
+        return DirectoryLock(self.root, lease_seconds=lease_seconds)
+
+    def preflight(self) -> None:
+        preflight_directory(self.root)
+
+    can_move = True
+
+    def move(self, src: str, dst: str) -> None:
+        a, b = self._path(src), self._path(dst)
+        try:
+            _rename_new(a, b)
+            fsync_dir(os.path.dirname(b))
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot rename {a} to {b}: {e.strerror}") from e
+
+    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+        """Clean up after writers that died under this root.
+
+        Only ``.tmp-*`` directories are considered, and only those no live process holds:
+        every save holds an flock on its staging directory (and on a checkpoint it moves
+        aside) until it commits or gives up, so a save in flight, by this process or any
+        other, is skipped. A dead save's staging directory (or an interrupted retention
+        delete) is removed. A committed checkpoint that a crashed replace had moved aside
+        (``.tmp-NAME-replaced-*``) is put back under its name when that name is free,
+        whatever the name; if a committed checkpoint holds the name, the replace had finished
+        and the old copy is removed. Committed checkpoints are never touched.
+        """
+        done = []
+        for n in self.list():
+            path = self._path(n)
+            if not n.startswith(TMP_PREFIX) or os.path.islink(path) or not os.path.isdir(path):
+                continue
+            fd = lock_dir(path, wait=False)
+            if fd is None:
+                continue  # a live save holds it, or it is already gone
+            try:
+                done.extend(self._tidy_one(n, dry_run))
+            finally:
+                os.close(fd)
+        return done
+
+    def _tidy_one(self, n: str, dry_run: bool) -> list[Tidied]:
+        path = self._path(n)
+        m = _REPLACED.match(n)
+        if m and is_committed(path):
+            name = m.group(1)
+            target = self._path(name)
+            if not os.path.lexists(target):
+                if not dry_run:
+                    os.rename(path, target)
+                    fsync_dir(self.root)
+                    log.warning("tardigrade: recovered %s from an interrupted replace", name)
+                return [Tidied(name, "recovered", tree_bytes(path if dry_run else target))]
+            if not is_committed(target):
+                log.warning(
+                    "tardigrade: %s holds the checkpoint an interrupted replace moved aside, "
+                    "but %s is taken by something that is not a checkpoint; leaving both",
+                    path,
+                    target,
+                )
+                return []
+        nbytes = tree_bytes(path)
+        if not dry_run:
+            log.info("tardigrade: removing leftover %s from an interrupted save", n)
+            shutil.rmtree(path, ignore_errors=True)
+        return [Tidied(n, "removed", nbytes)]
+
+    def stat(self, name: str) -> Stat | None:
+        try:
+            st = os.lstat(self._path(name))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot stat {self._path(name)}: {e.strerror}") from e
+        version = f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+        return Stat(st.st_size, version, stat.S_ISDIR(st.st_mode), stat.S_ISLNK(st.st_mode))
+
+    def put(
+        self, name: str, data: bytes, *, mode: PutMode = "create", expect: str | None = None
+    ) -> str:
+        """Write ``name`` whole: a fsynced temporary file, then link (create) or rename.
+
+        ``"create"`` links the file into place, which fails if anything is there, atomically.
+        ``"if_match"`` compares and renames: atomic against a crash, not against a concurrent
+        writer (on a local directory the lease keeps writers out; stores do it in one call).
+        """
+        path = self._path(name)
+        if mode == "if_match":
+            now = self.stat(name)
+            if now is None or now.version != expect:
+                raise PreconditionFailed(
+                    errno.ESTALE, f"{path}: changed since it was read; nothing was written"
+                )
+        self._parent(name)
+        tmp = os.path.join(os.path.dirname(path), f"{TMP_PUT}{uuid.uuid4().hex}")
+        try:
+            w = LocalWriter(tmp)
+            try:
+                w.write(data)
+            except BaseException:
+                w.abort()
+                raise
+            w.close()
+            if mode == "create":
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise PreconditionFailed(
+                        errno.EEXIST, f"{path}: exists already; nothing was written"
+                    ) from None
+            else:
+                os.replace(tmp, path)
+            fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            if isinstance(e, StorageError):
+                raise
+            raise StorageError(e.errno, f"cannot write {path}: {e.strerror}") from e
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        got = self.stat(name)
+        assert got is not None
+        return got.version
 
     def is_dir(self, name: str) -> bool:
         path = self._path(name)
@@ -349,9 +539,21 @@ class LocalStorage(Storage):
         finally:
             self._unlock(name)
 
-    def commit(self, staging: str, name: str, *, replace: bool) -> None:
+    def abort(self, staging: str, name: str, save_id: str) -> None:
+        self.delete(staging)
+
+    def commit(
+        self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
+    ) -> None:
         src, dst = self._path(staging), self._path(name)
         try:
+            w = self.open_writer(f"{staging}/{MANIFEST}")
+            try:
+                w.write(manifest)
+            except BaseException:
+                w.abort()
+                raise
+            w.close()
             fsync_dir(src)
             if replace and os.path.lexists(dst):
                 # rename() cannot replace a non-empty directory. Swap the two atomically, so at
@@ -369,9 +571,15 @@ class LocalStorage(Storage):
                 else:
                     self._replace_by_renames(src, dst, name)
             else:
-                os.rename(src, dst)
+                try:
+                    _rename_new(src, dst)
+                except (FileExistsError, IsADirectoryError, NotADirectoryError):
+                    raise CheckpointExistsError(
+                        f"{dst}: something appeared here during the save; it was left in place "
+                        "and nothing was committed."
+                    ) from None
             fsync_dir(self.root)
-        except CheckpointExistsError:
+        except (CheckpointExistsError, StorageError):
             raise
         except OSError as e:
             raise StorageError(e.errno, f"cannot commit {dst}: {e.strerror}") from e
@@ -399,6 +607,18 @@ class LocalStorage(Storage):
         finally:
             if fd is not None:
                 os.close(fd)
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the regular files under ``path``, recursively (symlinks not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def is_committed(path: str) -> bool:
@@ -431,3 +651,86 @@ def lock_dir(path: str, *, wait: bool) -> int | None:
         pass
     os.close(fd)
     return None
+
+
+# -- checking the directory ------------------------------------------------------------------
+# Errors that no amount of waiting fixes: a manager on such a directory would run for days with
+# every save failing (and only logged, under on_save_error="warn"), so it refuses to start.
+# A full disk or quota (ENOSPC, EDQUOT) is not among them: space can be freed while training.
+_PERMANENT = {
+    errno.EROFS: "it is on a read-only filesystem; pass a directory on a writable filesystem "
+    "(or remount this one read-write)",
+    errno.EACCES: "permission denied; fix its permissions or pass a directory this process "
+    "(uid {uid}) can write to",
+    errno.EPERM: "operation not permitted; fix its permissions or pass a directory this "
+    "process (uid {uid}) can write to",
+    errno.ENOTDIR: "{blocker} is a regular file, not a directory; move it away or pass "
+    "another directory",
+    errno.EEXIST: "{blocker} is a regular file, not a directory; move it away or pass "
+    "another directory",
+    errno.ELOOP: "too many symbolic links in the path; pass a plain directory",
+    errno.ENAMETOOLONG: "the path is too long; pass a shorter one",
+}
+
+
+# Below this much free space a save of any real model fails: say so when the manager starts.
+_FULL_BYTES = 1 << 20
+
+
+def _first_non_directory(path: str) -> str:
+    """The first component of ``path`` that exists but is not a directory (or ``path``)."""
+    probe = path
+    chain = []
+    while probe and probe != os.path.dirname(probe):
+        chain.append(probe)
+        probe = os.path.dirname(probe)
+    for p in reversed(chain):
+        if os.path.lexists(p) and not os.path.isdir(p):
+            return p
+    return path
+
+
+def preflight_directory(directory: str) -> None:
+    """Raise StorageError if ``directory`` can never hold checkpoints; create it if missing.
+
+    The test is what a save does: create the directory, list it, make a subdirectory in it
+    (the staging of a save) and a file in that. A transient failure (a full disk) passes here
+    and is reported by the saves, which may succeed once space is freed.
+    """
+    storage = LocalStorage(directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.listdir(directory)
+        # A staging directory like a save's (locked, so a concurrent cleanup leaves it alone).
+        probe = storage.begin("probe", uuid.uuid4().hex)
+        try:
+            storage.open_writer(f"{probe}/probe").close()
+        finally:
+            storage.delete(probe)
+    except OSError as e:
+        why = _PERMANENT.get(e.errno or 0)
+        if why is None:
+            log.warning(
+                "tardigrade: checkpoint directory %s: %s; saves will fail until this is fixed "
+                "(training is not stopped for it)",
+                directory,
+                e,
+            )
+            return
+        why = why.format(uid=os.geteuid(), blocker=_first_non_directory(directory))
+        raise StorageError(
+            e.errno,
+            f"{directory}: cannot be used as a checkpoint directory, no save could ever succeed "
+            f"there ({e.strerror}): {why}.",
+        ) from e
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return
+    if fs.f_bavail * fs.f_frsize < _FULL_BYTES:
+        log.warning(
+            "tardigrade: the filesystem of checkpoint directory %s is full (%d bytes free); "
+            "saves will fail until space is freed (training is not stopped for it)",
+            directory,
+            fs.f_bavail * fs.f_frsize,
+        )

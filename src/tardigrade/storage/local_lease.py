@@ -43,10 +43,10 @@ import uuid
 import weakref
 from typing import Any
 
-from .errors import CheckpointLockedError
+from ..errors import CheckpointLockedError
+from .lease import LOCK, Lease
 
 log = logging.getLogger("tardigrade")
-LOCK = ".lock"
 
 # Records are padded to whole blocks: after the first write a heartbeat rewrites bytes the file
 # already owns, so it needs no new space on a full disk, and a reader never sees a shorter tail.
@@ -128,8 +128,8 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class DirectoryLock:
-    """Exclusive ownership of a checkpoint directory while a manager writes into it.
+class DirectoryLock(Lease):
+    """Exclusive ownership of a checkpoint directory while a manager writes into it (POSIX).
 
     ``generation`` is the fencing token of the current tenure (None while not held).
     """

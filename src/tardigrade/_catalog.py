@@ -1,0 +1,209 @@
+"""The catalog: what the checkpoints of one directory (or store prefix) are, in one place.
+
+It alone knows names: ``step-NNNNNNNNN`` for a manager's checkpoints, what counts as committed
+(a directory holding ``manifest.json``), the names a checkpoint is set aside under
+(``step-N.incomplete-<time>``, ``step-N.abandoned-<time>``), and how one is retired (out of
+view first, then deleted). It works on any backend through the storage contract; what only a
+POSIX directory can do (rename aside) it asks the storage whether it can.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._open import read_manifest
+from .errors import StorageError, TardigradeError
+from .format.manifest import MANIFEST
+from .storage import Storage, open_root
+from .storage.base import TMP_PREFIX, Tidied
+
+__all__ = [
+    "ABANDONED",
+    "ABANDONED_NAME",
+    "COMMITTED",
+    "INCOMPLETE",
+    "INCOMPLETE_TMP",
+    "NO_MANIFEST",
+    "STEP_NAME",
+    "UNREADABLE",
+    "Catalog",
+    "Listed",
+    "Tidied",
+    "step_name",
+]
+
+STEP_NAME = re.compile(r"^step-(\d{9,})$")
+# A committed checkpoint of a timeline that restore(step) abandoned, moved aside by the manager;
+# a step directory without a manifest, moved aside so the step can be saved again.
+ABANDONED = "abandoned"
+INCOMPLETE = "incomplete"
+ABANDONED_NAME = re.compile(rf"^step-(\d{{9,}})\.{ABANDONED}-[0-9T]+(-\d+)?$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+# What an entry of a checkpoint directory is, as listings show it.
+COMMITTED = "committed"
+INCOMPLETE_TMP = "incomplete-tmp"  # a save in flight or killed: never visible to load
+NO_MANIFEST = "no-manifest"  # a directory that never committed (or lost its manifest)
+UNREADABLE = "unreadable"  # has a manifest that fails validation
+
+_STEP_IN_NAME = re.compile(r"step-(\d+)")
+
+
+def step_in_name(name: str) -> int | None:
+    """The step a name mentions (``step-N`` and anything derived from it), or None."""
+    m = _STEP_IN_NAME.search(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One entry of a checkpoint directory, as ``tardigrade ls`` shows it."""
+
+    name: str
+    path: str
+    status: str
+    step: int | None
+    epoch: int | None
+    created: str | None
+    nbytes: int  # bytes of every file under it, as they are in storage
+    error: str | None = None
+
+
+def _deleting_name(name: str) -> str:
+    """Where a retire moves a checkpoint before deleting it (never half-deleted in view)."""
+    return f"{TMP_PREFIX}deleting-{name}"
+
+
+class Catalog:
+    """The checkpoints under one root: ``location`` is a directory or a URL prefix."""
+
+    def __init__(self, location: Any, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.storage: Storage = (
+            location if isinstance(location, Storage) else open_root(location, storage_options)
+        )
+
+    @property
+    def root(self) -> str:
+        return self.storage.root
+
+    def path(self, name: str) -> str:
+        """The location of ``name`` (a path or URL), as ``tg.load`` takes it."""
+        return self.storage.url(name)
+
+    def committed(self, name: str) -> bool:
+        """Whether ``name`` is a committed checkpoint: a directory holding a manifest file."""
+        here = self.storage.stat(name)
+        if here is None or not here.is_dir or here.is_link:
+            return False
+        st = self.storage.stat(f"{name}/{MANIFEST}")
+        return st is not None and not st.is_dir and not st.is_link
+
+    def names(self) -> list[str]:
+        return self.storage.list()
+
+    def steps(self) -> list[int]:
+        """The steps of the committed ``step-N`` checkpoints, ascending."""
+        out = []
+        for n in self.names():
+            m = STEP_NAME.match(n)
+            if m and self.committed(n):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def uncommitted_steps(self) -> list[str]:
+        """``step-N`` entries without a manifest: saves that never committed, or copies."""
+        return [n for n in self.names() if STEP_NAME.match(n) and not self.committed(n)]
+
+    def size(self, name: str) -> int:
+        """Bytes of every object under ``name``, recursively (one definition for ls and gc)."""
+        total, todo = 0, [name]
+        while todo:
+            here = todo.pop()
+            for child in self.storage.list(here):
+                st = self.storage.stat(f"{here}/{child}")
+                if st is None:
+                    continue
+                if st.is_dir:
+                    todo.append(f"{here}/{child}")
+                else:
+                    total += st.size
+        return total
+
+    def describe(self, name: str) -> Listed:
+        """Classify ``name``: committed checkpoint, a save's staging, or neither (reads only
+        its manifest, never tensor bytes)."""
+        path, size, step = self.path(name), self.size(name), step_in_name(name)
+        if name.startswith(TMP_PREFIX):
+            return Listed(name, path, INCOMPLETE_TMP, step, None, None, size)
+        if self.storage.stat(f"{name}/{MANIFEST}") is None:
+            return Listed(name, path, NO_MANIFEST, step, None, None, size)
+        try:
+            m = read_manifest(path)
+        except TardigradeError as e:
+            return Listed(name, path, UNREADABLE, step, None, None, size, str(e))
+        created = m.get("created")
+        return Listed(
+            name,
+            path,
+            COMMITTED,
+            m.get("step"),
+            m.get("epoch"),
+            created if isinstance(created, str) else None,
+            size,
+        )
+
+    def listing(self) -> list[Listed]:
+        """Every checkpoint-like entry, sorted by step, then name: directories (prefixes) but
+        hidden ones other than a save's staging (``.tmp-*``); files (a lock) are left out."""
+        out = []
+        for n in self.names():
+            if n.startswith(".") and not n.startswith(TMP_PREFIX):
+                continue
+            st = self.storage.stat(n)
+            if st is None or not st.is_dir or st.is_link:
+                continue
+            out.append(self.describe(n))
+        out.sort(key=lambda x: (math.inf if x.step is None else x.step, x.name))
+        return out
+
+    def set_aside(self, name: str, why: str) -> str:
+        """Rename ``name`` to a free ``name.<why>-<time>`` (which listings of steps ignore).
+
+        Raises StorageError where the storage cannot rename (object stores).
+        """
+        if not self.storage.can_move:
+            raise StorageError(
+                95, f"{self.path(name)}: cannot be set aside here (the storage cannot rename)"
+            )
+        aside = f"{name}.{why}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+        stem, n = aside, 1
+        while self.storage.exists(aside):
+            n += 1
+            aside = f"{stem}-{n}"
+        self.storage.move(name, aside)
+        return aside
+
+    def retire(self, name: str) -> None:
+        """Delete checkpoint ``name``, so that no crash leaves it half-deleted in view: out of
+        view first (renamed to ``.tmp-deleting-*``; on a store, its manifest deleted), then
+        its data."""
+        if self.storage.can_move:
+            doomed = _deleting_name(name)
+            self.storage.move(name, doomed)
+            self.storage.delete(doomed)
+        else:
+            self.storage.delete(f"{name}/{MANIFEST}")
+            self.storage.delete(name)
+
+    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+        """Clean up what dead writers left here (see ``Storage.tidy``)."""
+        return self.storage.tidy(dry_run=dry_run)

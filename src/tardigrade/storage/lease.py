@@ -1,0 +1,223 @@
+"""The one-writer rule as a lease: who may write and delete checkpoints in a directory.
+
+A :class:`Lease` is taken by ``acquire()`` (or CheckpointLockedError names the live holder),
+proved by ``check()`` before anything is deleted (fencing: it raises once someone else took it),
+kept alive by a heartbeat while held, and given up by ``release()`` (idempotent, never raises).
+Each tenure has a ``generation`` one above its predecessor's.
+
+Two implementations, chosen by the backend (``Storage.lease``): ``DirectoryLock``
+(``local_lease.py``: a kernel ``flock`` plus a lease record, for POSIX directories) and
+:class:`ObjectLease` here, for stores: a small record object written only with conditional
+puts, so of two contenders exactly one takes it, and a holder that lost it finds out at its
+next heartbeat or ``check()``. Holders on other machines are judged by their heartbeat, so
+clocks are assumed to agree to well within the lease (30 s by default).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CheckpointLockedError, StorageError
+from .base import PreconditionFailed
+
+if TYPE_CHECKING:
+    from .base import Storage
+
+log = logging.getLogger("tardigrade")
+
+LOCK = ".lock"
+_MAX_RECORD = 64 * 1024
+
+
+class Lease(abc.ABC):
+    """Exclusive ownership of a checkpoint directory while a manager writes into it."""
+
+    held: bool
+    generation: int | None
+
+    @abc.abstractmethod
+    def acquire(self) -> None:
+        """Take the lease, or raise CheckpointLockedError naming the live holder."""
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise CheckpointLockedError unless this holder still has the lease."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Give the lease up; idempotent and never raises."""
+
+    @abc.abstractmethod
+    def read(self) -> dict[str, Any] | None:
+        """The current record (None when nobody holds or held it, {} when unreadable)."""
+
+
+class ObjectLease(Lease):
+    """A lease record object (``.lock``) under a store root, changed only conditionally."""
+
+    def __init__(self, storage: Storage, *, lease_seconds: float = 30.0) -> None:
+        self.storage = storage
+        self.lease = lease_seconds
+        self.owner = uuid.uuid4().hex
+        self.generation: int | None = None
+        self.held = False
+        self._version: str | None = None  # the record's version we last wrote
+        self._mutex = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return self.storage.url(LOCK)
+
+    def _record(self, *, released: bool = False) -> bytes:
+        return json.dumps(
+            {
+                "owner": self.owner,
+                "generation": self.generation,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "heartbeat": time.time(),
+                "lease_seconds": self.lease,
+                "released": released,
+            }
+        ).encode()
+
+    def _read(self) -> tuple[dict[str, Any] | None, str | None]:
+        """(record, version): (None, None) when there is none, ({}, version) when unreadable."""
+        st = self.storage.stat(LOCK)
+        if st is None:
+            return None, None
+        try:
+            raw = self.storage.read_bytes(LOCK, _MAX_RECORD)
+            rec = json.loads(raw)
+        except (ValueError, StorageError):
+            return {}, st.version
+        if not isinstance(rec, dict):
+            return {}, st.version
+        # The version read with the bytes: a stat after the read could name a newer record.
+        again = self.storage.stat(LOCK)
+        return rec, (again.version if again is not None else None)
+
+    def read(self) -> dict[str, Any] | None:
+        return self._read()[0]
+
+    def acquire(self) -> None:
+        if self.held:
+            return
+        rec, version = self._read()
+        reason = None
+        if rec is not None:
+            reason = self._free(rec)
+            if reason is None:
+                raise self._locked(rec)
+        previous = rec.get("generation") if rec else None
+        self.generation = (previous if isinstance(previous, int) else 0) + 1
+        try:
+            if version is None:
+                self._version = self.storage.put(LOCK, self._record(), mode="create")
+            else:
+                self._version = self.storage.put(
+                    LOCK, self._record(), mode="if_match", expect=version
+                )
+        except PreconditionFailed:
+            self.generation = None
+            raise self._locked(self.read()) from None
+        if reason:
+            log.warning("tardigrade: took over the lease of %s: %s", self.url, reason)
+        self.held = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._heartbeat, name="tardigrade-lease", daemon=True
+        )
+        self._thread.start()
+
+    def _free(self, rec: dict[str, Any]) -> str | None:
+        """Why the lease in ``rec`` may be taken (released, expired, unreadable), or None."""
+        if not rec:
+            return "its record was unreadable"
+        if rec.get("released") is True:
+            return ""
+        beat, lease = rec.get("heartbeat"), rec.get("lease_seconds")
+        if not isinstance(beat, (int, float)) or not isinstance(lease, (int, float)):
+            return "its record had no heartbeat"
+        if time.time() - beat > lease:
+            return f"its holder's heartbeat is {time.time() - beat:.0f} s old (lease {lease} s)"
+        return None
+
+    def _locked(self, rec: dict[str, Any] | None) -> CheckpointLockedError:
+        who = "owner unknown"
+        wait = self.lease
+        if rec:
+            beat = rec.get("heartbeat")
+            ago = f"{time.time() - beat:.0f} s ago" if isinstance(beat, (int, float)) else "never"
+            who = f"owner host {rec.get('host')!r}, pid {rec.get('pid')}, heartbeat {ago}"
+            lease = rec.get("lease_seconds")
+            wait = lease if isinstance(lease, (int, float)) else wait
+        return CheckpointLockedError(
+            f"{self.storage.root}: another job is writing checkpoints here ({who}). Stop it, "
+            f"use another location, or wait {wait:.0f} s after it dies (its lease)."
+        )
+
+    def _ours(self) -> bool:
+        rec, version = self._read()
+        return (
+            rec is not None
+            and rec.get("owner") == self.owner
+            and rec.get("generation") == self.generation
+            and version == self._version
+        )
+
+    def check(self) -> None:
+        with self._mutex:
+            if self.held and self._ours():
+                return
+            self.held, self.generation = False, None
+        raise CheckpointLockedError(
+            f"{self.storage.root}: this manager no longer holds the lease (another job took "
+            "it over, probably after this process stalled past the lease). Nothing more is "
+            "written or deleted here by this manager."
+        )
+
+    def _heartbeat(self) -> None:
+        stop = self._stop
+        while not stop.wait(self.lease / 3):
+            with self._mutex:
+                if not self.held:
+                    return
+                try:
+                    self._version = self.storage.put(
+                        LOCK, self._record(), mode="if_match", expect=self._version
+                    )
+                except PreconditionFailed:
+                    log.error("tardigrade: lost the lease of %s: another job took it", self.url)
+                    self.held, self.generation = False, None
+                    return
+                except StorageError as e:
+                    log.warning("tardigrade: lease heartbeat for %s failed: %s", self.url, e)
+
+    def release(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._mutex:
+            if not self.held:
+                return
+            self.held = False
+            try:
+                self.storage.put(
+                    LOCK, self._record(released=True), mode="if_match", expect=self._version
+                )
+            except (PreconditionFailed, StorageError) as e:
+                log.warning("tardigrade: releasing the lease of %s: %s", self.url, e)
+            finally:
+                self.generation = None

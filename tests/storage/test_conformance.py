@@ -1,0 +1,210 @@
+"""The backend contract, checked the same way on every backend (fsspec ``tests/abstract`` style).
+
+A backend is complete when it passes this file: durable writers whose abort leaves nothing,
+ranged reads into caller buffers, conditional puts (create-only, if-match) that hold under
+concurrent writers, stat, list by prefix, delete, and its commit strategy (nothing visible
+before the commit, exactly one of two racing commits wins, abort leaves nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from tardigrade.errors import (
+    CheckpointExistsError,
+    CheckpointLockedError,
+    CorruptCheckpointError,
+    TardigradeError,
+)
+from tardigrade.format.checksum import Hasher
+from tardigrade.storage import PreconditionFailed, Storage
+
+MANIFEST = b'{"format":"tardigrade","save_id":"0123456789abcdef0123456789abcdef"}'
+
+
+def write(storage: Storage, name: str, data: bytes) -> None:
+    w = storage.open_writer(name, size_hint=len(data))
+    w.write(data)
+    w.close()
+
+
+def read(storage: Storage, name: str, offset: int = 0, n: int | None = None) -> bytes:
+    with storage.open_reader(name) as r:
+        buf = bytearray(r.size - offset if n is None else n)
+        r.readinto(offset, memoryview(buf))
+        return bytes(buf)
+
+
+class TestBytes:
+    def test_a_closed_writer_holds_exactly_what_was_written(self, storage: Storage) -> None:
+        w = storage.open_writer("a/b.bin")
+        hasher = Hasher()
+        source = bytearray(b"x" * 1000)
+        w.write(memoryview(source), hasher=hasher)
+        source[:] = b"y" * 1000  # the caller's memory changes after the call
+        w.write(b"tail")
+        w.close()
+        assert read(storage, "a/b.bin") == b"x" * 1000 + b"tail"
+        reference = Hasher()
+        reference.update(memoryview(b"x" * 1000))
+        assert hasher.hexdigest() == reference.hexdigest()
+        st = storage.stat("a/b.bin")
+        assert st is not None and st.size == 1004 and not st.is_dir
+
+    def test_an_aborted_writer_leaves_nothing(self, storage: Storage) -> None:
+        write(storage, "keep", b"1")
+        w = storage.open_writer("gone")
+        w.write(b"partial")
+        w.abort()
+        assert storage.stat("gone") is None
+        assert storage.list() == ["keep"]
+
+    def test_ranged_reads_fill_the_callers_buffer(self, storage: Storage) -> None:
+        write(storage, "f", bytes(range(256)))
+        assert read(storage, "f", 10, 5) == bytes(range(10, 15))
+        with storage.open_reader("f") as r, pytest.raises(CorruptCheckpointError):
+            r.readinto(250, memoryview(bytearray(10)))  # past the end: a short object
+
+    def test_a_missing_object_is_a_tardigrade_error(self, storage: Storage) -> None:
+        with pytest.raises(TardigradeError):
+            storage.open_reader("nope")
+        assert storage.stat("nope") is None and not storage.exists("nope")
+
+    def test_put_create_only_and_if_match(self, storage: Storage) -> None:
+        v1 = storage.put("rec", b"one", mode="create")
+        with pytest.raises(PreconditionFailed):
+            storage.put("rec", b"two", mode="create")
+        assert read(storage, "rec") == b"one"
+        v2 = storage.put("rec", b"two", mode="if_match", expect=v1)
+        assert v2 != v1 and read(storage, "rec") == b"two"
+        with pytest.raises(PreconditionFailed):
+            storage.put("rec", b"three", mode="if_match", expect=v1)  # stale version
+        with pytest.raises(PreconditionFailed):
+            storage.put("other", b"x", mode="if_match", expect=v1)  # nothing there
+        assert read(storage, "rec") == b"two"
+        storage.put("rec", b"four", mode="overwrite")
+        assert read(storage, "rec") == b"four"
+        st = storage.stat("rec")
+        assert st is not None and st.size == 4
+
+    def test_of_racing_creates_exactly_one_wins(self, storage: Storage) -> None:
+        storage.put("warm/up", b"", mode="overwrite")  # the directory exists for every racer
+        won: list[int] = []
+        start = threading.Barrier(8)
+
+        def race(i: int) -> None:
+            start.wait()
+            try:
+                storage.put("warm/lease", str(i).encode(), mode="create")
+                won.append(i)
+            except PreconditionFailed:
+                pass
+
+        threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1 and read(storage, "warm/lease") == str(won[0]).encode()
+
+    def test_list_stat_and_delete_by_prefix(self, storage: Storage) -> None:
+        for name in ("d/x", "d/y/z", "d2/w", "top"):
+            write(storage, name, b"1")
+        assert storage.list() == ["d", "d2", "top"]
+        assert storage.list("d") == ["x", "y"]
+        assert storage.list("missing") == []
+        st = storage.stat("d")
+        assert st is not None and st.is_dir and storage.is_dir("d")
+        storage.delete("d")
+        assert storage.list() == ["d2", "top"] and storage.stat("d/y/z") is None
+        storage.delete_many(["d2/w", "top", "never-was"])
+        # (A directory emptied by deletes may remain on POSIX; it holds nothing.)
+        assert storage.list("d2") == [] and storage.stat("d2/w") is None
+        assert storage.stat("top") is None
+
+
+class TestCommit:
+    def save(self, storage: Storage, name: str, save_id: str, *, replace: bool = False) -> None:
+        staging = storage.begin(name, save_id)
+        write(storage, f"{staging}/{storage.data_name('data-0.bin', save_id)}", save_id.encode())
+        manifest = MANIFEST.replace(b"0123456789abcdef" * 2, save_id.encode())
+        try:
+            storage.commit(staging, name, manifest, save_id=save_id, replace=replace)
+        except BaseException:
+            storage.abort(staging, name, save_id)  # the call order of a failed save
+            raise
+
+    def data_of(self, storage: Storage, name: str, save_id: str) -> bytes:
+        return read(storage, f"{name}/{storage.data_name('data-0.bin', save_id)}")
+
+    def test_nothing_is_visible_before_the_commit(self, storage: Storage) -> None:
+        staging = storage.begin("ckpt", "a" * 32)
+        write(storage, f"{staging}/{storage.data_name('data-0.bin', 'a' * 32)}", b"bytes")
+        assert storage.describe("ckpt") is None  # data without a manifest: no checkpoint
+        assert not storage.exists("ckpt/manifest.json")
+        storage.commit(staging, "ckpt", MANIFEST, save_id="a" * 32, replace=False)
+        assert storage.describe("ckpt") == "checkpoint"
+        assert read(storage, "ckpt/manifest.json") == MANIFEST
+
+    def test_an_aborted_save_leaves_nothing(self, storage: Storage) -> None:
+        self.save(storage, "ckpt", "a" * 32)
+        staging = storage.begin("ckpt", "b" * 32)
+        write(storage, f"{staging}/{storage.data_name('data-0.bin', 'b' * 32)}", b"doomed")
+        storage.abort(staging, "ckpt", "b" * 32)
+        assert storage.list() == ["ckpt"]  # no staging left behind
+        assert self.data_of(storage, "ckpt", "a" * 32) == b"a" * 32  # the committed one intact
+
+    def test_a_commit_over_a_checkpoint_needs_replace(self, storage: Storage) -> None:
+        self.save(storage, "ckpt", "a" * 32)
+        with pytest.raises(CheckpointExistsError):
+            self.save(storage, "ckpt", "b" * 32)
+        assert self.data_of(storage, "ckpt", "a" * 32) == b"a" * 32
+        self.save(storage, "ckpt", "c" * 32, replace=True)
+        assert self.data_of(storage, "ckpt", "c" * 32) == b"c" * 32
+        assert read(storage, "ckpt/manifest.json").count(b"c" * 32) == 1
+        assert storage.list() == ["ckpt"]
+        assert sorted(storage.list("ckpt")) == sorted(
+            ["manifest.json", storage.data_name("data-0.bin", "c" * 32)]
+        )
+
+
+class TestLease:
+    def test_one_holder_at_a_time_and_generations_rise(self, storage: Storage) -> None:
+        first = storage.lease(lease_seconds=30)
+        first.acquire()
+        first.check()
+        assert first.held and first.generation == 1
+        second = storage.lease(lease_seconds=30)
+        with pytest.raises(CheckpointLockedError, match="another job is writing"):
+            second.acquire()
+        first.release()
+        first.release()  # idempotent
+        second.acquire()
+        assert second.held and second.generation is not None  # (+1 on a takeover, below)
+        second.release()
+
+    def test_a_holder_whose_lease_was_taken_is_fenced(self, storage: Storage) -> None:
+        lease = storage.lease(lease_seconds=30)
+        lease.acquire()
+        # Someone else's record replaces ours (a job that judged us dead).
+        record = json.dumps({"owner": "intruder", "generation": 99, "heartbeat": time.time(),
+                             "lease_seconds": 30, "host": "elsewhere", "pid": 1})  # fmt: skip
+        storage.put(".lock", record.encode(), mode="overwrite")
+        with pytest.raises(CheckpointLockedError, match="no longer holds"):
+            lease.check()
+        assert not lease.held
+        lease.release()  # never raises, and leaves the intruder's record alone
+        assert json.loads(read(storage, ".lock"))["owner"] == "intruder"
+
+    def test_an_expired_lease_is_taken_over(self, storage: Storage) -> None:
+        record = json.dumps({"owner": "dead", "generation": 7, "heartbeat": time.time() - 600,
+                             "lease_seconds": 30, "host": "elsewhere", "pid": 1})  # fmt: skip
+        storage.put(".lock", record.encode(), mode="overwrite")
+        lease = storage.lease(lease_seconds=30)
+        lease.acquire()
+        assert lease.generation == 8 and lease.held
+        lease.release()

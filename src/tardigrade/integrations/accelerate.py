@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from typing import Any
 
 from accelerate import Accelerator
 
 from .. import _load, _save
+from .._catalog import Catalog
 from .._open import read_manifest
 from .._rng import RNGState
 from .._sharding import PerRank
@@ -150,9 +150,7 @@ def save_state(accelerator: Accelerator, output_dir: str | None = None) -> str:
 def _retire(path: str) -> None:
     # Out of view first (a crash never leaves a half-deleted checkpoint that looks whole).
     parent, name = os.path.split(path)
-    doomed = os.path.join(parent, f".tmp-deleting-{name}")
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    Catalog(parent).retire(name)
 
 
 def load_state(accelerator: Accelerator, input_dir: str | None = None) -> str | None:

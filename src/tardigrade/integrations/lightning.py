@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.core import saving
 
 from .. import _load, _save
-from .._layout import deleting_name
+from .._catalog import Catalog
 from .._rng import RNGState
 from ..data import ResumableSampler, _BatchCount
 from ..errors import InvalidArgumentError
@@ -186,9 +185,7 @@ class TardigradeCheckpointIO(CheckpointIO):
         path = os.fspath(path)
         if os.path.isdir(path) and not os.path.islink(path):
             parent, name = os.path.split(os.path.abspath(path))
-            doomed = os.path.join(parent, deleting_name(name))
-            os.rename(path, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            Catalog(parent).retire(name)
         elif os.path.lexists(path):
             os.unlink(path)
 

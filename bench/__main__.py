@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import distributed, loop
+from . import cli_start, distributed, loop
 from .report import Target, summarise, table, targets, targets_table
 from .run import Options, run
 from .state import DEFAULT_STATE_BYTES, parse_size
@@ -183,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         summary["distributed"] = distributed.summarise(results["distributed"])
         goals += distributed.targets(summary["distributed"])
         sections.append(distributed.table(results["distributed"], summary["distributed"]))
+    if not args.distributed_only:
+        log("CLI start-up (commands that need no torch)")
+        results["cli_start_s"] = cli_start.measure()
+        goals += cli_start.targets(results["cli_start_s"])
     if args.dir is None and not args.keep_files:
         try:
             opts.dir.rmdir()  # ours, and empty once the runs removed the checkpoints

@@ -5,17 +5,15 @@
 >>> tg.load("ckpt/step-100", into=state)                                               # doctest: +SKIP
 """
 
-from ._async import AsyncCheckpointer, SaveFuture
-from ._job import SaveResult
-from ._load import load
-from ._open import read_manifest
-from ._rng import RNGState
-from ._save import save
-from ._sharding import PerRank, Sharded
-from ._tree import Stateful
-from ._verify import VerifyReport, verify
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .data import ResumableSampler, SampleIndex, SeededDataset, seed_sample
 from .errors import (
     CheckpointExistsError,
     CheckpointLockedError,
@@ -32,8 +30,75 @@ from .errors import (
     UnsupportedFormatError,
     UnsupportedTypeError,
 )
-from .job import Job, JobRunner
-from .manager import CheckpointManager, SaveStats
+
+if TYPE_CHECKING:
+    from ._async import AsyncCheckpointer, SaveFuture
+    from ._job import SaveResult
+    from ._load import load
+    from ._open import read_manifest
+    from ._rng import RNGState
+    from ._save import save
+    from ._sharding import PerRank, Sharded
+    from ._tree import Stateful
+    from ._verify import VerifyReport, verify
+    from .data import ResumableSampler, SampleIndex, SeededDataset, seed_sample
+    from .job import Job, JobRunner
+    from .manager import CheckpointManager, SaveStats
+
+# The `tardigrade` command imports these on first use (PEP 562): its --version, --help and
+# manifest-only commands then start without importing torch (a second or more). A program
+# imports them all at once, as always: tardigrade.distributed must be imported before the
+# program creates its process group (see distributed/_collectives.py).
+_LAZY = {
+    "AsyncCheckpointer": "._async",
+    "CheckpointManager": ".manager",
+    "Job": ".job",
+    "JobRunner": ".job",
+    "PerRank": "._sharding",
+    "RNGState": "._rng",
+    "ResumableSampler": ".data",
+    "SampleIndex": ".data",
+    "SaveFuture": "._async",
+    "SaveResult": "._job",
+    "SaveStats": ".manager",
+    "SeededDataset": ".data",
+    "Sharded": "._sharding",
+    "Stateful": "._tree",
+    "VerifyReport": "._verify",
+    "load": "._load",
+    "read_manifest": "._open",
+    "save": "._save",
+    "seed_sample": ".data",
+    "verify": "._verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tardigrade' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def _started_as_cli() -> bool:
+    # The console script is .../bin/tardigrade; `python -m tardigrade.cli` shows in orig_argv.
+    argv0 = os.path.basename(sys.argv[0]) if sys.argv else ""
+    orig = getattr(sys, "orig_argv", [])
+    return argv0 == "tardigrade" or any(
+        a == "-m" and b in ("tardigrade.cli", "tardigrade") for a, b in itertools.pairwise(orig)
+    )
+
+
+if not _started_as_cli():
+    for _name in _LAZY:
+        __getattr__(_name)
+
 
 __all__ = [
     "AsyncCheckpointer",

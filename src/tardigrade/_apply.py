@@ -168,6 +168,11 @@ class _Applier:
                 with torch.no_grad():
                     live.copy_(value)
             return live
+        if tag == "generator" and isinstance(live, torch.Generator):
+            # In place: a DataLoader or sampler holding this generator draws from the restored
+            # stream. A state for another kind of device is refused here by set_state().
+            live.set_state(value.get_state())
+            return live
         if (
             tag == "ndarray"
             and isinstance(live, np.ndarray)

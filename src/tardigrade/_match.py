@@ -232,6 +232,16 @@ class _Matcher:
                 self.match(child, lv, (*path, i), lenient)
         elif tag in ("tensor", "ndarray"):
             self.match_tensor(node, live, path)
+        elif tag == "generator" and isinstance(live, torch.Generator):
+            # Set in place (a DataLoader may hold it): the state must be of its device's kind.
+            saved = (
+                node.get("device", {}).get("type") if isinstance(node.get("device"), dict) else None
+            )
+            if saved != live.device.type:
+                self.diffs.append(
+                    f"{p}: checkpoint holds a torch.Generator of device type {saved!r}, live one "
+                    f"is on {live.device.type!r}; build it on the same device type"
+                )
         elif tag == "sparse":
             self.match_sparse(node, live, path)
         else:
@@ -297,7 +307,7 @@ class _Matcher:
 
     def replaced(self, tag: str, live: Any, p: str) -> None:
         """Plain values are simply replaced, but not a tensor or an object with state."""
-        if isinstance(live, (torch.Tensor, np.ndarray)) or is_stateful(live):
+        if isinstance(live, (torch.Tensor, np.ndarray, torch.Generator)) or is_stateful(live):
             self.diffs.append(f"{p}: checkpoint holds a {tag}, live value is {type(live).__name__}")
 
     def match_tensor(
@@ -463,7 +473,7 @@ def _plain_node(node: Any) -> bool:
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
-            if n.get("t") in ("tensor", "ndarray", "stateful"):
+            if n.get("t") in ("tensor", "ndarray", "stateful", "generator"):
                 return False
             stack.extend(n.get("v") or () if isinstance(n.get("v"), list) else ())
         elif isinstance(n, list):
@@ -474,7 +484,7 @@ def _plain_node(node: Any) -> bool:
 def _plain_live(obj: Any, depth: int = 0) -> bool:
     """True if a live value holds no tensor, array or stateful object (so it may be replaced)."""
     if (
-        isinstance(obj, (torch.Tensor, np.ndarray, PerRank, Sharded))
+        isinstance(obj, (torch.Tensor, np.ndarray, PerRank, Sharded, torch.Generator))
         or is_stateful(obj)
         or depth > 100
     ):

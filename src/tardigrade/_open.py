@@ -20,8 +20,8 @@ from .errors import (
     TardigradeError,
 )
 from .format import limits
-from .format.dtypes import ITEMSIZE
 from .format.manifest import MANIFEST, Manifest, TensorInfo, parse
+from .format.sizes import ITEMSIZE
 from .storage import Storage, storage_for
 
 __all__ = ["open_manifest", "read_manifest"]
@@ -31,6 +31,8 @@ def open_manifest(path: Any) -> tuple[Storage, str, Manifest]:
     """The checkpoint's storage, its name there and its parsed, validated manifest."""
     storage, name = storage_for(path)
     if not storage.exists(f"{name}/{MANIFEST}"):
+        if storage.exists(name) and not storage.is_dir(name):
+            raise CheckpointNotFoundError(f"{storage.url(name)}: {_foreign_file(storage, name)}")
         what = (
             "it has no manifest.json, so the save that wrote it never committed"
             if storage.exists(name)
@@ -51,6 +53,33 @@ def open_manifest(path: Any) -> tuple[Storage, str, Manifest]:
             f"{where}: ran out of memory reading the manifest. Free memory (or raise this "
             "process's memory limit) and load again."
         ) from None
+
+
+def _foreign_file(storage: Storage, name: str) -> str:
+    """What a file found where a checkpoint directory should be is, and what to do with it."""
+    head = bytearray(8)
+    try:
+        reader = storage.open_reader(name)
+        try:
+            reader.readinto(0, memoryview(head))
+        finally:
+            reader.close()
+    except Exception:  # too short or unreadable: it is still not a checkpoint
+        head = bytearray()
+    end = "A Tardigrade checkpoint is a directory holding manifest.json, written by tg.save()."
+    # torch.save writes a zip archive since torch 1.6, a bare pickle (protocol 2) before.
+    if head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":
+        return (
+            "this is a file written by torch.save (a pickle), not a Tardigrade checkpoint; "
+            "Tardigrade never unpickles. Load it with torch.load(path, weights_only=True) from a "
+            "source you trust, then tg.save(new_dir, state) to move it to Tardigrade. " + end
+        )
+    if len(head) == 8 and int.from_bytes(head, "little") < 100_000_000:
+        return (
+            "this is a file, not a checkpoint directory (a single .safetensors file? read it "
+            "with safetensors.torch.load_file). " + end
+        )
+    return f"this is a file, not a checkpoint directory. {end}"
 
 
 def read_manifest(path: Any) -> dict[str, Any]:

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._loader_audit import audit_live_loaders
+
 
 class RNGState:
     """Captures and restores Python ``random``, NumPy's global RNG, torch CPU and every CUDA device.
@@ -24,6 +26,7 @@ class RNGState:
     """
 
     def state_dict(self) -> dict[str, Any]:
+        audit_live_loaders()  # warns of a loader whose data position the state does not hold
         sd: dict[str, Any] = {
             "python": random.getstate(),
             "numpy": np.random.get_state(legacy=True),

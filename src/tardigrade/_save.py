@@ -17,6 +17,7 @@ from ._job import SaveResult, make_job
 from ._write import stream_borrowed, write_and_commit
 from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
 from .distributed._save import save_collective, stage_collective
+from .errors import InvalidArgumentError
 
 __all__ = ["SaveResult", "save"]
 
@@ -73,6 +74,12 @@ def save(
     >>> fut = tg.save("ckpt/step-200", state, async_=True)  # doctest: +SKIP
     >>> fut.result()  # doctest: +SKIP
     """
+    if isinstance(state, (str, os.PathLike)) and not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"tg.save(path, state) takes the path first; got a {type(path).__name__} as the "
+            f"path and {os.fspath(state)!r} as the state (torch.save's order is (obj, path)). "
+            f"Call tg.save({os.fspath(state)!r}, state)."
+        )
     kw = dict(overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics)
     ranks = Ranks.current(process_group, timeout=timeout)
     if ranks is not None:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ._sharding import Box, PerRank, Sharded, box_of, is_dtensor
+from ._validate import class_name
 from .errors import CorruptCheckpointError, UnsupportedTypeError
 from .format import limits
 from .format.dtypes import (
@@ -341,6 +342,11 @@ class _Flattener:
             return {"t": "device", "type": obj.type, "index": obj.index}
         if t is torch.Size:
             return {"t": "size", "v": [int(n) for n in obj]}
+        if t is torch.Generator and key is None:
+            # Its whole state is get_state()'s bytes (CPU: MT19937, 5 KB; CUDA: seed+offset).
+            device = self.node(obj.device, path, depth + 1)
+            state = base64.b64encode(obj.get_state().numpy().tobytes()).decode()
+            return {"t": "generator", "device": device, "v": state}
         if t is tuple:
             return self.container(obj, path, depth, "tuple", key)
         if t is frozenset or (t is set and key is None):
@@ -374,7 +380,7 @@ class _Flattener:
                 )
             self.seen.add(id(obj))
             sd = obj.state_dict()
-            cls = f"{t.__module__}.{t.__qualname__}"
+            cls = class_name(obj)  # a framework's wrapper records the class it wraps
             return {"t": "stateful", "cls": cls, "v": self.node(sd, path, depth + 1)}
         hint = ""
         if isinstance(obj, (int, float, str, bytes)):
@@ -382,7 +388,8 @@ class _Flattener:
         raise UnsupportedTypeError(
             f"{path_str(path)}: cannot store a value of type {_type_name(t)}. Supported leaves: "
             "tensors (dense, complex, sparse), numpy arrays and scalars, int, float, complex, "
-            "bool, str, bytes, None, torch.dtype, torch.device, torch.Size, lists, tuples, "
+            "bool, str, bytes, None, torch.dtype, torch.device, torch.Size, torch.Generator, "
+            "lists, tuples, "
             "dicts, OrderedDicts, Counters, sets and frozensets of those, and objects with "
             f"state_dict()/load_state_dict().{hint}"
         )
@@ -690,6 +697,14 @@ def decode(
                 return torch.device(node["type"])
             if type(index) is int and 0 <= index < 2**15:
                 return torch.device(node["type"], index)
+        if tag == "generator" and type(v) is str:
+            device = decode(node.get("device"), leaf, where, path, depth + 1)
+            if type(device) is not torch.device:
+                raise _bad(where, path, "a generator's device is not a device")
+            raw = base64.b64decode(v, validate=True)
+            g = torch.Generator(device=device)
+            g.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+            return g
         if tag in ("set", "frozenset") and type(v) is list:
             items = [decode(x, leaf, where, path, depth + 1) for x in v]
             for x in items:

@@ -20,6 +20,32 @@ from .errors import CorruptCheckpointError
 from .format.dtypes import NUMPY_DTYPES, TORCH_DTYPES
 
 
+def unwrap(obj: object) -> object:
+    """The object a framework's wrapper stands for, where the wrapper only forwards its state.
+
+    accelerate's ``AcceleratedOptimizer`` (what ``Accelerator.prepare(opt)`` returns, and HF
+    ``Trainer.optimizer``) subclasses ``Optimizer`` without running ``Optimizer.__init__``, and
+    ``AcceleratedScheduler`` forwards to ``.scheduler``; Lightning's ``LightningOptimizer``
+    forwards to ``._optimizer``. Their ``state_dict()`` is the wrapped object's, so the
+    checkpoint records (and checks) the wrapped class: a run saved with the wrapper resumes
+    without it and the other way round. Recognised by shape, not by importing the frameworks.
+    """
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = None
+        if isinstance(
+            obj, torch.optim.Optimizer
+        ) and "_optimizer_load_state_dict_pre_hooks" not in vars(obj):
+            inner = getattr(obj, "optimizer", None)  # never ran Optimizer.__init__: a wrapper
+        elif type(obj).__name__ == "AcceleratedScheduler":
+            inner = getattr(obj, "scheduler", None)
+        elif type(obj).__name__ == "LightningOptimizer":
+            inner = getattr(obj, "_optimizer", None)
+        if inner is None or inner is obj or not hasattr(inner, "state_dict"):
+            return obj
+        obj = inner
+    return obj
+
+
 def same_class(recorded: str, live: object) -> bool:
     """Whether a stateful node saved from class ``recorded`` may be loaded into ``live``.
 
@@ -33,11 +59,13 @@ def same_class(recorded: str, live: object) -> bool:
     """
     if isinstance(live, torch.nn.Module):
         return True
-    return recorded.rsplit(".", 1)[-1] == type(live).__name__
+    return recorded.rsplit(".", 1)[-1] == type(unwrap(live)).__name__
 
 
 def class_name(obj: object) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+    """``module.qualname`` of ``obj``'s class (of the object a wrapper stands for)."""
+    cls = type(unwrap(obj))
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def standin(node: dict[str, Any], shape: tuple[int, ...], dtype: str, where: str) -> Any:
@@ -63,6 +91,7 @@ def validate_state(live: Any, state_dict: Any) -> None:
     they wrap. Tensors in ``state_dict`` are stand-ins: meta tensors (read-only
     zero-stride arrays for numpy) with the checkpoint's shape and dtype.
     """
+    live = unwrap(live)
     hook = getattr(live, "validate_state_dict", None)
     if callable(hook):
         hook(state_dict)

@@ -38,6 +38,11 @@ How the position stays exact:
   yielded more than training consumed. Iterate through ``sampler.track(loader)`` instead of
   ``loader``: it advances the position when a batch is *delivered to the training loop*, and
   the sampler's own yields stop counting.
+* Either way, ``sampler.loader(dataset, batch_size=..., num_workers=...)`` builds the
+  ``DataLoader`` with this sampler and its generator, iterating through ``track()`` when it
+  has workers: nothing to remember. Saving a state that holds a sampler (or ``tg.RNGState``)
+  warns when a live loader is set up in one of the ways that resume inexactly (untracked
+  workers, no ``generator=``, a ``shuffle=True`` loader of its own).
 
 The epoch advances the moment its last sample is consumed (handed out, or with ``track()``
 delivered), not when the loader's iterator is exhausted: loops that stop after exactly
@@ -80,6 +85,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from ._loader_audit import audit_live_loaders
 from .errors import InvalidArgumentError, StateMismatchError
 
 
@@ -320,6 +326,14 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.epoch = 0
         self.consumed = 0  # samples consumed globally in self.epoch
         self._tracked = False
+        self._hooked = False  # see _hand_over()
+        # A framework sets the position at each (re)start itself (integrations.transformers).
+        self._position_external = False
+        # (token, length) of the pass whose indices are being handed out: len() holds still.
+        self._pass: tuple[object, int] | None = None
+        # How the last pass was read, for the save-time warnings (see _loader_audit).
+        self._pass_tracked = False
+        self._foreign_seed = False
         self.generator = torch.Generator()
         self._reseed()
 
@@ -327,6 +341,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """Make the loader's worker seeds a function of the position, not of global RNG draws."""
         mix = self.seed * 0x9E3779B97F4A7C15 + self.epoch * 0xBF58476D1CE4E5B9 + self.consumed
         self.generator.manual_seed(mix % (2**63))
+        self._seed_state = self.generator.get_state()
 
     def order(self, epoch: int) -> torch.Tensor:
         """The global order of indices for ``epoch`` (identical on every rank and world size)."""
@@ -336,9 +351,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         g.manual_seed((self.seed * 0x9E3779B97F4A7C15 + epoch) % (2**63))
         return torch.randperm(self.dataset_len, generator=g)
 
-    def _remaining(self) -> int:
+    def _remaining(self, consumed: int | None = None) -> int:
         """How many indices each rank still hands out in the current epoch: the same on all."""
-        left = max(0, self.dataset_len - self.consumed)
+        left = max(0, self.dataset_len - (self.consumed if consumed is None else consumed))
         if self.drop_last:
             assert self.batch_size is not None
             # Whole global steps only: a per-rank cut would leave ranks a batch apart.
@@ -359,6 +374,16 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return real, padding
 
     def __len__(self) -> int:
+        """This rank's indices in the pass under way, or else in the next pass.
+
+        While a pass hands out indices, its length is fixed: prefetching DataLoader workers
+        pull indices ahead of training (moving the position when ``track()`` is not used), and
+        ``len(loader)`` must not shrink under a loop that takes ``len(loader)`` batches.
+        """
+        if self._hooked:
+            return self._remaining(0)  # see _hand_over()
+        if self._pass is not None:
+            return self._pass[1]
         return self._remaining()
 
     def __iter__(self) -> Iterator[int]:
@@ -367,20 +392,33 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         real, padding = self._mine()
         count = len(real) + len(padding)
         seed = self.seed
-        for k, idx in enumerate(real + padding, 1):
-            # A position moved by someone else (load_state_dict(), another pass) is theirs.
-            if not self._tracked and (self.epoch, self.consumed) == (epoch, start):
-                # Handed out = consumed (num_workers=0); every rank hands out as many indices,
-                # so the global position is this rank's count times the world size. The last
-                # index ends the epoch right away: a loop that stops after len(loader) batches
-                # never comes back to exhaust this generator.
-                if k == count:
-                    self._next_epoch()
-                else:
-                    self.consumed = start = min(self.dataset_len, start + self.world_size)
-            yield SampleIndex(idx, epoch, seed, k > len(real))
-        if not count and not self._tracked and (self.epoch, self.consumed) == (epoch, start):
-            self._next_epoch()  # nothing left in this epoch, on any rank
+        me = (object(), count)
+        self._pass = me
+        self._pass_tracked = self._tracked
+        # A DataLoader given generator=self.generator drew its seed from it just before this.
+        self._foreign_seed = torch.equal(self.generator.get_state(), self._seed_state)
+        try:
+            for k, idx in enumerate(real + padding, 1):
+                if k == count and self._pass is me:
+                    # Every index is out: the next len() is the next pass's.
+                    self._pass = None
+                # A position moved by someone else (load_state_dict(), another pass) is theirs.
+                if not self._tracked and (self.epoch, self.consumed) == (epoch, start):
+                    # Handed out = consumed (num_workers=0); every rank hands out as many
+                    # indices, so the global position is this rank's count times the world
+                    # size. The last index ends the epoch right away: a loop that stops after
+                    # len(loader) batches never comes back to exhaust this generator.
+                    if k == count:
+                        self._next_epoch()
+                    else:
+                        self.consumed = start = min(self.dataset_len, start + self.world_size)
+                yield SampleIndex(idx, epoch, seed, k > len(real))
+            if not count and not self._tracked and (self.epoch, self.consumed) == (epoch, start):
+                self._next_epoch()  # nothing left in this epoch, on any rank
+        finally:
+            # Also when the loader's iterator is dropped half-way (the generator is closed).
+            if self._pass is me:
+                self._pass = None
 
     def _next_epoch(self) -> None:
         self.epoch += 1
@@ -394,7 +432,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         batch that completes the epoch advances it before it is handed over, so a loop that
         stops after ``len(loader)`` batches leaves the sampler at the start of the next epoch.
         """
-        bs = batch_size if batch_size is not None else getattr(loader, "batch_size", None)
+        bs = batch_size if batch_size is not None else _batch_size_of(loader)
         if type(bs) is not int or bs < 1:
             raise InvalidArgumentError(
                 "track() needs the loader's batch_size (pass batch_size=... explicitly)"
@@ -404,6 +442,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 f"track(): the loader's batch_size is {bs}, this sampler was built with "
                 f"batch_size={self.batch_size}; pass the same batch size to both"
             )
+        if self._hooked:  # a framework's hooks count the batches (see _hand_over())
+            yield from loader
+            return
         drop_last = self.drop_last or getattr(loader, "drop_last", False) is True
         self._tracked = True
         try:
@@ -422,7 +463,51 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         finally:
             self._tracked = False
 
+    def _hand_over(self, batch_size: int, drop_last: bool) -> _BatchCount:
+        """Let a framework's hooks count the batches training got (``tardigrade.integrations``).
+
+        Frameworks iterate the loader themselves and fetch ahead of training (Lightning one
+        batch even without workers), so neither the sampler's yields nor :meth:`track` see what
+        training consumed; their per-batch hooks do. From here on the sampler's own yields and
+        ``track()`` count nothing, and ``len()`` is a whole epoch's: those frameworks count the
+        batches of an epoch and restore how many of it were done.
+        """
+        if self.batch_size is not None and batch_size != self.batch_size:
+            raise InvalidArgumentError(
+                f"the loader's batch_size is {batch_size}, this sampler was built with "
+                f"batch_size={self.batch_size}; pass the same batch size to both"
+            )
+        self._hooked = True
+        self._tracked = True
+        return _BatchCount(self, batch_size, drop_last or self.drop_last)
+
+    def loader(self, dataset: Any, **kwargs: Any) -> torch.utils.data.DataLoader[Any]:
+        """A ``DataLoader`` over ``dataset`` wired for exact resume: this sampler, its generator,
+        and (with ``num_workers > 0``) iteration through :meth:`track`.
+
+        ``kwargs`` go to ``DataLoader`` (``batch_size``, ``num_workers``, ``collate_fn``, ...);
+        ``sampler``, ``shuffle`` and ``generator`` are this sampler's to set::
+
+            sampler = tg.ResumableSampler(len(ds), seed=0)
+            loader = sampler.loader(ds, batch_size=32, num_workers=2)
+            for batch in loader: ...       # exact with prefetching workers too
+        """
+        for taken in ("sampler", "shuffle", "generator", "batch_sampler"):
+            if taken in kwargs:
+                raise InvalidArgumentError(
+                    f"ResumableSampler.loader(): {taken}= is set by the sampler itself; leave it "
+                    "out (the loader uses this sampler and its generator)"
+                )
+        if self.drop_last and kwargs.get("batch_size", 1) != self.batch_size:
+            raise InvalidArgumentError(
+                f"ResumableSampler.loader(): this sampler drops the last partial batch of "
+                f"{self.batch_size}; pass batch_size={self.batch_size}"
+            )
+        kwargs.setdefault("drop_last", self.drop_last)
+        return _TrackedLoader(dataset, sampler=self, generator=self.generator, **kwargs)
+
     def state_dict(self) -> dict[str, Any]:
+        audit_live_loaders()
         return {
             "epoch": self.epoch,
             "consumed": self.consumed,
@@ -461,5 +546,81 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.validate_state_dict(state_dict)
+        self._pass = None  # a pass under way no longer describes the position
         self.epoch, self.consumed = state_dict["epoch"], state_dict["consumed"]
         self._reseed()
+
+
+def _batch_size_of(loader: Any) -> Any:
+    """A DataLoader's batch size, also where a wrapper built it from a batch sampler
+    (accelerate's prepared loaders have ``batch_size=None``)."""
+    bs = getattr(loader, "batch_size", None)
+    if bs is None:
+        bs = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return bs
+
+
+class _TrackedLoader(torch.utils.data.DataLoader[Any]):
+    """A DataLoader whose iteration goes through its ResumableSampler's ``track()``."""
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler)
+        if self.num_workers == 0:
+            return super().__iter__()  # the sampler's own count is exact
+        return sampler.track(_Untracked(self))
+
+
+class _Untracked:
+    """The loader seen by ``track()``: its plain iteration, its batch size and drop_last."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader[Any]) -> None:
+        self.loader = loader
+        self.batch_size = loader.batch_size
+        self.drop_last = loader.drop_last
+
+    def __iter__(self) -> Iterator[Any]:
+        return torch.utils.data.DataLoader.__iter__(self.loader)
+
+
+class _BatchCount:
+    """The position of a :class:`ResumableSampler` advanced by a framework's batch hooks.
+
+    ``before_batch()`` and ``after_batch()`` bracket each batch training gets; ``epoch_end()``
+    ends a pass the framework cut short. The batch that completes the epoch advances it, as in
+    ``track()``.
+    """
+
+    def __init__(self, sampler: ResumableSampler, batch_size: int, drop_last: bool) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.left: int | None = None  # batches left in the pass under way
+        self.epoch = -1
+
+    def restart(self) -> None:
+        """The position was loaded: the next batch starts a new count."""
+        self.left = None
+
+    def before_batch(self) -> None:
+        s = self.sampler
+        if self.left is None or s.epoch != self.epoch:
+            left, bs = s._remaining(), self.batch_size
+            self.left = left // bs if self.drop_last else -(-left // bs)
+            self.epoch = s.epoch
+
+    def after_batch(self) -> None:
+        s = self.sampler
+        if self.left is None or s.epoch != self.epoch:
+            return  # moved by someone else (a load) meanwhile: theirs
+        self.left -= 1
+        if self.left <= 0:
+            s._next_epoch()
+            self.left = None
+        else:
+            s.consumed = min(s.dataset_len, s.consumed + self.batch_size * s.world_size)
+
+    def epoch_end(self) -> None:
+        if self.left is not None and self.sampler.epoch == self.epoch:
+            self.sampler._next_epoch()  # the framework ended the pass early
+        self.left = None

@@ -380,8 +380,9 @@ def test_export_usage_errors(
         capsys, "export", ckpt, tmp_path / "x.safetensors", "--keys", "model,optim", "--no-prefix"
     )
     assert rc == 2
-    rc, _, err = cli(capsys, "export", ckpt, tmp_path / "no" / "x.safetensors")
-    assert rc == 2
+    (tmp_path / "afile").write_text("")  # a missing folder is created; a file in the way is not
+    rc, _, err = cli(capsys, "export", ckpt, tmp_path / "afile" / "x.safetensors")
+    assert rc == 2 and "a file is in the way" in err
     assert not (tmp_path / "x.safetensors").exists()
 
 

@@ -991,3 +991,28 @@ def test_each_sample_is_augmented_the_same_for_any_world_size(world: int) -> Non
     # The indices themselves carry the same seed and epoch on every rank.
     r1 = tg.ResumableSampler(n, seed=6, rank=1, world_size=world)
     assert all((i.seed, i.epoch) == (6, 0) for i in r1)
+
+
+@pytest.mark.parametrize("track", [False, True])
+def test_len_loader_holds_still_while_workers_prefetch(track: bool) -> None:
+    # A loop that asks len(loader) once an iterator exists (tqdm, Lightning, range(len(...))):
+    # the workers have pulled indices ahead, which used to shrink len() (10 -> 6 batches) and
+    # leave 40 of the epoch's 100 samples untrained, in an uninterrupted run.
+    n, bs = 100, 10
+    s = tg.ResumableSampler(n, seed=2)
+    loader = DataLoader(
+        TensorDataset(torch.arange(n)),
+        batch_size=bs,
+        sampler=s,
+        num_workers=2,
+        generator=s.generator,
+    )
+    for epoch in range(2):
+        it = iter(s.track(loader)) if track else iter(loader)
+        first = next(it)
+        length = len(loader)
+        got = [first[0].tolist()] + [next(it)[0].tolist() for _ in range(length - 1)]
+        assert length == n // bs
+        assert sorted(flat(got)) == list(range(n)), f"epoch {epoch}: not every sample"
+        assert (s.epoch, s.consumed) == (epoch + 1, 0)
+        del it

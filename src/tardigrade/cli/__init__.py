@@ -15,37 +15,62 @@ Exit status: 0 success, 1 failure (corrupt checkpoint, missing path, ...), 2 bad
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
 
 from .._version import __version__
 from ..errors import InvalidArgumentError, TardigradeError
-from . import demo, diff, export, gc, inspect, ls, verify
 from ._output import error
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
-COMMANDS = (demo, ls, inspect, verify, diff, export, gc)
+# Each command's module and one-line help. The help is repeated here (a test keeps it equal to
+# the module's HELP) so that `--help` and `--version` import no command module, and a command
+# imports only its own: demo, diff and export need torch, which takes a second or more to load.
+COMMANDS = {
+    "demo": "kill -9 a training run mid-save, resume it, check it is bit-identical",
+    "ls": "list the checkpoints in a directory",
+    "inspect": "show what a checkpoint holds (reads the manifest only)",
+    "verify": "check every byte of a checkpoint (or of every checkpoint in a directory)",
+    "diff": "show what differs between two checkpoints",
+    "export": "write a checkpoint's tensors (e.g. the model weights) to one .safetensors file",
+    "gc": "remove leftovers of interrupted saves from a checkpoint directory",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``command``, only that command's module is imported (the others get
+    a placeholder that shows their help line)."""
     parser = argparse.ArgumentParser(
         prog="tardigrade",
         description="Tardigrade: PyTorch training state that survives anything.",
     )
     parser.add_argument("--version", action="version", version=f"tardigrade {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
-        command.add_parser(sub)
+    for name, help_line in COMMANDS.items():
+        if command is None or name == command:
+            importlib.import_module(f".{name}", __name__).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_line)
     return parser
+
+
+def _command_of(argv: Sequence[str]) -> str:
+    """The command named on the line ("" if none: --help, --version or a usage error)."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else ""
+    return ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_of(argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits on --help, --version and usage errors

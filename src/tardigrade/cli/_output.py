@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import TextIO
@@ -84,3 +85,51 @@ class ProgressBar:
             line += f"  {self.note}"
         self.stream.write(line + "\x1b[K")  # clear what a longer previous line left behind
         self.stream.flush()
+
+
+def _bytes_read() -> int | None:
+    """Bytes this process has read so far (Linux ``/proc/self/io``), or None if unknown."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"rchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class ReadProgress:
+    """A progress bar for a library call that reads ``total`` bytes and reports nothing.
+
+    A thread samples the bytes this process has read (``/proc/self/io``) ten times a second,
+    so ``tg.verify`` needs no progress hook. Draws on a terminal only (stderr), with
+    ``enabled``; does nothing where the count is not available.
+    """
+
+    def __init__(self, total: int, label: str, *, enabled: bool = True) -> None:
+        start = _bytes_read() if enabled and total > 0 and sys.stderr.isatty() else None
+        self.start = start
+        self.total = total
+        self.bar = ProgressBar(-(-total // 2**20), label + " (MiB)", enabled=start is not None)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True, name="tg-progress")
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.1):
+            now = _bytes_read()
+            if now is not None and self.start is not None:
+                done = min(self.total, now - self.start)
+                self.bar.update(done // 2**20, human_bytes(done))
+
+    def __enter__(self) -> ReadProgress:
+        if self.start is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.start is not None:
+            self._stop.set()
+            self._thread.join()
+            self.bar.update(self.bar.total if exc[0] is None else self.bar.n)
+            self.bar.close()

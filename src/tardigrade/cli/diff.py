@@ -15,6 +15,7 @@ verification) and bad usage.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +135,9 @@ def _leaf_text(v: Any) -> str:
 
 
 def _short(v: Any) -> str:
+    if isinstance(v, torch.Generator):
+        digest = hashlib.blake2b(v.get_state().numpy().tobytes(), digest_size=4).hexdigest()
+        return f"torch.Generator({v.device.type}, state #{digest})"
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -147,6 +151,8 @@ def _same_scalar(x: Any, y: Any) -> bool:
         return _same_scalar(x.real, y.real) and _same_scalar(x.imag, y.imag)
     if isinstance(x, float):
         return x.hex() == y.hex() or (x != x and y != y)  # bitwise, NaN equal to NaN
+    if isinstance(x, torch.Generator):  # equal when they would draw the same stream
+        return x.device == y.device and torch.equal(x.get_state(), y.get_state())
     return bool(x == y)
 
 

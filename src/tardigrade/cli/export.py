@@ -11,6 +11,7 @@ import json
 import os
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -25,7 +26,7 @@ from ..format.dtypes import TORCH_DTYPES
 from ..format.manifest import Manifest
 from ..storage import Storage
 from ._listing import require_single
-from ._output import human_bytes
+from ._output import ProgressBar, human_bytes
 from .inspect import per_rank_paths
 
 HELP = "write a checkpoint's tensors (e.g. the model weights) to one .safetensors file"
@@ -109,6 +110,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: leave per-rank values out)",
     )
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
@@ -220,8 +223,6 @@ def run(args: argparse.Namespace) -> int:
     if os.path.lexists(out_path) and not args.force:
         raise CheckpointExistsError(f"{out_path}: already exists; pass --force to overwrite it")
     out_dir = os.path.dirname(os.path.abspath(out_path))
-    if not os.path.isdir(out_dir):
-        raise InvalidArgumentError(f"{out_path}: directory {out_dir} does not exist")
     if args.no_prefix and len(keys) != 1:
         raise InvalidArgumentError("--no-prefix needs exactly one --keys KEY")
     require_single(args.ckpt)
@@ -288,12 +289,21 @@ def run(args: argparse.Namespace) -> int:
     if args.rank is not None:
         metadata["tardigrade_rank"] = str(args.rank)
     order = layout(tensors, where)
+    try:
+        os.makedirs(out_dir, exist_ok=True)  # a new folder for the export is the common case
+    except FileExistsError:
+        raise InvalidArgumentError(
+            f"{out_path}: a file is in the way of its folder {out_dir}; choose another path"
+        ) from None
+    # On a terminal, a bar of the tensors written (stderr); never in --json or --quiet.
+    bar = ProgressBar(len(order), f"export {os.path.basename(out_path)}", enabled=None)
+    bar.enabled = bar.enabled and not (args.json or args.quiet)
     # Write beside OUT and rename, so OUT is never left half-written.
     fd, tmp = tempfile.mkstemp(prefix=".tardigrade-export-", suffix=".tmp", dir=out_dir)
     try:
         with os.fdopen(fd, "wb") as f:
             write_header(f, order, tensors, metadata)
-            write_tensors(f, order, tensors, storage, ckpt_name, m, where)
+            write_tensors(f, order, tensors, storage, ckpt_name, m, where, bar.update)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp made it private; OUT is an ordinary file
@@ -302,7 +312,21 @@ def run(args: argparse.Namespace) -> int:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        bar.close()
     size = os.path.getsize(out_path)
+    if args.json:
+        report = {
+            "out": out_path,
+            "source": where,
+            "tensors": len(tensors),
+            "nbytes": size,
+            "non_tensor_values_left_out": skipped,
+            "sparse_left_out": sparse,
+            "per_rank_left_out": left_out,
+        }
+        print(json.dumps(report, indent=2))
+        return 0
     print(
         f"wrote {out_path}: {len(tensors)} tensors, {human_bytes(size)}"
         + (f" ({skipped} non-tensor value(s) left out)" if skipped else "")
@@ -377,8 +401,11 @@ def write_tensors(
     ckpt: str,
     m: Manifest,
     where: str,
+    progress: Callable[[int], object] | None = None,
 ) -> None:
     """Read (and verify) the tensors a batch at a time and write their bytes in ``order``.
+
+    ``progress(n)`` is told how many tensors are written after each batch.
 
     Every batch is read into one buffer allocated once, as large as the largest batch: memory
     stays bounded by it, whatever the allocator does with freed blocks.
@@ -391,6 +418,7 @@ def write_tensors(
     # named twice (tied weights) is read once per batch.
     need = [sum(_aligned(m.tensors[e].nbytes) for e in {entry[n] for n in b}) for b in plan]
     buf = _empty((max(need, default=0),), torch.uint8, f"{where}: export buffer")
+    written = 0
     for batch in plan:
         dest: dict[int, torch.Tensor] = {}
         at = 0
@@ -413,3 +441,6 @@ def write_tensors(
             if t.numel():
                 # A complex tensor is written as the bytes of its stored real view: the same.
                 f.write(_bytes_of(t.contiguous()))
+        written += len(batch)
+        if progress is not None:
+            progress(written)

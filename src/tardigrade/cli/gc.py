@@ -8,6 +8,7 @@ flight). Committed checkpoints are never touched.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from .._catalog import Catalog
@@ -30,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("dir", metavar="DIR", help="directory holding checkpoint directories")
     p.add_argument("-n", "--dry-run", action="store_true", help="only print what would be done")
+    p.add_argument("--json", action="store_true", help="print what was done as JSON")
     p.set_defaults(run=run)
 
 
@@ -48,10 +50,14 @@ def run(args: argparse.Namespace) -> int:
         done = catalog.tidy(dry_run=args.dry_run)
     finally:
         lock.release()  # never raises; the lock is free however tidy ended
+    freed = sum(t.nbytes for t in done if t.action == "removed")
+    if args.json:
+        items = [{"action": t.action, "name": t.name, "nbytes": t.nbytes} for t in done]
+        print(json.dumps({"dry_run": args.dry_run, "leftovers": items, "freed": freed}, indent=2))
+        return 0
     verb = {"removed": "would remove", "recovered": "would recover"} if args.dry_run else {}
     for t in done:
         print(f"{verb.get(t.action, t.action):<13} {t.name}  ({human_bytes(t.nbytes)})")
-    freed = sum(t.nbytes for t in done if t.action == "removed")
     if not done:
         print(f"nothing to clean in {args.dir}")
     else:

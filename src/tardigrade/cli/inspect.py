@@ -39,6 +39,7 @@ SCALARS = (
     "npscalar",
     "size",
     "device",
+    "generator",
 )
 
 
@@ -206,6 +207,12 @@ def scalar_text(node: dict[str, Any], short: bool = False) -> str:
             # in stored order (sorted when saved), so the text is the same in every run
             body = ", ".join(scalar_text(x) for x in v if isinstance(x, dict))
             return _clip(f"{{{body}}}" if t == "set" and v else f"{t}({{{body}}})")
+        if t == "generator":
+            device = node.get("device")
+            kind = device.get("type") if isinstance(device, dict) else None
+            return (
+                f"torch.Generator({kind})" if isinstance(kind, str) else "<malformed 'generator'>"
+            )
         if t in ("complex", "npscalar", "size", "device"):
             return _clip(repr(decode(node, lambda n, p: None, "manifest")))
     except (TypeError, ValueError, TardigradeError):

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from dataclasses import asdict
+from typing import Any
 
 from .. import VerifyReport, verify
+from .._open import open_manifest
 from .._units import gbps
 from ..errors import TardigradeError
 from ..format.manifest import MANIFEST
 from ._listing import COMMITTED, INCOMPLETE_TMP, NO_MANIFEST, UNREADABLE, list_checkpoints
-from ._output import human_bytes
+from ._output import ReadProgress, human_bytes
 
 HELP = "check every byte of a checkpoint (or of every checkpoint in a directory)"
 
@@ -27,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("path", metavar="CKPT|DIR", help="a checkpoint, or a directory of them")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
@@ -38,39 +44,82 @@ def _ok_line(name: str, r: VerifyReport) -> str:
     )
 
 
+def _data_bytes(path: str) -> int:
+    try:
+        return sum(open_manifest(path)[2].files.values())
+    except TardigradeError:
+        return 0  # verify() says what is wrong
+
+
+def _verify(path: str, args: argparse.Namespace, label: str) -> VerifyReport:
+    # The bar (stderr, a terminal only) follows the bytes this process reads.
+    show = not args.quiet and not args.json
+    with ReadProgress(_data_bytes(path) if show else 0, f"verify {label}", enabled=show):
+        return verify(path)
+
+
+def _report_json(name: str, r: VerifyReport | None, error: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": name, "ok": r is not None}
+    if r is not None:
+        out.update(asdict(r), gbps=round(r.throughput_gbps, 3))
+    if error is not None:
+        out["error"] = error
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     path = args.path
     is_dir_of_ckpts = os.path.isdir(path) and not os.path.lexists(os.path.join(path, MANIFEST))
     candidates = list_checkpoints(path) if is_dir_of_ckpts else []
     if not is_dir_of_ckpts or not any(c.status in (COMMITTED, UNREADABLE) for c in candidates):
         # One checkpoint (or a directory holding none: verify() explains what is missing).
-        report = verify(path)
-        print(_ok_line(os.path.basename(os.path.normpath(path)), report))
+        name = os.path.basename(os.path.normpath(path))
+        if args.json:
+            try:
+                report = _verify(path, args, name)
+            except TardigradeError as e:
+                print(json.dumps(_report_json(name, None, str(e)), indent=2))
+                return 1
+            print(json.dumps(_report_json(name, report), indent=2))
+            return 0
+        report = _verify(path, args, name)
+        print(_ok_line(name, report))
         return 0
 
     failed: list[str] = []
+    results: list[dict[str, Any]] = []
     nbytes = 0
     seconds = 0.0
     checked = 0
+    say = (lambda line: None) if args.json else print
     for c in candidates:
         if c.status == INCOMPLETE_TMP:
-            print(f"skip    {c.name}  (incomplete save: never visible to load)")
+            say(f"skip    {c.name}  (incomplete save: never visible to load)")
+            results.append({"name": c.name, "ok": None, "skipped": c.status})
             continue
         if c.status == NO_MANIFEST:
-            print(f"skip    {c.name}  (no {MANIFEST}: not a committed checkpoint)")
+            say(f"skip    {c.name}  (no {MANIFEST}: not a committed checkpoint)")
+            results.append({"name": c.name, "ok": None, "skipped": c.status})
             continue
         checked += 1
         try:
-            report = verify(c.path)
+            report = _verify(c.path, args, c.name)
         except TardigradeError as e:
             failed.append(c.name)
-            print(f"FAILED  {c.name}")
-            print(f"tardigrade: error: {e}", file=sys.stderr)
+            results.append(_report_json(c.name, None, str(e)))
+            say(f"FAILED  {c.name}")
+            if not args.json:
+                print(f"tardigrade: error: {e}", file=sys.stderr)
             continue
         nbytes += report.nbytes
         seconds += report.seconds
-        print(_ok_line(c.name, report))
+        results.append(_report_json(c.name, report))
+        say(_ok_line(c.name, report))
     rate = gbps(nbytes, seconds)
+    if args.json:
+        summary = {"checked": checked, "failed": failed, "nbytes": nbytes, "gbps": round(rate, 3)}
+        print(json.dumps({"checkpoints": results, **summary}, indent=2))
+        return 1 if failed else 0
     print(
         f"{checked - len(failed)} of {checked} checkpoint(s) OK, {human_bytes(nbytes)} "
         f"verified at {rate:.2f} GB/s"

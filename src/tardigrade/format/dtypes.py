@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .sizes import ITEMSIZE as ITEMSIZE  # re-exported: torch-free for the manifest
+
 # safetensors name -> torch dtype. Order matters only for readability.
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -59,7 +61,3 @@ NUMPY_SCALAR_DTYPES: dict[str, np.dtype] = {
     "C128": np.dtype(np.complex128),
 }
 NUMPY_SCALAR_NAMES: dict[np.dtype, str] = {v: k for k, v in NUMPY_SCALAR_DTYPES.items()}
-
-ITEMSIZE: dict[str, int] = {
-    k: torch.empty((), dtype=v).element_size() for k, v in TORCH_DTYPES.items()
-}

@@ -20,8 +20,8 @@ from ..errors import (
 )
 from . import limits
 from .checksum import ALGORITHM, checksum
-from .dtypes import ITEMSIZE
 from .jsonio import gc_paused, loads_strict
+from .sizes import ITEMSIZE
 from .tiling import TilingError, check_exact_tiling
 
 # The commit record of a checkpoint, and how every manifest Tardigrade writes begins.

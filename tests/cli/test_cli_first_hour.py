@@ -1,0 +1,158 @@
+"""The CLI for a new user: fast start, --json everywhere, progress on a terminal, export paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tardigrade as tg
+from tardigrade import cli
+from tardigrade.cli import main
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _imports(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """Run ``python -m tardigrade.cli ARGV``; return it and the top-level modules it imported."""
+    code = (
+        "import runpy, sys; sys.argv = ['tardigrade', *sys.argv[1:]]\n"
+        "try:\n    runpy.run_module('tardigrade.cli', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    print(' '.join(sorted({m.split('.')[0] for m in sys.modules})), file=sys.stderr)\n"
+        "    raise\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=_env(), timeout=60
+    )
+    return proc, set(proc.stderr.strip().splitlines()[-1].split())
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ckpts")
+    for step in (1, 2):
+        tg.save(root / f"step-{step:09d}", {"w": torch.full((64, 64), float(step)), "step": step})
+    return root
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["ls", "{dir}"], ["gc", "{dir}"]])
+def test_cheap_commands_do_not_import_torch(ckpts: Path, argv: list[str]) -> None:
+    proc, modules = _imports(*(a.format(dir=ckpts) for a in argv))
+    assert proc.returncode == 0, proc.stderr
+    assert "torch" not in modules
+
+
+def test_a_command_still_runs_with_only_its_own_module_imported(ckpts: Path) -> None:
+    proc, _ = _imports("verify", str(ckpts / "step-000000001"))
+    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stderr
+
+
+def test_the_help_lines_match_the_commands() -> None:
+    import importlib
+
+    for name, help_line in cli.COMMANDS.items():
+        assert help_line == importlib.import_module(f"tardigrade.cli.{name}").HELP
+
+
+def test_verify_json_of_one_checkpoint_and_a_directory(
+    ckpts: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", "--json", str(ckpts / "step-000000002")]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["ok"] is True and one["tensors"] == 1 and one["nbytes"] > 64 * 64 * 4
+    assert main(["verify", "--json", str(ckpts)]) == 0
+    many = json.loads(capsys.readouterr().out)
+    assert [c["name"] for c in many["checkpoints"]] == ["step-000000001", "step-000000002"]
+    assert many["failed"] == [] and many["checked"] == 2
+
+
+def test_verify_json_reports_damage_with_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tg.save(tmp_path / "c", {"w": torch.ones(256)})
+    data = next((tmp_path / "c").glob("data-*"))
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert main(["verify", "--json", str(tmp_path / "c")]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and "checksum" in out["error"]
+
+
+def test_gc_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / ".tmp-step-000000003-abc").mkdir()
+    (tmp_path / ".tmp-step-000000003-abc" / "data-0.safetensors").write_bytes(b"x" * 100)
+    assert main(["gc", "--json", str(tmp_path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dry_run"] is False
+    assert [(x["action"], x["name"]) for x in out["leftovers"]] == [
+        ("removed", ".tmp-step-000000003-abc")
+    ]
+
+
+def test_export_creates_missing_folders_and_speaks_json(
+    ckpts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "new" / "deeper" / "w.safetensors"
+    assert main(["export", "--json", str(ckpts / "step-000000002"), str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["out"] == str(out) and report["tensors"] == 1
+    assert torch.equal(load_file(out)["w"], torch.full((64, 64), 2.0))
+
+
+def _on_a_terminal(*argv: str) -> str:
+    """Run the CLI with stderr on a pseudo-terminal; return what the terminal showed."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tardigrade.cli", *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=follower,
+        env=_env(),
+    )
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    proc.wait(timeout=60)
+    os.close(leader)
+    return shown.decode(errors="replace")
+
+
+def test_verify_and_export_draw_progress_on_a_terminal_only(
+    ckpts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ck = str(ckpts / "step-000000001")
+    assert "verify step-000000001 (MiB) [" in _on_a_terminal("verify", ck)
+    assert "export a.safetensors [" in _on_a_terminal("export", ck, str(tmp_path / "a.safetensors"))
+    assert "[" not in _on_a_terminal("verify", "--quiet", ck)
+    # Not a terminal (captured): no bar.
+    assert main(["verify", ck]) == 0
+    assert main(["export", ck, str(tmp_path / "b.safetensors")]) == 0
+    assert "[" not in capsys.readouterr().err
+
+
+def test_the_torch_free_item_sizes_are_torchs() -> None:
+    from tardigrade.format.dtypes import TORCH_DTYPES
+    from tardigrade.format.sizes import ITEMSIZE
+
+    assert {k: torch.empty((), dtype=v).element_size() for k, v in TORCH_DTYPES.items()} == ITEMSIZE

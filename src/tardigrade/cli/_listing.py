@@ -28,7 +28,9 @@ __all__ = [
     "UNREADABLE",
     "Listed",
     "committed",
+    "is_directory_of_checkpoints",
     "list_checkpoints",
+    "location_text",
     "require_single",
     "step_from_name",
 ]
@@ -43,6 +45,25 @@ def _is_checkpoint(location: Any) -> bool:
     except TardigradeError:  # not a location at all (a bad URL): not a checkpoint either
         return False
     return storage.exists(f"{name}/{MANIFEST}")
+
+
+def is_directory_of_checkpoints(location: Any) -> bool:
+    """Whether ``location`` is a directory (or prefix) rather than one checkpoint."""
+    if _is_checkpoint(location):
+        return False
+    try:
+        return Catalog(location).storage.is_dir("")
+    except TardigradeError:
+        return False
+
+
+def location_text(location: Any) -> str:
+    """``location`` as messages name it: an absolute path, or the URL."""
+    try:
+        storage, name = storage_for(location)
+    except TardigradeError:
+        return str(location)
+    return storage.url(name)
 
 
 def list_checkpoints(location: Any) -> list[Listed]:

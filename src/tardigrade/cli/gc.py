@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from .._catalog import Catalog
 from ..errors import CheckpointNotFoundError
@@ -36,11 +35,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    directory = os.path.abspath(args.dir)
-    if not os.path.isdir(directory):
-        what = "is not a directory" if os.path.exists(directory) else "does not exist"
+    catalog = Catalog(args.dir)
+    here = catalog.storage.stat("")
+    if here is None or not here.is_dir:
+        what = "is not a directory" if here is not None else "does not exist"
         raise CheckpointNotFoundError(f"{args.dir}: {what}; pass a checkpoint directory")
-    catalog = Catalog(directory)
     lock = catalog.storage.lease()
     try:
         # CheckpointLockedError names the live owner. A full disk does not stop us: the lock is

@@ -10,7 +10,6 @@ import argparse
 import base64
 import json
 import math
-import os
 import re
 from typing import Any
 
@@ -19,7 +18,8 @@ from .._tree import decode, flatten
 from ..errors import CorruptCheckpointError, InvalidArgumentError, TardigradeError
 from ..format.dtypes import COMPLEX_DTYPES, ITEMSIZE
 from ..format.manifest import MANIFEST
-from ._listing import require_single
+from ..storage import storage_for
+from ._listing import location_text, require_single
 from ._output import human_bytes, table
 
 HELP = "show what a checkpoint holds (reads the manifest only)"
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(m, indent=2))
         return 0
-    where = os.path.abspath(args.ckpt)
+    where = location_text(args.ckpt)
     # The manifest's tree is untrusted input: validate it whole before walking it. Each
     # tg.PerRank part is checked in rank 0's view of the tree and then on its own.
     decode(manifest.tree_for(0, "rank0", where), lambda node, path: None, where)
@@ -118,7 +118,7 @@ def _shown_ranks(m: dict[str, Any], rank: int | None, ckpt: str) -> list[int]:
     world = m.get("world_size", 1)
     if not 0 <= rank < world:
         raise InvalidArgumentError(
-            f"--rank {rank}: {os.path.abspath(ckpt)} was saved by {world} rank(s); give a rank "
+            f"--rank {rank}: {location_text(ckpt)} was saved by {world} rank(s); give a rank "
             f"from 0 to {world - 1}"
         )
     return [rank] if saved else []
@@ -133,12 +133,14 @@ def summary(path: str, m: dict[str, Any]) -> list[str]:
     files = m.get("files") or []
     tensors = m.get("tensors") or []
     try:
-        manifest_bytes = os.stat(os.path.join(path, MANIFEST)).st_size
-    except OSError:
+        storage, name = storage_for(path)
+        st = storage.stat(f"{name}/{MANIFEST}")
+        manifest_bytes = st.size if st is not None else 0
+    except (OSError, TardigradeError):
         manifest_bytes = 0
     file_bytes = sum(f["size"] for f in files)
     lines = [
-        f"{os.path.abspath(path)}",
+        f"{location_text(path)}",
         f"  format        tardigrade v{m.get('format_version')}",
         "  written by    " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         f"  step          {_or_dash(m.get('step'))}",

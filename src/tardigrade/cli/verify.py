@@ -14,7 +14,14 @@ from .._open import open_manifest
 from .._units import gbps
 from ..errors import TardigradeError
 from ..format.manifest import MANIFEST
-from ._listing import COMMITTED, INCOMPLETE_TMP, NO_MANIFEST, UNREADABLE, list_checkpoints
+from ._listing import (
+    COMMITTED,
+    INCOMPLETE_TMP,
+    NO_MANIFEST,
+    UNREADABLE,
+    is_directory_of_checkpoints,
+    list_checkpoints,
+)
 from ._output import ReadProgress, human_bytes
 
 HELP = "check every byte of a checkpoint (or of every checkpoint in a directory)"
@@ -69,7 +76,7 @@ def _report_json(name: str, r: VerifyReport | None, error: str | None = None) ->
 
 def run(args: argparse.Namespace) -> int:
     path = args.path
-    is_dir_of_ckpts = os.path.isdir(path) and not os.path.lexists(os.path.join(path, MANIFEST))
+    is_dir_of_ckpts = is_directory_of_checkpoints(path)
     candidates = list_checkpoints(path) if is_dir_of_ckpts else []
     if not is_dir_of_ckpts or not any(c.status in (COMMITTED, UNREADABLE) for c in candidates):
         # One checkpoint (or a directory holding none: verify() explains what is missing).

@@ -195,9 +195,15 @@ def assert_resumes_exactly(
             run.fail(f"{label}: {how}; no run logged step(s) {missing[:10]}")
         diff = _first_difference(run.final(tag), final, "state")
         if diff is not None:
+            hint = ""
+            if "rng" in diff.lower() or "random" in diff.lower():
+                hint = (
+                    " (if the script does not seed every RNG it saves, e.g. random.seed, "
+                    "np.random.seed, torch.manual_seed, any two runs differ there)"
+                )
             run.fail(
                 f"{label}: {how}; resumed, the final state differs from the uninterrupted "
-                f"run's: {diff}"
+                f"run's: {diff}{hint}"
             )
         report.scenarios.append(results)
     if keep is None:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,8 @@ class KillResult:
 
 def kill_during(
     script: str | os.PathLike[str] | None = None,
-    *args: str,
+    args: Sequence[str] = (),
+    *,
     code: str | None = None,
     at: str = RANDOM,
     nth: int = 1,
@@ -70,8 +71,8 @@ def kill_during(
 ) -> KillResult:
     """Run a training script in a subprocess and SIGKILL it at a chosen moment; say what happened.
 
-    The script is a Python file (``script`` and its ``args``) or code (``code=``, run as
-    ``python -c``), unchanged: its ``import tardigrade`` arms the kill point (through the
+    The script is a Python file (``script``) or code (``code=``, run as ``python -c``), given
+    the command-line arguments ``args``, and unchanged: its ``import tardigrade`` arms the kill point (through the
     ``TARDIGRADE_KILL_POINT`` environment variable), so it needs no hook of its own. Moments:
 
     - ``at="write", after_bytes=N``: once N bytes went to checkpoint storage (a data file then
@@ -92,7 +93,7 @@ def kill_during(
     is killed and ``TimeoutError`` raised.
 
     >>> from tardigrade.testing import kill_during
-    >>> r = kill_during("train.py", "--steps", "50", at="commit", nth=2)  # doctest: +SKIP
+    >>> r = kill_during("train.py", ["--steps", "50"], at="commit", nth=2)  # doctest: +SKIP
     >>> r.killed, r.where  # doctest: +SKIP
     (True, 'commit #2: 318 of 637 bytes of /.../ckpt/.tmp-step-000000010-.../manifest.json')
     """
@@ -120,7 +121,7 @@ def kill_during(
         child_env.update(env or {})
         child_env[ENV] = point.to_env()
         delay = random.Random(seed).uniform(lo, hi) if at == RANDOM else None
-        return _run(script, args, code, child_env, cwd, timeout, report, delay)
+        return _run(script, tuple(args), code, child_env, cwd, timeout, report, delay)
     finally:
         shutil.rmtree(report, ignore_errors=True)
 

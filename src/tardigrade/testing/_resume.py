@@ -78,7 +78,7 @@ def log_loss(step: int, loss: Any) -> None:
     path = os.environ.get(LOSSES_ENV)
     if not path or _rank() != 0:
         return
-    value = float(loss)
+    value = float(loss.detach() if hasattr(loss, "detach") else loss)
     # One write per line, flushed: a SIGKILL leaves whole lines (at most the last one cut).
     with open(path, "a") as f:
         f.write(f"{int(step)} {value.hex()} {value!r}\n")
@@ -108,7 +108,8 @@ class ResumeReport:
 
 def assert_resumes_exactly(
     script: str | os.PathLike[str] | None = None,
-    *args: str,
+    args: Sequence[str] = (),
+    *,
     code: str | None = None,
     kills: int | Sequence[Mapping[str, Any] | Sequence[Mapping[str, Any]]] = 3,
     seed: int = 0,
@@ -119,7 +120,7 @@ def assert_resumes_exactly(
 ) -> ResumeReport:
     """Assert that killing a training script with SIGKILL and restarting it changes nothing.
 
-    Runs the script (a file and ``args``, or ``code=``) once uninterrupted, then, per scenario,
+    Runs the script (a file, or ``code=``; with the command-line ``args``) once uninterrupted, then, per scenario,
     from an empty checkpoint directory: killed by :func:`kill_during`, restarted (killed again
     if the scenario says so) and run to the end. Every loss logged by any run and the final
     state must equal the uninterrupted run's bit for bit (tensors, floats, ints, strings, the
@@ -144,7 +145,7 @@ def assert_resumes_exactly(
     name = os.fspath(script) if script is not None else "the code"
     root = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="tardigrade-resume-"))
     root.mkdir(parents=True, exist_ok=True)
-    run = _Runs(script, args, code, env, cwd, timeout, root, name)
+    run = _Runs(script, tuple(args), code, env, cwd, timeout, root, name)
     ref = run.one("uninterrupted", "reference", {"at": "never"})
     if ref.returncode != 0:
         run.fail(f"the uninterrupted run failed (exit status {ref.returncode}):\n{ref.tail()}")
@@ -240,7 +241,7 @@ class _Runs:
         (self.root / scenario).mkdir(exist_ok=True)
         return kill_during(
             self.script,
-            *self.args,
+            self.args,
             code=self.code,
             env=env,
             cwd=self.cwd,

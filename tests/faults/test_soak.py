@@ -41,6 +41,7 @@ def test_fifty_random_kills_lose_nothing_and_resume_from_the_newest(tmp_path: Pa
     assert soak.by_world[1] and soak.by_world[2], soak.summary()
     assert soak.by_mode["sync"] and soak.by_mode["async"], soak.summary()
     assert soak.by_moment["random"] and soak.by_moment["operation"], soak.summary()
+    assert soak.by_phase["gc"] and soak.by_phase["retention"], soak.summary()
     assert soak.resumes_checked >= KILLS // 2 and soak.checkpoints_verified >= KILLS, soak.summary()
 
 

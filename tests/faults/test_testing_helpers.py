@@ -251,3 +251,56 @@ def test_assert_resumes_exactly_refuses_a_script_that_logs_nothing() -> None:
     silent = TRAIN.replace("log_loss(state", "(state")
     with pytest.raises(AssertionError, match="the uninterrupted run logged no loss"):
         assert_resumes_exactly(code=silent, kills=1)
+
+
+# Two ranks started by torch.multiprocessing (spawn): each imports tardigrade itself, which
+# arms the kill point from the environment kill_during set.
+TWO_RANKS = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    def rank_main(rank, d):
+        import tardigrade as tg
+
+        print("PID", rank, os.getpid(), flush=True)
+        store = dist.FileStore(os.path.join(d, "store"), 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        for i in range(2):
+            table = tg.Sharded(torch.full((4, 8), float(rank)), (4 * rank, 0), (8, 8))
+            tg.save(os.path.join(d, f"ckpt-{i}"), {"t": table, "w": torch.ones(1000)})
+            print("SAVED", rank, i, flush=True)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.start_processes(rank_main, args=(sys.argv[1],), nprocs=2, start_method="spawn")
+    """
+)
+
+
+@pytest.mark.timeout(300)
+def test_rank_counts_the_moment_in_one_rank_and_the_whole_job_dies(tmp_path: Path) -> None:
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    r = kill_during(script, [str(d)], at="write", after_bytes=1, rank=1, env=env)
+    assert r.killed and r.rank == 1, r.tail()
+    assert r.where.startswith("write: 1 bytes written (1 of "), r.where
+    assert r.returncode == -signal.SIGKILL, "the launcher dies with its ranks"
+    assert "SAVED" not in r.stdout
+    assert_invisible(d / "ckpt-0")
+    pids = [int(ln.split()[2]) for ln in r.stdout.splitlines() if ln.startswith("PID ")]
+    assert len(pids) == 2, r.stdout
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            assert select.select([fd], [], [], 60)[0] == [fd], f"rank process {pid} survived"
+        finally:
+            os.close(fd)

@@ -50,9 +50,12 @@ from typing import Any
 N = 16384  # elements of w and m
 ROWS, COLS = 48, 64  # the sharded table of the two-rank jobs
 STEP_NAME = re.compile(r"^step-(\d{9,})$")
-MOMENTS = ("operation", "write", "staging", "commit", "committed", "random")
+MOMENTS = ("operation", "write", "staging", "commit", "committed", "random", "gc", "retention")
 # How often each moment is drawn.
-WEIGHTS = (30, 15, 10, 10, 10, 25)
+WEIGHTS = (25, 15, 10, 10, 10, 15, 8, 7)
+# Python functions whose lines the "gc" and "retention" moments count (they move and delete
+# directories with os calls, not through the storage contract the kill points count).
+TRACED = {"gc": ["manager.tidy", "cli.gc.tidy"], "retention": ["manager.CheckpointManager._retain"]}
 
 
 # -- the training job (runs in processes forked from the zygote) -----------------------------
@@ -117,6 +120,8 @@ def run_job(cfg: dict[str, Any], rank: int) -> None:
     def note(line: str) -> None:
         os.write(fd, f"{line}\n".encode())
 
+    traced_lines = arm_trace(cfg["trace"], note) if cfg["trace"] and rank == 0 else None
+
     recorded = 0
 
     def record(mgr: Any) -> None:
@@ -157,12 +162,52 @@ def run_job(cfg: dict[str, Any], rank: int) -> None:
         if status != 0:
             raise RuntimeError(f"tardigrade gc exited {status}")
     note("phase done")
-    if cfg["kill"] is not None and rank == cfg["kill"].get("rank", 0):
+    if (cfg["kill"] is not None and rank == (cfg["kill"]["rank"] or 0)) or traced_lines:
         # The kill point never came: how much this cycle did tells the driver what to draw.
         with open(os.path.join(cfg["report"], "completed.json"), "w") as f:
-            json.dump(_killpoint.counts(), f)
+            json.dump({**_killpoint.counts(), "lines": traced_lines() if traced_lines else 0}, f)
     if world > 1:
         dist.destroy_process_group()
+
+
+def arm_trace(spec: dict[str, Any], note: Any) -> Any:
+    """SIGKILL the job at the ``nth`` Python line run inside the functions of ``TRACED[in]``
+    (and what they call: ``shutil.rmtree``'s loop, ...); returns how many lines ran so far."""
+    import functools
+
+    import tardigrade
+
+    lines = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines == spec["nth"]:
+                note(f"phase {spec['in']}")
+                os.killpg(0, signal.SIGKILL)
+        return local
+
+    def wrap(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def traced(*args: Any, **kw: Any) -> Any:
+            old = sys.gettrace()
+            sys.settrace(lambda frame, event, arg: local)
+            try:
+                return fn(*args, **kw)
+            finally:
+                sys.settrace(old)
+
+        return traced
+
+    for dotted in TRACED[spec["in"]]:
+        *path, name = dotted.split(".")
+        owner: Any = tardigrade
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is not None and hasattr(owner, name):
+            setattr(owner, name, wrap(getattr(owner, name)))
+    return lambda: lines
 
 
 def sabotage(how: str, directory: str) -> None:
@@ -404,7 +449,17 @@ def run_soak(
     known: dict[int, int | None] = {1: None, 2: None}
     resume_at: dict[int, int | None] = {1: None, 2: None}
     sizes: dict[int, Counter[str]] = {
-        w: Counter({"operation": 150, "bytes": 1_000_000, "begin": 4, "commit": 4}) for w in (1, 2)
+        w: Counter(
+            {
+                "operation": 150,
+                "bytes": 1_000_000,
+                "begin": 4,
+                "commit": 4,
+                "gc_lines": 300,
+                "retention_lines": 300,
+            }
+        )
+        for w in (1, 2)
     }
     seconds = {1: 1.0, 2: 2.0}
     started = time.monotonic()
@@ -433,12 +488,19 @@ def run_soak(
                 "hang": 600,
                 "delay": None,
                 "kill": None,
+                "trace": None,
                 "sabotage": sabotage,
             }
             kill_rank = rng.randrange(world)
             size = sizes[world]
             if moment == "random":
                 cfg["delay"] = rng.uniform(0.0, seconds[world])
+            elif moment in ("gc", "retention"):
+                cfg["trace"] = {"in": moment, "nth": rng.randint(1, size[f"{moment}_lines"])}
+                if moment == "gc":
+                    cfg["gc"] = True
+                else:
+                    cfg["keep_last"] = rng.choice([1, 2])
             elif moment == "write":
                 cfg["kill"] = {"at": "write", "after_bytes": rng.randint(1, size["bytes"])}
             elif moment == "operation":
@@ -476,7 +538,14 @@ def run_soak(
             done = cyc / "completed.json"
             if not killed and done.exists():
                 # A cycle the kill point missed: draw the next ones within what it did.
-                sizes[world] = Counter(json.loads(done.read_text()))
+                did = json.loads(done.read_text())
+                lines = did.pop("lines")
+                if cfg["trace"] is not None:
+                    sizes[world][f"{cfg['trace']['in']}_lines"] = max(1, lines)
+                else:
+                    for k, v in did.items():
+                        if k in size:
+                            size[k] = v
             _check_cycle(soak, cfg, world, d, progress, refs[world], known, resume_at, tg)
             if soak.problems and log is not None and len(soak.problems) == 1:
                 log(f"first problem: {soak.problems[0]}")

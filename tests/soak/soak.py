@@ -550,7 +550,8 @@ def run_soak(
             if soak.problems and log is not None and len(soak.problems) == 1:
                 log(f"first problem: {soak.problems[0]}")
             if log is not None and soak.cycles % 50 == 0:
-                log(f"[{time.monotonic() - started:.0f} s] {soak.summary()}")
+                soak.seconds = time.monotonic() - started
+                log(soak.summary())
             if not soak.problems:
                 shutil.rmtree(cyc, ignore_errors=True)
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
@@ -33,9 +34,10 @@ class KillResult:
     (``"commit #2: 310 of 621 bytes of /ckpt/.tmp-step-000000010-.../manifest.json"``, or
     ``"random time: 1.234 s after import tardigrade"``); None when not killed. ``returncode``:
     the script's exit status (``-9`` when SIGKILL ended it). ``counts``: the storage operations
-    of the process that died, at its death, or of the script's own process at its exit
-    (``"bytes"``, ``"operation"`` and one count per kind). ``rank``: the rank that reached the
-    moment, where the script runs a distributed job.
+    of the process that died, at its death, or, not killed, of the script's process that did
+    the most at its exit (``"bytes"``, ``"operation"`` and one count per kind; empty after a
+    random-time kill). ``rank``: that process's rank, where the script runs a distributed job.
+    When ``kill_during`` returns, every process of the job has ended.
     """
 
     killed: bool
@@ -87,8 +89,9 @@ def kill_during(
       kill points from).
 
     ``rank`` counts the moment in that rank only (a distributed script); ``scope="job"``
-    (default) kills the script and every process it started, as a machine going down does;
-    ``"process"`` only the process that reached the moment. A script that ends before the
+    (default) kills the script and every process it started (its process group), as a machine
+    going down does; ``"process"`` only the process that reached the moment (the rest of the
+    job is killed once the script's own process has ended). A script that ends before the
     moment comes returns ``killed=False``. ``timeout`` (seconds) ends a hung run: every process
     is killed and ``TimeoutError`` raised.
 
@@ -158,17 +161,23 @@ def _run(
                 f"it was killed. Output:\n{_text(out_path, err_path)[-4000:]}"
             ) from None
     finally:
-        # Nothing of the job outlives it (ranks of a job whose launcher died, say).
+        # Nothing of the job outlives it (ranks of a job whose launcher died, say), and
+        # nothing of it still runs when the caller looks at what it left on disk.
         _kill_group(proc.pid)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        _wait_gone(proc.pid)
     record: dict[str, Any] = {}
     killed_file = Path(report, KILLED_FILE)
     if killed_file.exists():
         record = json.loads(killed_file.read_text() or "{}")
-    elif (exit_file := Path(report, f"exit-{proc.pid}.json")).exists():
-        record = json.loads(exit_file.read_text())
+    else:
+        # Not killed: the counts of the process that did the most (a launcher does nothing
+        # with storage; its ranks do).
+        exits = [json.loads(p.read_text()) for p in Path(report).glob("exit-*.json")]
+        exits.sort(key=lambda r: (r["counts"].get("operation", 0), r["pid"] == proc.pid))
+        record = exits[-1] if exits else {}
     stdout = out_path.read_bytes().decode(errors="replace")
     stderr = err_path.read_bytes().decode(errors="replace")
     where = record.get("where")
@@ -201,6 +210,38 @@ def _kill_after(
         pass
     _kill_group(proc.pid)
     return f"random time: {delay:.3f} s after import tardigrade"
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``, from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def _wait_gone(pgid: int, grace: float = 60.0) -> None:
+    """Wait until every process of the killed group ``pgid`` has exited (a SIGKILLed process
+    may finish the system call it is in, e.g. a write); each waits at most ``grace`` s."""
+    if not os.path.isdir("/proc") or not hasattr(os, "pidfd_open"):
+        return
+    for pid in _group_members(pgid):
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue  # gone already
+        try:
+            select.select([fd], [], [], grace)
+        finally:
+            os.close(fd)
 
 
 def _kill_group(pgid: int) -> None:

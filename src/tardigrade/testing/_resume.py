@@ -129,7 +129,7 @@ def assert_resumes_exactly(
 
     ``kills``: an int draws that many one-kill scenarios from the uninterrupted run's storage
     counts with ``seed`` (a random byte count, staging, commit, just committed, or a random
-    storage operation); or a list of scenarios, each the ``kill_during`` keywords of one kill
+    storage operation; of a distributed script, in the rank that did the most); or a list of scenarios, each the ``kill_during`` keywords of one kill
     (``{"at": "commit", "nth": 2}``) or a list of them (killed once per item, in a row).
     ``keep``: a directory that keeps every run's files (else a temporary one, removed when
     the assertion holds and named in the message when it fails).
@@ -155,7 +155,7 @@ def assert_resumes_exactly(
     final = run.final("reference")
     if final is None:
         run.fail(f"the uninterrupted run saved no final state (save_final / ${FINAL_ENV})")
-    scenarios = _scenarios(kills, ref.counts, seed, run)
+    scenarios = _scenarios(kills, ref.counts, ref.rank, seed, run)
     report = ResumeReport(steps=len(want), counts=dict(ref.counts))
     for i, scenario in enumerate(scenarios):
         label = f"scenario {i}"
@@ -296,6 +296,7 @@ def _bits(x: float) -> bytes:
 def _scenarios(
     kills: int | Sequence[Mapping[str, Any] | Sequence[Mapping[str, Any]]],
     counts: Mapping[str, int],
+    rank: int | None,
     seed: int,
     run: _Runs,
 ) -> list[list[Mapping[str, Any]]]:
@@ -313,7 +314,9 @@ def _scenarios(
         for _ in range(kills):
             at = rng.choice(moments)
             n = rng.randint(1, counts[_COUNT_OF[at]])
-            drawn.append([{"at": at, "after_bytes": n} if at == "write" else {"at": at, "nth": n}])
+            point: dict[str, Any] = {"at": at, "rank": rank}
+            point.update({"after_bytes": n} if at == "write" else {"nth": n})
+            drawn.append([point])
         return drawn
     out: list[list[Mapping[str, Any]]] = []
     for item in kills:
@@ -337,9 +340,7 @@ def _first_difference(got: Any, want: Any, path: str) -> str | None:
         b = want.contiguous().reshape(-1).view(torch.uint8)
         if not torch.equal(a, b):
             flat_g, flat_w = got.reshape(-1), want.reshape(-1)
-            i = next(
-                (k for k in range(flat_w.numel()) if not _same_element(flat_g[k], flat_w[k])), 0
-            )
+            i = int((a != b).nonzero()[0, 0]) // max(1, want.element_size())
             return (
                 f"{path}: tensors differ, first at flat index {i}: {flat_g[i].item()!r} != "
                 f"{flat_w[i].item()!r} (uninterrupted)"
@@ -372,9 +373,3 @@ def _first_difference(got: Any, want: Any, path: str) -> str | None:
     if got != want:
         return f"{path}: {got!r} != {want!r} (uninterrupted)"
     return None
-
-
-def _same_element(a: Any, b: Any) -> bool:
-    import torch
-
-    return bool(torch.equal(a.reshape(1).view(torch.uint8), b.reshape(1).view(torch.uint8)))

@@ -53,9 +53,12 @@ STEP_NAME = re.compile(r"^step-(\d{9,})$")
 MOMENTS = ("operation", "write", "staging", "commit", "committed", "random", "gc", "retention")
 # How often each moment is drawn.
 WEIGHTS = (25, 15, 10, 10, 10, 15, 8, 7)
-# Python functions whose lines the "gc" and "retention" moments count (they move and delete
-# directories with os calls, not through the storage contract the kill points count).
-TRACED = {"gc": ["manager.tidy", "cli.gc.tidy"], "retention": ["manager.CheckpointManager._retain"]}
+# Python functions whose lines the "gc" and "retention" moments count, with all they call (the
+# local cleanup removes directories with os calls, which the storage kill points do not see).
+TRACED = {
+    "gc": ["storage.local.LocalStorage.tidy"],
+    "retention": ["manager.CheckpointManager._retain"],
+}
 
 
 # -- the training job (runs in processes forked from the zygote) -----------------------------

@@ -18,7 +18,7 @@ the same on every backend:
   not yet returned to its caller;
 - ``"operation"``: before the ``nth`` storage operation of any kind (the kinds of
   ``FaultyStorage``: open_writer, write, close, open_reader, read, put, stat, list, delete,
-  begin, commit, abort), or the ``nth`` of kind ``op`` if given;
+  move, begin, commit, abort), or the ``nth`` of kind ``op`` if given;
 - ``"never"``: only count (the counts are reported when the process exits).
 
 ``rank`` counts only in that rank of a ``torch.distributed`` job (``RANK`` before the group
@@ -46,7 +46,7 @@ ENV = "TARDIGRADE_KILL_POINT"
 MOMENTS = ("write", "staging", "commit", "committed", "operation", "never")
 OPS = (
     "open_writer", "write", "close", "open_reader", "read", "put", "stat", "list", "delete",
-    "begin", "commit", "abort",
+    "move", "begin", "commit", "abort",
 )  # fmt: skip
 KILLED_FILE = "killed.json"
 
@@ -277,6 +277,11 @@ class _Killing(Storage):
         assert _hook is not None
         _hook.op("delete", self.url(name))
         super().delete(name)
+
+    def move(self, src: str, dst: str) -> None:
+        assert _hook is not None
+        _hook.op("move", self.url(src))
+        super().move(src, dst)
 
     def begin(self, name: str, save_id: str) -> str:
         assert _hook is not None

@@ -117,7 +117,8 @@ def run_job(cfg: dict[str, Any], rank: int) -> None:
         store = dist.FileStore(cfg["store"], world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     if cfg["kill"] is not None:
-        _killpoint.install(_killpoint.KillPoint(**cfg["kill"], scope="job", report=cfg["report"]))
+        point = {"scope": "job", **cfg["kill"]}
+        _killpoint.install(_killpoint.KillPoint(**point, report=cfg["report"]))
     fd = os.open(f"{cfg['progress']}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def note(line: str) -> None:
@@ -422,13 +423,17 @@ def run_soak(
     seed: int = 0,
     workdir: str | os.PathLike[str] | None = None,
     two_rank_share: float = 0.35,
+    rank_death_share: float = 0.1,
     max_cycles: int | None = None,
     sabotage: str | None = None,
     log: Any = None,
 ) -> Soak:
     """Kill jobs until ``kills`` SIGKILLs landed (or ``max_cycles`` ran); return what happened.
 
-    ``sabotage`` (``"drop-newest"``, ``"flip-byte"``) makes every job break its directory
+    ``rank_death_share``: of the two-rank cycles killed at a storage operation, the share
+    where only that rank dies (the other must fail within the collective timeout, never hang
+    and never commit a partial checkpoint; it exits with an error). ``sabotage``
+    (``"drop-newest"``, ``"flip-byte"``) makes every job break its directory
     before it resumes, as a bug would: the soak's own check that its checks find problems.
     """
     import tardigrade as tg
@@ -447,6 +452,9 @@ def run_soak(
     )
     soak = Soak()
     refs = {1: Reference(1), 2: Reference(2)}
+    ours = {
+        n for n, c in vars(tg.errors).items() if isinstance(c, type) and issubclass(c, Exception)
+    }
     # Per world size: the newest step known committed, the step the next restore must return,
     # and rough sizes of a cycle (to draw kill moments that land inside one).
     known: dict[int, int | None] = {1: None, 2: None}
@@ -513,8 +521,15 @@ def run_soak(
                 cfg["kill"] = {"at": moment, "nth": rng.randint(1, max(1, count))}
             if cfg["kill"] is not None:
                 cfg["kill"]["rank"] = kill_rank if world > 1 else None
+            alone = moment == "operation" and world > 1 and rng.random() < rank_death_share
+            if alone:
+                moment = "rank-death"
+                cfg["kill"]["scope"] = "process"
+                cfg.update(timeout=10, hang=180)
             out = zyg.run(cfg)
-            killed = out["returncode"] == -signal.SIGKILL
+            killed = out["returncode"] == -signal.SIGKILL or (
+                alone and (cyc / "killed.json").exists()
+            )
             if killed:
                 soak.kills += 1
                 soak.by_moment[moment] += 1
@@ -528,6 +543,21 @@ def run_soak(
                     f"cycle {soak.cycles} (world {world}): the job hung ({cfg['hang']} s); "
                     f"{cyc / 'log'}:\n" + _tail(cyc / "log")
                 )
+            elif alone and killed:
+                # The survivor may fail, but only with Tardigrade's own errors (a dead peer is
+                # a DistributedError, a save it ends is a SaveError), never a raw one.
+                # (the last exception of the log: the one raised; earlier ones are its causes)
+                raised = [
+                    m.group(1).rsplit(".", 1)[-1]
+                    for ln in _lines(cyc / "log")
+                    if (m := re.match(r"^([\w.]+(?:Error|Exception)): ", ln))
+                ]
+                raw = [ln for ln in raised[-1:] if ln not in ours]
+                if raw:
+                    soak.problems.append(
+                        f"cycle {soak.cycles} (world 2, rank {kill_rank} died alone): the "
+                        f"survivor raised {raw[0]!r}; {cyc / 'log'}:\n" + _tail(cyc / "log")
+                    )
             elif not killed and out["returncode"] != 0:
                 soak.problems.append(
                     f"cycle {soak.cycles} (world {world}): the job failed with exit status "
@@ -591,7 +621,8 @@ def _check_cycle(
             soak.problems.append(f"{where}: rank {r} restored step {got}, the newest is {want}")
     for lines in progress.values():
         for ln in lines:
-            if ln.startswith("failed "):
+            # A save fails only where a rank died alone (then it must, on the survivor).
+            if ln.startswith("failed ") and cfg["kill"] and cfg["kill"].get("scope") != "process":
                 soak.problems.append(f"{where}: a save failed: {ln}")
     committed = [int(ln.split()[1]) for ln in progress.get(0, []) if ln.startswith("committed ")]
     if committed:

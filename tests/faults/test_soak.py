@@ -42,13 +42,23 @@ def test_fifty_random_kills_lose_nothing_and_resume_from_the_newest(tmp_path: Pa
     assert soak.by_mode["sync"] and soak.by_mode["async"], soak.summary()
     assert soak.by_moment["random"] and soak.by_moment["operation"], soak.summary()
     assert soak.by_phase["gc"] and soak.by_phase["retention"], soak.summary()
+    assert soak.rewinds, soak.summary()
     assert soak.resumes_checked >= KILLS // 2 and soak.checkpoints_verified >= KILLS, soak.summary()
 
 
-@pytest.mark.parametrize("sabotage", ["drop-newest", "flip-byte"])
-def test_the_soak_sees_a_lost_or_damaged_checkpoint(sabotage: str, tmp_path: Path) -> None:
-    """The checks themselves: jobs that delete their newest checkpoint, or flip one of its
-    bytes, before resuming (as a bug would) are reported."""
-    soak = driver().run_soak(3, seed=7, workdir=tmp_path, max_cycles=30, sabotage=sabotage)
-    want = "restored step" if sabotage == "drop-newest" else "is broken: ChecksumMismatchError"
-    assert any(want in p for p in soak.problems), soak.problems[:5]
+SEEN = {
+    "drop-newest": "restored step",
+    "flip-byte": "is broken: ChecksumMismatchError",
+    "revive-abandoned": "belongs to a timeline that restore(step) abandoned",
+}
+
+
+@pytest.mark.parametrize("sabotage", list(SEEN))
+def test_the_soak_sees_a_lost_damaged_or_revived_checkpoint(sabotage: str, tmp_path: Path) -> None:
+    """The checks themselves: jobs that delete their newest checkpoint, flip one of its bytes,
+    or put a checkpoint of an abandoned timeline back in view before resuming (as a bug
+    would) are reported."""
+    soak = driver().run_soak(
+        6, seed=7, workdir=tmp_path, max_cycles=40, sabotage=sabotage, rewind_share=0.5
+    )
+    assert any(SEEN[sabotage] in p for p in soak.problems), soak.problems[:5]

@@ -50,6 +50,7 @@ from typing import Any
 N = 16384  # elements of w and m
 ROWS, COLS = 48, 64  # the sharded table of the two-rank jobs
 STEP_NAME = re.compile(r"^step-(\d{9,})$")
+ABANDONED_NAME = re.compile(r"^step-(\d{9,})\.abandoned-[0-9T]+(-\d+)?$")
 MOMENTS = ("operation", "write", "staging", "commit", "committed", "random", "gc", "retention")
 # How often each moment is drawn.
 WEIGHTS = (25, 15, 10, 10, 10, 15, 8, 7)
@@ -73,7 +74,8 @@ def make_state(rank: int, world: int) -> dict[str, Any]:
 
     import tardigrade as tg
 
-    state: dict[str, Any] = {"w": torch.zeros(N), "m": torch.zeros(N), "step": 0}
+    # "saved_by": the cycle whose job saved a checkpoint (set after each restore).
+    state: dict[str, Any] = {"w": torch.zeros(N), "m": torch.zeros(N), "step": 0, "saved_by": 0}
     if world == 1:
         state["rng"] = tg.RNGState()
     else:
@@ -147,8 +149,17 @@ def run_job(cfg: dict[str, Any], rank: int) -> None:
         timeout=cfg["timeout"],
     )
     note("phase restore")
-    start = mgr.restore()
+    steps = mgr.steps() if cfg["rewind"] else []
+    if len(steps) >= 2:
+        # Go back to an older checkpoint: the later ones become an abandoned timeline, moved
+        # aside on disk, so that a crash from here on resumes from this timeline.
+        target = steps[(len(steps) - 1) // 2]
+        note(f"rewinding {target}")
+        start = mgr.restore(target)
+    else:
+        start = mgr.restore()
     note(f"restored {start}")
+    state["saved_by"] = cfg["cycle"]
     if start is None:
         torch.manual_seed(0)
     begin = start or 0
@@ -221,6 +232,14 @@ def sabotage(how: str, directory: str) -> None:
         if os.path.isdir(directory)
         else []
     )
+    if how == "revive-abandoned" and steps:
+        # Put a checkpoint of an abandoned timeline back in view, where its step is free.
+        for n in sorted(os.listdir(directory)):
+            m = ABANDONED_NAME.match(n)
+            if m and not os.path.exists(os.path.join(directory, n.split(".")[0])):
+                os.rename(os.path.join(directory, n), os.path.join(directory, n.split(".")[0]))
+                return
+        return
     if not steps:
         return
     newest = os.path.join(directory, steps[-1])
@@ -368,6 +387,8 @@ class Soak:
     by_mode: Counter[str] = field(default_factory=Counter)  # sync / async saves
     by_phase: Counter[str] = field(default_factory=Counter)  # what the job was doing
     resumes_checked: int = 0
+    rewinds: int = 0  # restore(older step) began a new timeline
+    max_abandoned: int = 0  # checkpoints of abandoned timelines set aside at once
     checkpoints_verified: int = 0
     max_leftovers: int = 0
     problems: list[str] = field(default_factory=list)
@@ -378,7 +399,8 @@ class Soak:
             f"{self.kills} kills in {self.cycles} cycles ({self.completed} ran to the end), "
             f"{self.seconds:.0f} s; by moment {dict(self.by_moment)}; by world size "
             f"{dict(self.by_world)}; by saves {dict(self.by_mode)}; by phase "
-            f"{dict(self.by_phase)}; {self.resumes_checked} resumes checked, "
+            f"{dict(self.by_phase)}; {self.resumes_checked} resumes checked ({self.rewinds} "
+            f"rewinds, at most {self.max_abandoned} abandoned set aside), "
             f"{self.checkpoints_verified} checkpoint verifications, at most "
             f"{self.max_leftovers} leftovers; {len(self.problems)} problem(s)"
         )
@@ -424,13 +446,16 @@ def run_soak(
     workdir: str | os.PathLike[str] | None = None,
     two_rank_share: float = 0.35,
     rank_death_share: float = 0.1,
+    rewind_share: float = 0.1,
     max_cycles: int | None = None,
     sabotage: str | None = None,
     log: Any = None,
 ) -> Soak:
     """Kill jobs until ``kills`` SIGKILLs landed (or ``max_cycles`` ran); return what happened.
 
-    ``rank_death_share``: of the two-rank cycles killed at a storage operation, the share
+    ``rewind_share``: the share of cycles that restore an older checkpoint than the newest
+    (``restore(step)``: a new timeline; the later checkpoints are moved aside and never
+    resumed from again). ``rank_death_share``: of the two-rank cycles killed at a storage operation, the share
     where only that rank dies (the other must fail within the collective timeout, never hang
     and never commit a partial checkpoint; it exits with an error). ``sabotage``
     (``"drop-newest"``, ``"flip-byte"``) makes every job break its directory
@@ -459,6 +484,10 @@ def run_soak(
     # and rough sizes of a cycle (to draw kill moments that land inside one).
     known: dict[int, int | None] = {1: None, 2: None}
     resume_at: dict[int, int | None] = {1: None, 2: None}
+    # Per world size: the visible checkpoints at the last check (step -> the cycle that saved
+    # it), and the checkpoints of abandoned timelines (step, cycle that saved it).
+    seen: dict[int, dict[int, int]] = {1: {}, 2: {}}
+    abandoned: dict[int, set[tuple[int, int]]] = {1: set(), 2: set()}
     sizes: dict[int, Counter[str]] = {
         w: Counter(
             {
@@ -472,7 +501,7 @@ def run_soak(
         )
         for w in (1, 2)
     }
-    seconds = {1: 1.0, 2: 2.0}
+    seconds = {1: 0.5, 2: 1.0}  # how long the last cycle that ran to its end took
     started = time.monotonic()
     zyg = Zygote(env)
     try:
@@ -482,8 +511,13 @@ def run_soak(
             d = root / f"world{world}"
             cyc = root / "cycles" / f"{soak.cycles:05d}"
             cyc.mkdir(parents=True)
-            moment = rng.choices(MOMENTS, WEIGHTS)[0]
+            # Every moment in turn at first (so that a short soak has each), then at random.
+            first = soak.cycles <= 2 * len(MOMENTS)
+            moment = (
+                MOMENTS[soak.cycles % len(MOMENTS)] if first else rng.choices(MOMENTS, WEIGHTS)[0]
+            )
             cfg: dict[str, Any] = {
+                "cycle": soak.cycles,
                 "world": world,
                 "dir": str(d),
                 "store": str(cyc / "store"),
@@ -500,6 +534,7 @@ def run_soak(
                 "delay": None,
                 "kill": None,
                 "trace": None,
+                "rewind": rng.random() < rewind_share,
                 "sabotage": sabotage,
             }
             kill_rank = rng.randrange(world)
@@ -537,7 +572,7 @@ def run_soak(
                 soak.by_mode["async" if cfg["async"] else "sync"] += 1
             else:
                 soak.completed += 1
-                seconds[world] = max(seconds[world], out["seconds"])
+                seconds[world] = out["seconds"]
             if out["hung"]:
                 soak.problems.append(
                     f"cycle {soak.cycles} (world {world}): the job hung ({cfg['hang']} s); "
@@ -579,7 +614,9 @@ def run_soak(
                     for k, v in did.items():
                         if k in size:
                             size[k] = v
-            _check_cycle(soak, cfg, world, d, progress, refs[world], known, resume_at, tg)
+            _check_cycle(
+                soak, cfg, world, d, progress, refs[world], known, resume_at, seen, abandoned, tg
+            )
             if soak.problems and log is not None and len(soak.problems) == 1:
                 log(f"first problem: {soak.problems[0]}")
             if log is not None and soak.cycles % 50 == 0:
@@ -604,10 +641,21 @@ def _check_cycle(
     ref: Reference,
     known: dict[int, int | None],
     resume_at: dict[int, int | None],
+    seen: dict[int, dict[int, int]],
+    abandoned: dict[int, set[tuple[int, int]]],
     tg: Any,
 ) -> None:
     where = f"cycle {soak.cycles} (world {world}, kill {cfg['kill'] or cfg['delay']})"
-    # The restore of this job resumed from the newest checkpoint the last check saw.
+    # The restore of this job resumed from the newest checkpoint the last check saw, or from
+    # the older one it rewound to (from then on the newest of the new timeline counts).
+    rewound = [int(ln.split()[1]) for ln in progress.get(0, []) if ln.startswith("rewinding ")]
+    if rewound:
+        soak.rewinds += 1
+        known[world] = rewound[0]
+        if any(ln.startswith("restored ") for ln in progress.get(0, [])):
+            # restore(T) returned: what was newer is an abandoned timeline, never to be seen
+            # (and resumed from) again; its steps may be saved anew, by later cycles.
+            abandoned[world] |= {(s, by) for s, by in seen[world].items() if s > rewound[0]}
     restored = {
         r: ln.split()[1]
         for r, lines in progress.items()
@@ -615,7 +663,7 @@ def _check_cycle(
         if ln.startswith("restored ")
     }
     for r, got in restored.items():
-        want = str(resume_at[world])
+        want = str(rewound[0] if rewound else resume_at[world])
         soak.resumes_checked += r == 0
         if got != want:
             soak.problems.append(f"{where}: rank {r} restored step {got}, the newest is {want}")
@@ -631,18 +679,22 @@ def _check_cycle(
         resume_at[world] = None
         return
     visible: list[int] = []
-    leftovers = 0
+    leftovers = set_aside = 0
     for name in sorted(os.listdir(d)):
         m = STEP_NAME.match(name)
         if name.startswith(".tmp-"):
             leftovers += 1
         elif m and (d / name / "manifest.json").is_file():
             visible.append(int(m.group(1)))
+        elif ABANDONED_NAME.match(name):
+            set_aside += 1
         elif name != ".lock":
             soak.problems.append(f"{where}: unexpected {d / name} in the directory")
     soak.max_leftovers = max(soak.max_leftovers, leftovers)
+    soak.max_abandoned = max(soak.max_abandoned, set_aside)
     if leftovers > 6:
         soak.problems.append(f"{where}: {leftovers} leftovers pile up in {d}")
+    now: dict[int, int] = {}
     for s in visible:
         path = d / f"step-{s:09d}"
         try:
@@ -652,6 +704,12 @@ def _check_cycle(
         except Exception as e:
             soak.problems.append(f"{where}: visible checkpoint {path} is broken: {e!r}")
             continue
+        now[s] = tree.get("saved_by", -1)
+        if (s, now[s]) in abandoned[world]:
+            soak.problems.append(
+                f"{where}: {path} (saved in cycle {now[s]}) belongs to a timeline that "
+                "restore(step) abandoned, yet it is visible again"
+            )
         if tree.get("step") != s or state_digest(tree) != ref.digest(s):
             soak.problems.append(
                 f"{where}: {path} verifies but does not hold the state of step {s} "
@@ -666,6 +724,7 @@ def _check_cycle(
     # Retention may delete a checkpoint only once a newer one committed: what is newest now
     # is what a restore must find, and the newest known committed can only grow.
     resume_at[world] = newest
+    seen[world] = now
     if newest is not None:
         known[world] = max(newest, known[world] or 0)
 

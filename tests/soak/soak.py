@@ -4,18 +4,23 @@
 
 Each cycle starts a job, on one process or on two gloo ranks, that resumes from its directory
 with a ``CheckpointManager`` (synchronous or asynchronous saves, retention ``keep_last`` 1-3 or
-none, a save every 1-3 steps, chosen per cycle), trains a few steps of a deterministic update
+none, a save every 1-3 steps, chosen per cycle; sometimes ``restore(step)`` of an older
+checkpoint, which abandons the later ones), trains a few steps of a deterministic update
 (in-place, so an async save must hold the values of its own step) and sometimes ends with
 ``tardigrade gc``. Most cycles are SIGKILLed, the whole job at once, at a random moment: a
 storage moment counted by ``tardigrade.testing``'s kill points (after N bytes, a save's
-staging, inside a commit, just after one, before the Nth storage operation; on either rank) or
-a random time. Once every process of the job is gone (never while one still runs), the driver
-checks the directory:
+staging, inside a commit, just after one, before the Nth storage operation; on either rank),
+the Nth Python line inside the cleanup (``gc``, and the manager's own at restore) or inside
+retention, or a random time. A share of the two-rank kills ends one rank only: the other must
+fail with a Tardigrade error, without hanging. Once every process of the job is gone (never
+while one still runs), the driver checks the directory:
 
 - every visible checkpoint verifies and holds exactly the state of its step (the update is a
   function of the step alone, computed here uninterrupted);
 - the newest checkpoint the job reported committed, or a newer one, is still there;
-- the next job's ``restore()`` resumes from the newest visible checkpoint (on every rank);
+- the next job's ``restore()`` resumes from the newest visible checkpoint (on every rank), or
+  ``restore(step)`` from that step; a checkpoint of an abandoned timeline is never visible
+  again;
 - leftovers do not pile up and nothing else appears in the directory; a job that was not
   killed exits 0 and no save fails.
 

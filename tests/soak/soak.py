@@ -25,8 +25,8 @@ while one still runs), the driver checks the directory:
   killed exits 0 and no save fails.
 
 Jobs are forked from a zygote process that imported torch once (a fresh interpreter costs
-seconds), each in a session of its own, and the zygote is a child subreaper, so it reaps every
-process of a job before it reports. ``tests/faults/test_soak.py`` runs 50 kills of this in
+seconds), each in a process group of its own, and the zygote is a child subreaper, so it reaps
+every process of a job before it reports. ``tests/faults/test_soak.py`` runs 50 kills of this in
 ``make test``.
 """
 
@@ -286,6 +286,12 @@ def zygote() -> None:
         leader = os.fork()
         if leader == 0:
             _job_process(cfg)  # never returns
+        # The job's own process group, made on both sides of the fork (whichever runs first),
+        # so that a kill right after the fork cannot miss it.
+        try:
+            os.setpgid(leader, leader)
+        except OSError:
+            pass
         killed_by_delay = hung = False
         pidfd = os.pidfd_open(leader)
         try:
@@ -321,7 +327,7 @@ def zygote() -> None:
 def _job_process(cfg: dict[str, Any]) -> None:
     code = 1
     try:
-        os.setsid()
+        os.setpgid(0, 0)
         log = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)

@@ -9,7 +9,9 @@ the same on every backend:
 
 - ``"write"``: once ``after_bytes`` bytes went to checkpoint storage (streamed writes and
   small puts): the write that crosses the count writes only its part up to it, then the
-  process dies (a data file ends mid-tensor). A put, which is all-or-nothing, is not done;
+  process dies (a data file ends mid-tensor). A put, which is all-or-nothing, is not done.
+  The bytes are counted as the backend's writers take them: a local file written with
+  O_DIRECT (4 MiB and more) may still hold the last of them in its aligned buffer;
 - ``"staging"``: the ``nth`` save has created its staging location (``begin``: a ``.tmp-*``
   directory, or its save-unique names on a store) and written nothing into it yet;
 - ``"commit"``: inside the ``nth`` commit, at its first write: the manifest is half written,

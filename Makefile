@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench fuzz lint format clean
+.PHONY: demo test bench fuzz soak lint format clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,13 @@ FUZZ_N ?= 20000
 FUZZ_SEED ?= 1
 fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz/fuzz.py --n $(FUZZ_N) --seed $(FUZZ_SEED)
+
+# Random SIGKILLs of checkpointing jobs (sync/async saves, retention, gc; 1 process and 2 gloo
+# ranks), checked after every kill: `make soak SOAK_KILLS=5000 SOAK_SEED=2`. `make test` runs 50.
+SOAK_KILLS ?= 1000
+SOAK_SEED ?= 1
+soak: $(STAMP)
+	$(BIN)/python tests/soak/soak.py --kills $(SOAK_KILLS) --seed $(SOAK_SEED)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)

@@ -99,6 +99,12 @@ if not _started_as_cli():
     for _name in _LAZY:
         __getattr__(_name)
 
+if os.environ.get("TARDIGRADE_KILL_POINT"):
+    # A child of tardigrade.testing.kill_during: arm its kill point before any storage opens.
+    from .testing import _killpoint
+
+    _killpoint.install_from_environment()
+
 
 __all__ = [
     "AsyncCheckpointer",

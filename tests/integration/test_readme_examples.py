@@ -156,6 +156,7 @@ OWN_TESTS = [
     "plugins=[TardigradeCheckpointIO()],",
     "TardigradeTrainer(model=Regressor()",
     "accelerator.register_for_checkpointing(progress)",
+    "assert_resumes_exactly(",
 ]
 
 
@@ -172,3 +173,32 @@ def test_every_readme_block_is_run() -> None:
     markers = [m for chain in CHAINS.values() for m in chain] + OWN_TESTS
     untested = [b.splitlines()[0] for b in blocks if not any(m in b for m in markers)]
     assert not untested, f"README python blocks no test runs: {untested}"
+
+
+def test_kill_and_resume_example_checks_the_users_loop(tmp_path: Path) -> None:
+    """The "Kill-and-resume tests for your own loop" example: ``kill_during`` dies inside the
+    second commit (only the first checkpoint is visible, and verifies), and
+    ``assert_resumes_exactly`` passes on the loop as written. The same example with the RNG
+    state left out of the checkpoint must fail there, naming the first step whose loss
+    differs: the helper really compares the resumed run with the uninterrupted one."""
+    code = readme_block("assert_resumes_exactly(")
+    (tmp_path / "good").mkdir()
+    run = run_example(code, tmp_path / "good")
+    assert run.returncode == 0, run.stdout + run.stderr
+    first, second = run.stdout.splitlines()
+    assert first.startswith("True -9 commit #2: ") and first.endswith("manifest.json"), first
+    assert second.startswith("30 steps; resumed exactly after: ['"), second
+    assert (tmp_path / "good" / "ckpt" / "step-000000004" / "manifest.json").is_file()
+
+    broken = code.replace('"rng": tg.RNGState(), ', "").replace(
+        "kills=2, seed=0", 'kills=[{"at": "committed", "nth": 3}]'
+    )
+    assert broken.count("RNGState") == 0 and 'nth": 3' in broken
+    (tmp_path / "broken").mkdir()
+    run = run_example(broken, tmp_path / "broken")
+    assert run.returncode != 0, "without the RNG state the resumed run must differ"
+    assert (
+        "AssertionError: assert_resumes_exactly(train.py): scenario 0: killed at committed #3"
+        in run.stderr
+    ), run.stderr
+    assert "resumed, the loss of step 13 is " in run.stderr, run.stderr

@@ -34,8 +34,21 @@ from ..errors import InvalidArgumentError, StorageError
 from ..format.checksum import Hasher
 from ..storage import Reader, Stat, Storage, Writer, open_root, register_scheme
 from ..storage.base import PutMode
+from ._kill import KillResult, kill_during
+from ._resume import ResumeReport, assert_resumes_exactly, checkpoint_dir, log_loss, save_final
 
-__all__ = ["ERRORS", "OPERATIONS", "FaultyStorage"]
+__all__ = [
+    "ERRORS",
+    "OPERATIONS",
+    "FaultyStorage",
+    "KillResult",
+    "ResumeReport",
+    "assert_resumes_exactly",
+    "checkpoint_dir",
+    "kill_during",
+    "log_loss",
+    "save_final",
+]
 
 SCHEME = "faulty"
 OPERATIONS = (

@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import tardigrade as tg
 from tardigrade.cli import main
@@ -52,6 +54,16 @@ def test_ls_verify_inspect_diff(ckpts: str, capsys: pytest.CaptureFixture[str]) 
     assert out.splitlines()[0].endswith("step-000000020") and "step: 20" in out
     rc, out, err = cli(capsys, "diff", f"{ckpts}/step-000000010", f"{ckpts}/step-000000020")
     assert rc == 1 and "w" in out  # they differ, and diff says where
+
+
+def test_export_reads_any_backend(
+    ckpts: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_file = tmp_path / "out" / "w.safetensors"
+    rc, _, err = cli(capsys, "export", f"{ckpts}/step-000000020", out_file)
+    assert rc == 0, err
+    with safe_open(str(out_file), "pt") as f:
+        assert torch.equal(f.get_tensor("w"), torch.full((100,), 20.0))
 
 
 def test_verify_fails_on_a_damaged_checkpoint(ckpts: str, capsys: pytest.CaptureFixture[str]):

@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     require_single(args.ckpt)
     storage, ckpt_name, m = open_manifest(args.ckpt)
     manifest = m.raw
-    where = os.path.abspath(args.ckpt)
+    where = storage.url(ckpt_name)
     if args.rank is not None and not 0 <= args.rank < m.world_size:
         raise InvalidArgumentError(
             f"--rank {args.rank}: {where} was saved by {m.world_size} rank(s); give a rank from "

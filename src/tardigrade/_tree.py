@@ -307,10 +307,7 @@ class _Flattener:
         self, obj: Any, path: tuple[Any, ...], depth: int = 0, key: str | None = None
     ) -> dict[str, Any]:
         """Encode ``obj``; ``key`` ("dict key", "set element") admits hashable values only."""
-        if depth > limits.MAX_TREE_DEPTH:
-            raise UnsupportedTypeError(
-                f"{path_str(path)}: state is nested more than {limits.MAX_TREE_DEPTH} levels deep"
-            )
+        self.check_depth(path, depth)
         t = type(obj)
         if obj is None:
             return {"t": "none"}
@@ -328,6 +325,7 @@ class _Flattener:
         if t is bytes:
             return {"t": "bytes", "v": base64.b64encode(obj).decode()}
         if t is complex:
+            self.check_depth(path, depth + 1)  # its parts are nodes one level down
             return {"t": "complex", "v": [_float(obj.real), _float(obj.imag)]}
         if isinstance(obj, np.generic):
             return self.npscalar(obj, path)
@@ -360,11 +358,14 @@ class _Flattener:
         if t is PerRank:
             if self.in_per_rank:  # already this rank's own value
                 return self.node(obj.value, path, depth + 1)
-            self.per_rank.append(flatten(obj.value, path, per_rank=True))
+            # The part takes this node's place in every rank's tree: its depth counts from here.
+            self.per_rank.append(flatten(obj.value, path, per_rank=True, depth=depth))
             return {"t": "per_rank", "i": len(self.per_rank) - 1}
         if t is Sharded or is_dtensor(obj):
             return self.sharded_tensor(obj, path)
         if isinstance(obj, torch.Tensor):
+            if obj.layout in SPARSE_NAMES:
+                self.check_depth(path, depth + 1)  # its component tensors are nodes below it
             return self.tensor(obj, path)
         if t is np.ndarray:
             return self.ndarray(obj, path)
@@ -393,6 +394,15 @@ class _Flattener:
             "dicts, OrderedDicts, Counters, sets and frozensets of those, and objects with "
             f"state_dict()/load_state_dict().{hint}"
         )
+
+    @staticmethod
+    def check_depth(path: tuple[Any, ...], depth: int) -> None:
+        """Refuse what every reader would refuse: a node deeper than the manifest allows."""
+        if depth > limits.MAX_TREE_DEPTH:
+            raise UnsupportedTypeError(
+                f"{path_str(path)}: state is nested more than {limits.MAX_TREE_DEPTH} levels "
+                "deep; flatten it (e.g. join nested keys into one string key)"
+            )
 
     def npscalar(self, obj: np.generic, path: tuple[Any, ...]) -> dict[str, Any]:
         name = NUMPY_SCALAR_NAMES.get(obj.dtype)
@@ -600,10 +610,15 @@ def _short_repr(obj: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def flatten(state: Any, root: tuple[Any, ...] = (), *, per_rank: bool = False) -> Flat:
-    """Encode ``state`` into a skeleton and the tensors to write. Raises UnsupportedTypeError."""
+def flatten(
+    state: Any, root: tuple[Any, ...] = (), *, per_rank: bool = False, depth: int = 0
+) -> Flat:
+    """Encode ``state`` into a skeleton and the tensors to write. Raises UnsupportedTypeError.
+
+    ``depth``: the level ``state`` sits at in the whole tree (a ``tg.PerRank`` part's place).
+    """
     f = _Flattener(per_rank)
-    tree = f.node(state, root)
+    tree = f.node(state, root, depth)
     f.merge_partial_aliases()
     return Flat(tree, f.entries, f.per_rank, f.packed)
 

@@ -218,20 +218,29 @@ class Manifest:
                 )
             rank = 0
         own = per_rank[rank]
-
-        def resolve(node: Any) -> Any:
+        # A loop, not recursion: a tree nested to the depth limit is ~3 containers per level
+        # and recursing through it exceeded Python's recursion limit (validate() bounds it).
+        out: list[Any] = [None]
+        stack: list[tuple[Any, Any, Any]] = [(self.tree, out, 0)]
+        while stack:
+            node, parent, slot = stack.pop()
             if isinstance(node, list):
-                return [resolve(x) for x in node]
-            if not isinstance(node, dict):
-                return node
-            if node.get("t") == "per_rank":
+                copy: Any = list(node)
+                stack.extend(
+                    (x, copy, j) for j, x in enumerate(node) if isinstance(x, (list, dict))
+                )
+            elif isinstance(node, dict) and node.get("t") == "per_rank":
                 i = node.get("i")
                 if type(i) is not int or not 0 <= i < len(own):
                     raise _fail(where, f"a per-rank part refers to #{i!r}, which rank {rank} lacks")
-                return own[i]
-            return {k: resolve(v) for k, v in node.items()}
-
-        return resolve(self.tree)
+                copy = own[i]
+            elif isinstance(node, dict):
+                copy = dict(node)
+                stack.extend((v, copy, k) for k, v in node.items() if isinstance(v, (list, dict)))
+            else:
+                copy = node
+            parent[slot] = copy
+        return out[0]  # type: ignore[no-any-return]
 
     @property
     def nbytes(self) -> int:
@@ -306,6 +315,7 @@ def validate(doc: Any, where: str, *, sealed: bool = True) -> Manifest:
         or not all(isinstance(p, list) and all(isinstance(n, dict) for n in p) for p in per_rank)
     ):
         raise _fail(where, f"'per_rank' must list each of the {world} ranks' subtrees")
+    _check_tree(doc["tree"], per_rank, where)
     files, header_sums = _files(doc.get("files"), where, sealed=version >= SEALED_SINCE)
     columnar = version == COLUMNAR_VERSION or (version >= PACKED_VERSION and world > 1)
     tensors = _tensors(doc.get("tensors"), files, where, columnar=columnar)
@@ -313,6 +323,103 @@ def validate(doc: Any, where: str, *, sealed: bool = True) -> Manifest:
         with gc_paused():  # a set of a million (file, key) tuples
             _check_keys_unique(tensors, where)
     return Manifest(doc, tensors, files, header_sums)
+
+
+def _check_tree(tree: dict[str, Any], per_rank: list[list[Any]] | None, where: str) -> None:
+    """Bound the state tree's nesting as every reader counts it, each ``tg.PerRank`` part at
+    the depth of the place it fills, and check each place names a part every rank has.
+
+    Part of validation so the writer, which validates its own manifest before commit, can
+    never commit a tree that ``load`` (``tree_for`` then ``decode``) refuses.
+    """
+    parts = min((len(p) for p in per_rank), default=0) if per_rank is not None else 0
+    placed: dict[int, int] = {}  # part -> the deepest level a place for it sits at
+    nodes = _tree_depth(tree, 0, placed, where)
+    for i in placed:
+        if per_rank is None:
+            raise _fail(where, f"the state tree has a place for per-rank part #{i}, and the "
+                        "manifest lists no 'per_rank' parts")  # fmt: skip
+        if not 0 <= i < parts:
+            raise _fail(where, f"the state tree refers to per-rank part #{i}, which not every "
+                        f"one of the {len(per_rank)} ranks lists")  # fmt: skip
+    for own in per_rank or ():
+        for i, part in enumerate(own):
+            nodes += _tree_depth(part, placed.get(i, 0), None, where)
+    if nodes > limits.MAX_TREE_NODES:
+        raise _fail(where, f"the state tree has more than {limits.MAX_TREE_NODES} nodes")
+
+
+def _tree_depth(root: Any, depth: int, placed: dict[int, int] | None, where: str) -> int:
+    """Walk a tree node (at ``depth``) with a stack; return its node count.
+
+    Depth counts as ``_tree.decode`` counts it: the nodes inside a node's ``v`` and ``meta``
+    (whatever lists hold them: a list's items, a dict's [key, value] pairs) are one level
+    deeper. ``placed`` collects where ``{"t": "per_rank", "i": k}`` places sit (None: inside
+    a per-rank part, where no such place exists and the node is left to ``decode``).
+    """
+    stack: list[tuple[Any, int]] = [(root, depth)]
+    count = 0
+    while stack:
+        node, d = stack.pop()
+        if type(node) is list:
+            stack.extend([(x, d) for x in node if type(x) is dict or type(x) is list])
+            continue
+        if type(node) is not dict:
+            continue
+        count += 1
+        if d > limits.MAX_TREE_DEPTH:
+            raise _fail(
+                where, f"state tree at {_path_of(root, node)}: nested more than "
+                f"{limits.MAX_TREE_DEPTH} levels deep"
+            )  # fmt: skip
+        if placed is not None and node.get("t") == "per_rank":
+            i = node.get("i")
+            if type(i) is not int:
+                raise _fail(where, f"a per-rank part refers to #{i!r}, not a part number")
+            placed[i] = max(placed.get(i, d), d)
+            continue
+        for key in ("v", "meta"):
+            v = node.get(key)
+            if type(v) is dict or type(v) is list:
+                stack.append((v, d + 1))
+    return count
+
+
+def _path_of(root: Any, target: dict[str, Any]) -> str:
+    """``state['a'][0]``: where ``target`` sits below ``root``, for a message (keys that are
+    not plain str/int nodes print as ``?``)."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return "state" + "".join(f"[{p!r}]" for p in path)
+        if type(node) is not dict:
+            continue
+        t, v = node.get("t"), node.get("v")
+        if type(v) is dict:
+            stack.append((v, path))
+        elif t in ("dict", "odict", "counter") and type(v) is list:
+            for item in v:
+                if type(item) is list and len(item) == 2:
+                    stack.extend([(item[0], path), (item[1], (*path, _key_text(item[0])))])
+        elif t in ("list", "tuple") and type(v) is list:
+            stack.extend([(x, (*path, i)) for i, x in enumerate(v)])
+        elif type(v) is list:
+            stack.extend([(x, path) for x in v])
+        if type(node.get("meta")) is dict:
+            stack.append((node["meta"], path))
+    return "state"
+
+
+def _key_text(node: Any) -> Any:
+    """A dict key node as the key it decodes to, where that is a plain str or small int."""
+    if type(node) is dict and type(node.get("v")) is str:
+        v = node["v"]
+        if node.get("t") == "str":
+            return v
+        if node.get("t") == "int" and len(v) <= 20 and v.lstrip("-").isdigit():
+            return int(v)
+    return "?"
 
 
 def _check_keys_unique(tensors: tuple[TensorInfo, ...], where: str) -> None:

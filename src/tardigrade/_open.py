@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ._tree import SPARSE_LAYOUTS, sparse_problem
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -124,10 +125,45 @@ def _check_refs(tree: dict[str, Any], m: Manifest, where: str) -> set[int]:
                     _check_view(view, m.tensors[e], where)
                 refs.add(e)
             else:
+                if t == "sparse":
+                    _check_sparse(node, m, where)
                 stack.extend(v for k, v in node.items() if k in ("v", "meta"))
         elif isinstance(node, list):
             stack.extend(node)
     return refs
+
+
+def _check_sparse(node: dict[str, Any], m: Manifest, where: str) -> None:
+    """A sparse node's parts must fit together (shapes, index dtypes) and its size: refused
+    here, before any byte is read, and by ``verify``. A node malformed otherwise is left to
+    ``decode``, which refuses it."""
+    layout, size, parts = node.get("layout"), node.get("size"), node.get("v")
+    if (
+        layout not in SPARSE_LAYOUTS
+        or type(size) is not list
+        or not all(type(n) is int for n in size)
+        or type(parts) is not list
+        or len(parts) != len(SPARSE_LAYOUTS[layout][1])
+    ):
+        return
+    found = []
+    for p in parts:
+        e = p.get("e") if isinstance(p, dict) and p.get("t") == "tensor" else None
+        if type(e) is not int or not 0 <= e < len(m.tensors):
+            return
+        info = m.tensors[e]
+        view = p.get("view")
+        shape = tuple(view["shape"]) if isinstance(view, dict) and "shape" in view else info.shape
+        if "complex" in p:  # stored as its real view: a trailing dimension of 2
+            found.append((shape[:-1], f"complex {info.dtype}"))
+        else:
+            found.append((shape, info.dtype))
+    problem = sparse_problem(layout, size, found)
+    if problem is not None:
+        raise CorruptCheckpointError(
+            f"{where}: a sparse {layout} tensor whose {problem}. The manifest is damaged; "
+            "restore the checkpoint from a backup or delete it."
+        )
 
 
 def _check_view(view: Any, info: TensorInfo, where: str) -> None:

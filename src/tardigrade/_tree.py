@@ -745,7 +745,7 @@ def decode(
             return decode(v, leaf, where, path, depth + 1)
     except CorruptCheckpointError:
         raise
-    except (ValueError, TypeError, OverflowError, RuntimeError) as e:
+    except (ValueError, TypeError, OverflowError, RuntimeError, IndexError) as e:
         raise _bad(where, path, f"bad {tag!r} value ({e})") from None
     raise _bad(where, path, f"unknown or malformed node of type {tag!r}")
 
@@ -813,6 +813,11 @@ def _sparse(node: dict[str, Any], parts: list[Any], where: str, path: tuple[Any,
         raise _bad(where, path, f"a sparse {layout} tensor has {', '.join(names)}")
     if not all(isinstance(p, torch.Tensor) for p in parts):
         return SparseParts(layout, tuple(size), coalesced, tuple(parts))
+    problem = sparse_problem(
+        layout, size, [(tuple(p.shape), DTYPE_NAMES.get(p.dtype, str(p.dtype))) for p in parts]
+    )
+    if problem is not None:
+        raise _bad(where, path, f"a sparse {layout} tensor whose {problem}")
     # Stand-ins (meta tensors) hold no values to check; real parts come from an untrusted file,
     # and an index out of bounds would make later sparse kernels read out of bounds: check.
     check = not any(p.is_meta for p in parts)
@@ -823,3 +828,51 @@ def _sparse(node: dict[str, Any], parts: list[Any], where: str, path: tuple[Any,
     return torch.sparse_compressed_tensor(
         parts[0], parts[1], parts[2], size, layout=torch_layout, check_invariants=check
     )
+
+
+def sparse_problem(
+    layout: str, size: list[int], parts: list[tuple[tuple[int, ...], str]]
+) -> str | None:
+    """What torch refuses in a sparse tensor's parts (their shapes and dtype names, in
+    ``SPARSE_LAYOUTS`` order) given its size, as a phrase; None if nothing.
+
+    Checked before torch sees them: the stand-ins a load builds before reading (meta tensors)
+    skip torch's own checks or fail with IndexError, and a load must refuse a damaged
+    checkpoint before it reads a byte into live state. Index bounds need the values and are
+    left to torch's invariant checks.
+    """
+    if layout == "coo":
+        (ishape, idtype), (vshape, _) = parts
+        if idtype != "I64" or len(ishape) != 2:
+            return f"indices are {idtype}{list(ishape)}, not I64[sparse dims, nnz]"
+        sparse_dim, nnz = ishape
+        if not vshape or vshape[0] != nnz:
+            return f"values {list(vshape)} do not hold one entry per index ({nnz})"
+        if len(size) != sparse_dim + len(vshape) - 1 or tuple(size[sparse_dim:]) != vshape[1:]:
+            return f"size {size} does not fit indices {list(ishape)} and values {list(vshape)}"
+        return None
+    (cshape, cdtype), (pshape, pdtype), (vshape, _) = parts
+    if cdtype not in ("I32", "I64") or pdtype != cdtype or not cshape:
+        return f"index parts are {cdtype}{list(cshape)} and {pdtype}{list(pshape)}"
+    batch, block = len(cshape) - 1, 2 if layout in ("bsr", "bsc") else 0
+    if (
+        len(pshape) != batch + 1
+        or pshape[:-1] != cshape[:-1]
+        or len(vshape) < batch + 1 + block
+        or vshape[:batch] != cshape[:-1]
+        or vshape[batch] != pshape[-1]
+    ):
+        return f"parts {list(cshape)}, {list(pshape)} and {list(vshape)} do not agree"
+    dense = vshape[batch + 1 + block :]
+    if len(size) != batch + 2 + len(dense) or tuple(size[:batch]) != cshape[:-1]:
+        return f"size {size} does not fit its parts"
+    if tuple(size[batch + 2 :]) != dense:
+        return f"size {size} does not fit values {list(vshape)}"
+    rows, cols = size[batch], size[batch + 1]
+    bs = vshape[batch + 1 : batch + 3] if block else (1, 1)
+    if 0 in bs or rows % bs[0] or cols % bs[1]:
+        return f"blocks {list(bs)} do not divide size {size}"
+    compressed = rows // bs[0] if layout in ("csr", "bsr") else cols // bs[1]
+    if cshape[-1] != compressed + 1:
+        return f"compressed indices {list(cshape)} do not hold {compressed} + 1 entries"
+    return None

@@ -656,6 +656,8 @@ class _Columns:
         f, offsets, shapes = _one(c.get("file")), c.get("offsets"), c.get("shape")
         if f is None or type(offsets) is not list or type(shapes) is not list:
             return None
+        if len(offsets) != len(shape) or len(shapes) != len(shape):
+            return None  # one column per dimension: the array path says what is wrong
         o, n = [_one(x) for x in offsets], [_one(x) for x in shapes]
         if n != shape or any(x != 0 for x in o) or not 0 <= f < len(self.names):
             return None

@@ -139,7 +139,8 @@ def _check_sparse(node: dict[str, Any], m: Manifest, where: str) -> None:
     ``decode``, which refuses it."""
     layout, size, parts = node.get("layout"), node.get("size"), node.get("v")
     if (
-        layout not in SPARSE_LAYOUTS
+        type(layout) is not str
+        or layout not in SPARSE_LAYOUTS
         or type(size) is not list
         or not all(type(n) is int for n in size)
         or type(parts) is not list
@@ -153,7 +154,9 @@ def _check_sparse(node: dict[str, Any], m: Manifest, where: str) -> None:
             return
         info = m.tensors[e]
         view = p.get("view")
-        shape = tuple(view["shape"]) if isinstance(view, dict) and "shape" in view else info.shape
+        if view is not None:
+            _check_view(view, info, where)  # before its shape is trusted here
+        shape = tuple(view["shape"]) if view is not None else info.shape
         if "complex" in p:  # stored as its real view: a trailing dimension of 2
             found.append((shape[:-1], f"complex {info.dtype}"))
         else:

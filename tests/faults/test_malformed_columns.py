@@ -106,6 +106,8 @@ CASES: list[tuple[str, Edit, str]] = [
         lambda d: bias(d)["shape"].append(1),
         "1 'offsets' and 'shape' columns",
     ),
+    # Was an OverflowError: file sizes are summed as int64 arrays.
+    ("a file size past int64", lambda d: d["files"][0].update(size=2**63), r"0 to 2\*\*63-1"),
     (
         "more bytes than the file holds",
         lambda d: d["files"][0].update(size=40),

@@ -438,8 +438,14 @@ def _files(v: Any, where: str, *, sealed: bool) -> tuple[dict[str, int], dict[st
     out: dict[str, int] = {}
     sums: dict[str, str] = {}
     for f in v:
-        if not isinstance(f, dict) or type(f.get("size")) is not int or f["size"] < 0:
-            raise _fail(where, f"file entry {f!r} must have a name and a non-negative size")
+        if (
+            not isinstance(f, dict)
+            or type(f.get("size")) is not int
+            or not 0 <= f["size"] <= limits.MAX_TORCH_EXTENT  # sizes are summed as int64
+        ):
+            raise _fail(
+                where, f"file entry {f!r} must have a name and a size from 0 to 2**63-1 bytes"
+            )
         name = check_name(f.get("name"), where)
         if name in out:
             raise _fail(where, f"data file {name!r} is listed twice")

@@ -197,6 +197,11 @@ class Manifest:
         return self.raw["tree"]
 
     @property
+    def sealed(self) -> bool:
+        """Whether the manifest's format carries checksums (format 2 on)."""
+        return self.raw["format_version"] >= SEALED_SINCE  # type: ignore[no-any-return]
+
+    @property
     def world_size(self) -> int:
         return self.raw.get("world_size", 1)
 
@@ -315,7 +320,8 @@ def validate(doc: Any, where: str, *, sealed: bool = True) -> Manifest:
         or not all(isinstance(p, list) and all(isinstance(n, dict) for n in p) for p in per_rank)
     ):
         raise _fail(where, f"'per_rank' must list each of the {world} ranks' subtrees")
-    _check_tree(doc["tree"], per_rank, where)
+    _check_written_as(doc, version, sealed, where)
+    _check_tree(doc["tree"], per_rank, where, _TAGS_UNTIL.get(version))
     files, header_sums = _files(doc.get("files"), where, sealed=version >= SEALED_SINCE)
     columnar = version == COLUMNAR_VERSION or (version >= PACKED_VERSION and world > 1)
     tensors = _tensors(doc.get("tensors"), files, where, columnar=columnar)
@@ -325,7 +331,66 @@ def validate(doc: Any, where: str, *, sealed: bool = True) -> Manifest:
     return Manifest(doc, tensors, files, header_sums)
 
 
-def _check_tree(tree: dict[str, Any], per_rank: list[list[Any]] | None, where: str) -> None:
+# The tree node tags each older format's writers wrote; a newer tag in a manifest that claims
+# an older version means it was relabelled (older versions are checked less: v1 carries no
+# checksum at all), so it is refused. Absent: every tag this reader knows.
+_V2_TAGS = frozenset(
+    ("none", "bool", "int", "float", "str", "bytes", "dtype", "list", "tuple", "dict", "odict",
+     "stateful", "tensor", "ndarray")
+)  # fmt: skip
+_V3_TAGS = _V2_TAGS | {
+    "complex",
+    "counter",
+    "device",
+    "set",
+    "frozenset",
+    "npscalar",
+    "size",
+    "sparse",
+}
+_V5_TAGS = _V3_TAGS | {"per_rank"}
+_TAGS_UNTIL: dict[int, frozenset[str]] = {
+    1: _V2_TAGS,
+    2: _V2_TAGS,
+    3: _V3_TAGS,
+    4: _V5_TAGS,
+    5: _V5_TAGS,
+}
+
+
+def _check_written_as(doc: dict[str, Any], version: int, sealed: bool, where: str) -> None:
+    """Refuse a manifest that claims an older format than what it holds shows.
+
+    Relabelling a newer manifest as format 1 (which has no checksums) after editing it would
+    otherwise switch off every checksum; so would one that claims format 2-3 and holds
+    distributed parts. What each version adds is listed at ``FORMAT_VERSION``.
+    """
+    newer = []
+    if version < SEALED_SINCE:
+        if sealed:
+            newer.append("a manifest checksum")
+        if any(isinstance(f, dict) and "header_checksum" in f for f in doc.get("files") or ()):
+            newer.append("data file header checksums")
+    if version < 4:
+        if "per_rank" in doc or doc.get("world_size", 1) != 1:
+            newer.append("parts saved by several ranks")
+        if any(
+            isinstance(t, dict) and ("layout" in t or "rank" in t) for t in doc.get("tensors") or ()
+        ):
+            newer.append("tensor layouts")
+    if newer:
+        raise _fail(
+            where, f"it claims format_version {version} but holds {' and '.join(newer)}, which "
+            "only newer versions write: it was edited and relabelled"
+        )  # fmt: skip
+
+
+def _check_tree(
+    tree: dict[str, Any],
+    per_rank: list[list[Any]] | None,
+    where: str,
+    tags: frozenset[str] | None = None,
+) -> None:
     """Bound the state tree's nesting as every reader counts it, each ``tg.PerRank`` part at
     the depth of the place it fills, and check each place names a part every rank has.
 
@@ -334,7 +399,7 @@ def _check_tree(tree: dict[str, Any], per_rank: list[list[Any]] | None, where: s
     """
     parts = min((len(p) for p in per_rank), default=0) if per_rank is not None else 0
     placed: dict[int, int] = {}  # part -> the deepest level a place for it sits at
-    nodes = _tree_depth(tree, 0, placed, where)
+    nodes = _tree_depth(tree, 0, placed, where, tags)
     for i in placed:
         if per_rank is None:
             raise _fail(where, f"the state tree has a place for per-rank part #{i}, and the "
@@ -344,18 +409,25 @@ def _check_tree(tree: dict[str, Any], per_rank: list[list[Any]] | None, where: s
                         f"one of the {len(per_rank)} ranks lists")  # fmt: skip
     for own in per_rank or ():
         for i, part in enumerate(own):
-            nodes += _tree_depth(part, placed.get(i, 0), None, where)
+            nodes += _tree_depth(part, placed.get(i, 0), None, where, tags)
     if nodes > limits.MAX_TREE_NODES:
         raise _fail(where, f"the state tree has more than {limits.MAX_TREE_NODES} nodes")
 
 
-def _tree_depth(root: Any, depth: int, placed: dict[int, int] | None, where: str) -> int:
+def _tree_depth(
+    root: Any,
+    depth: int,
+    placed: dict[int, int] | None,
+    where: str,
+    tags: frozenset[str] | None = None,
+) -> int:
     """Walk a tree node (at ``depth``) with a stack; return its node count.
 
     Depth counts as ``_tree.decode`` counts it: the nodes inside a node's ``v`` and ``meta``
     (whatever lists hold them: a list's items, a dict's [key, value] pairs) are one level
     deeper. ``placed`` collects where ``{"t": "per_rank", "i": k}`` places sit (None: inside
     a per-rank part, where no such place exists and the node is left to ``decode``).
+    ``tags``: the only node tags allowed (those of the format the manifest claims).
     """
     stack: list[tuple[Any, int]] = [(root, depth)]
     count = 0
@@ -372,7 +444,16 @@ def _tree_depth(root: Any, depth: int, placed: dict[int, int] | None, where: str
                 where, f"state tree at {_path_of(root, node)}: nested more than "
                 f"{limits.MAX_TREE_DEPTH} levels deep"
             )  # fmt: skip
-        if placed is not None and node.get("t") == "per_rank":
+        t = node.get("t")
+        if tags is not None and (
+            (type(t) is str and t not in tags) or ("complex" in node and tags is _V2_TAGS)
+        ):
+            raise _fail(
+                where, f"state tree at {_path_of(root, node)}: a {t!r} node "
+                f"{'of a complex tensor ' if 'complex' in node else ''}in a manifest of a format "
+                "that has no such node: it was edited and relabelled"
+            )  # fmt: skip
+        if placed is not None and t == "per_rank":
             i = node.get("i")
             if type(i) is not int:
                 raise _fail(where, f"a per-rank part refers to #{i!r}, not a part number")

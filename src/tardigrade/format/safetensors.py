@@ -85,12 +85,20 @@ def _corrupt(src: ByteSource, what: str) -> CorruptCheckpointError:
     )
 
 
-def read_header(src: ByteSource, expected_checksum: str | None = None) -> dict[str, HeaderEntry]:
+# Header metadata of every data file a writer of sealed manifests (format 2 on) writes: a
+# file that carries it belongs to a checkpoint whose manifest must carry checksums.
+SEALED_MARK = {"tardigrade_manifest": "sealed"}
+
+
+def read_header(
+    src: ByteSource, expected_checksum: str | None = None, *, unsealed: bool = False
+) -> dict[str, HeaderEntry]:
     """Read and validate a data file's header; return its entries by key.
 
     With ``expected_checksum`` (what the manifest recorded), the header's bytes, length prefix
     and padding included, must match it: a damaged header can otherwise still parse (a space
-    in the padding, an edited metadata value) or point keys at other bytes.
+    in the padding, an edited metadata value) or point keys at other bytes. ``unsealed``: the
+    manifest carries no checksums (format 1), so a header marked ``SEALED_MARK`` is refused.
     """
     if src.size < 8:
         raise _corrupt(src, f"file is {src.size} bytes, too short to hold a safetensors header")
@@ -122,7 +130,16 @@ def read_header(src: ByteSource, expected_checksum: str | None = None) -> dict[s
     header = loads_strict(bytes(raw), src.name)
     if not isinstance(header, dict):
         raise _corrupt(src, "header is not a JSON object")
-    header.pop("__metadata__", None)
+    meta = header.pop("__metadata__", None)
+    if (
+        unsealed
+        and isinstance(meta, dict)
+        and all(meta.get(k) == v for k, v in SEALED_MARK.items())
+    ):
+        raise _corrupt(
+            src, "it was written with a checksummed (format 2 or newer) manifest, and the "
+            "manifest now claims format 1, which has no checksums: it was edited and relabelled"
+        )  # fmt: skip
     if len(header) > limits.MAX_TENSORS_PER_FILE:
         raise _corrupt(
             src,

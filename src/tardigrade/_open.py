@@ -186,6 +186,12 @@ def _check_view(view: Any, info: TensorInfo, where: str) -> None:
     )
     if ok and math.prod(shape):
         extent = view["offset"] + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1
-        ok = extent <= math.prod(info.shape)
+        # Nor may it hold more elements than its storage: only a view that overlaps itself
+        # (a stride of 0) could, and writers store those by value. Forged, it would load as
+        # a tensor claiming terabytes over a few bytes, which any copy of it allocates.
+        ok = extent <= math.prod(info.shape) and math.prod(shape) <= math.prod(info.shape)
     if not ok:
-        raise CorruptCheckpointError(f"{where}: a tensor view {view!r} does not fit its storage")
+        raise CorruptCheckpointError(
+            f"{where}: a tensor view {view!r} does not fit its storage of {list(info.shape)} "
+            "elements; the manifest is damaged. Restore the checkpoint from a backup or delete it."
+        )

@@ -461,6 +461,11 @@ class _Flattener:
         storage = t.untyped_storage()
         key = (str(t.device), storage.data_ptr())
         sig = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+        if t.numel() > sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1:
+            # Overlaps itself (an expand()ed tensor, a stride of 0): stored by value, never as
+            # a view of a span, since a reader refuses a view of more elements than its
+            # storage holds (a forged one would claim terabytes over a few bytes).
+            key = ("self-overlapping", *key)
         group = self.by_storage.setdefault(key, [])
         for other_sig, other in group:
             if other_sig == sig:
@@ -559,8 +564,8 @@ class _Flattener:
         """
         complex_entries = {n["e"] for n in self.refs if "complex" in n}
         moved: dict[int, tuple[int, dict[str, Any]]] = {}  # old entry -> (span entry, view)
-        for group in self.by_storage.values():
-            if len(group) < 2:
+        for key, group in self.by_storage.items():
+            if len(group) < 2 or key[0] == "self-overlapping":  # each stored by value
                 continue
             clusters = [
                 part

@@ -3,6 +3,7 @@ by ``load`` (plain and ``into=``) and by ``verify``, before a byte lands in live
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,48 @@ def test_sparse_size_that_does_not_fit_its_parts_is_refused(tmp_path: Path, layo
     tg.save(ckpt, sparse_state(layout))
     edit_manifest(ckpt, lambda d: item(d, "s").update(size=[3, 3, 1]))
     assert_refused_before_reading(ckpt, layout, r"size \[3, 3, 1\] does not fit")
+
+
+# ----------------------------------------------------------------------------------------------
+# views
+
+
+def test_view_claiming_more_elements_than_its_storage_is_refused(tmp_path: Path) -> None:
+    """Stride 0 keeps a view's extent inside one element: it loaded as a tensor of 2**40
+    elements (4 TiB to any copy of it) over a 12-element storage."""
+    ckpt = tmp_path / "ckpt"
+    buf = torch.arange(12.0)
+    tg.save(ckpt, {"a": buf[:8], "b": buf[4:]})  # overlapping views: a span and two views
+    edit_manifest(
+        ckpt, lambda d: item(d, "b").update(view={"offset": 0, "shape": [2**40], "stride": [0]})
+    )
+    pattern = r"a tensor view .* does not fit its storage of \[12\] elements"
+    for verify in (True, False):
+        with raises_exactly(CorruptCheckpointError, pattern):
+            tg.load(ckpt, verify=verify)
+    with raises_exactly(CorruptCheckpointError, pattern):
+        tg.verify(ckpt)
+
+
+def test_self_overlapping_views_are_saved_by_value(tmp_path: Path) -> None:
+    """What the reader refuses the writer never writes: an expand()ed tensor that shares memory
+    with others is stored as its own values, not as a view of more elements than the span."""
+    ckpt = tmp_path / "ckpt"
+    buf = torch.arange(4.0)
+    state = {
+        "x": buf,
+        "e": buf[:1].expand(100),
+        "f": buf[1:3].unsqueeze(1).expand(2, 50),
+        "x2": buf[2:],
+    }
+    tg.save(ckpt, state)
+    doc = tg.read_manifest(ckpt)
+    for _, node in doc["tree"]["v"]:
+        if "view" in node:
+            stored = doc["tensors"][node["e"]]["shape"]
+            assert math.prod(node["view"]["shape"]) <= math.prod(stored), node
+    loaded = tg.load(ckpt)
+    for k, v in state.items():
+        assert torch.equal(loaded[k], v), k
+    # The views that share elements without overlapping themselves still come back sharing.
+    assert loaded["x2"].data_ptr() == loaded["x"].data_ptr() + 2 * 4

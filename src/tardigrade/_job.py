@@ -12,7 +12,7 @@ import os
 import platform
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from ._plan import (
     DEFAULT_MAX_FILES,
     FilePlan,
     GlobalPlan,
+    LocalEntry,
     SavePlan,
     WriteItem,
     global_plan,
@@ -31,7 +32,8 @@ from ._plan import (
 from ._tree import Entry, Flat, flatten
 from ._units import gbps
 from ._version import __version__
-from .errors import CheckpointExistsError, InvalidArgumentError
+from .errors import CheckpointExistsError, InvalidArgumentError, SaveError
+from .format import limits
 from .format import safetensors as st
 from .format.checksum import ALGORITHM
 from .format.jsonio import dumps
@@ -152,8 +154,42 @@ def make_job(
     check_target(storage, name, overwrite)
     header = make_header(step=step, epoch=epoch, metrics=metrics, metadata=metadata)
     flat = flatten(state)
-    gplan = global_plan([local_plan(flat)], max_files=max_files)
+    lplan = local_plan(flat)
+    check_manifest_estimate([*lplan.shared, *lplan.own], storage.url(name))
+    gplan = global_plan([lplan], max_files=max_files)
     return SaveJob(storage, name, flat, gplan.rank_plan(0), header, overwrite, started, gplan)
+
+
+# The fewest bytes one tensor adds to a format-4 manifest, beyond its key: its record with one
+# chunk, empty shape and file name (``{"dtype":"U8","shape":[],"numpy":false,"chunks":[{"file":
+# "","key":"","offsets":[],"shape":[],"checksum":"<16 hex>"}]},``: 126) and its tree node
+# (``{"t":"tensor","e":0},``: 21), less one for ``"numpy":true`` and one for a last comma.
+MIN_MANIFEST_BYTES_PER_TENSOR = 145
+
+
+def check_manifest_estimate(entries: Sequence[LocalEntry], where: str) -> None:
+    """Refuse, before anything is written, a state whose manifest no reader would accept.
+
+    The manifest's size is known only once every file is written (chunk checksums); this lower
+    bound of it, from the tensors and their keys, costs a pass over the keys. A state of a
+    million small tensors used to write every byte for minutes, then be refused at commit.
+    """
+    if len(entries) > limits.MAX_TENSORS:
+        raise SaveError(
+            f"{where}: the state holds {len(entries)} tensors, more than the "
+            f"{limits.MAX_TENSORS} a manifest may list; nothing was written. Save fewer, larger "
+            "tensors (e.g. flatten parameters into fewer buffers)."
+        )
+    # An empty tensor may be listed without a chunk (nor its key): counted as nothing.
+    named = [len(e.name) for e in entries if 0 not in e.shape]
+    low = sum(named) + MIN_MANIFEST_BYTES_PER_TENSOR * len(named)
+    if low > limits.MAX_MANIFEST_BYTES:
+        raise SaveError(
+            f"{where}: the manifest of these {len(entries)} tensors would be at least "
+            f"{low / 2**20:.0f} MiB, more than the {limits.MAX_MANIFEST_BYTES / 2**20:.0f} MiB "
+            "any reader accepts; nothing was written. Save fewer, larger tensors (e.g. flatten "
+            "parameters into fewer buffers)."
+        )
 
 
 def make_header(

@@ -421,28 +421,27 @@ def _tree_depth(
     where: str,
     tags: frozenset[str] | None = None,
 ) -> int:
-    """Walk a tree node (at ``depth``) with a stack; return its node count.
+    """Walk a tree node (at ``depth``) with a stack; return the nodes it visited.
 
     Depth counts as ``_tree.decode`` counts it: the nodes inside a node's ``v`` and ``meta``
     (whatever lists hold them: a list's items, a dict's [key, value] pairs) are one level
     deeper. ``placed`` collects where ``{"t": "per_rank", "i": k}`` places sit (None: inside
     a per-rank part, where no such place exists and the node is left to ``decode``).
     ``tags``: the only node tags allowed (those of the format the manifest claims).
+
+    A leaf (no ``v`` or ``meta`` holding containers) is checked from its parent and never
+    pushed: most nodes are leaves, and this runs on every save and load.
     """
+    limit = limits.MAX_TREE_DEPTH
     stack: list[tuple[Any, int]] = [(root, depth)]
     count = 0
     while stack:
         node, d = stack.pop()
-        if type(node) is list:
-            stack.extend([(x, d) for x in node if type(x) is dict or type(x) is list])
-            continue
-        if type(node) is not dict:
-            continue
         count += 1
-        if d > limits.MAX_TREE_DEPTH:
+        if d > limit:
             raise _fail(
                 where, f"state tree at {_path_of(root, node)}: nested more than "
-                f"{limits.MAX_TREE_DEPTH} levels deep"
+                f"{limit} levels deep"
             )  # fmt: skip
         t = node.get("t")
         if tags is not None and (
@@ -453,16 +452,31 @@ def _tree_depth(
                 f"{'of a complex tensor ' if 'complex' in node else ''}in a manifest of a format "
                 "that has no such node: it was edited and relabelled"
             )  # fmt: skip
-        if placed is not None and t == "per_rank":
+        if t == "per_rank" and placed is not None:
             i = node.get("i")
             if type(i) is not int:
                 raise _fail(where, f"a per-rank part refers to #{i!r}, not a part number")
             placed[i] = max(placed.get(i, d), d)
             continue
-        for key in ("v", "meta"):
-            v = node.get(key)
-            if type(v) is dict or type(v) is list:
-                stack.append((v, d + 1))
+        d1 = d + 1
+        todo = [node.get("v"), node.get("meta")]
+        while todo:
+            v = todo.pop()
+            if type(v) is dict:
+                vv = v.get("v")
+                if (
+                    d1 > limit
+                    or tags is not None
+                    or type(vv) is list
+                    or type(vv) is dict
+                    or "meta" in v
+                    or v.get("t") == "per_rank"
+                ):
+                    stack.append((v, d1))
+                else:
+                    count += 1
+            elif type(v) is list:
+                todo.extend(v)  # a list's items, a dict's [key, value] pairs
     return count
 
 

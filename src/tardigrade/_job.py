@@ -276,5 +276,4 @@ def item_source(entries: list[Entry], item: WriteItem) -> torch.Tensor:
 
 def file_header(fp: FilePlan) -> bytes:
     """The safetensors header of one data file (its tensors' keys, dtypes, shapes, offsets)."""
-    specs = [st.TensorSpec(it.key, it.dtype, it.shape, it.nbytes) for it in fp.items]
-    return st.encode_header(specs, {"format": "pt", **st.SEALED_MARK})
+    return st.encode_header(fp.items, {"format": "pt", **st.SEALED_MARK})

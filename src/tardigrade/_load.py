@@ -120,11 +120,12 @@ def _load(
     storage, name, m = open_manifest(path)
     where = storage.url(name)
     full = m.tree_for(rank, per_rank_fallback, where)
-    _check_refs(full, m, where)
+    needed = _check_refs(full, m, where)
     # Validate the whole tree before walking it against keys or live state.
     decode(full, lambda node, p: None, where)
     tree = full if keys is None else _select(full, keys, where)
-    needed = _check_refs(tree, m, where)
+    if keys is not None:
+        needed = _check_refs(tree, m, where)
     matcher = _Matcher(m, where, strict)
     applier = _Applier(matcher, strict, where)
     if into is not None:

@@ -460,8 +460,9 @@ class _Flattener:
             return node
         storage = t.untyped_storage()
         key = (str(t.device), storage.data_ptr())
-        sig = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
-        if t.numel() > sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1:
+        shape, stride = tuple(t.shape), t.stride()
+        sig = (t.dtype, t.storage_offset(), shape, stride)
+        if t.numel() > sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1:
             # Overlaps itself (an expand()ed tensor, a stride of 0): stored by value, never as
             # a view of a span, since a reader refuses a view of more elements than its
             # storage holds (a forged one would claim terabytes over a few bytes).

@@ -462,7 +462,10 @@ class _Flattener:
         key = (str(t.device), storage.data_ptr())
         shape, stride = tuple(t.shape), t.stride()
         sig = (t.dtype, t.storage_offset(), shape, stride)
-        if t.numel() > sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1:
+        if (
+            not t.is_contiguous()
+            and t.numel() > sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1
+        ):
             # Overlaps itself (an expand()ed tensor, a stride of 0): stored by value, never as
             # a view of a span, since a reader refuses a view of more elements than its
             # storage holds (a forged one would claim terabytes over a few bytes).
@@ -741,8 +744,17 @@ def decode(
             for item in v:
                 if type(item) is not list or len(item) != 2:
                     raise _bad(where, path, "dict item is not a [key, value] pair")
-                k = decode(item[0], leaf, where, path, depth + 1)
-                _check_hashable(k, "dict key", where, path)
+                kn = item[0]
+                if (
+                    type(kn) is dict
+                    and kn.get("t") == "str"
+                    and type(kn.get("v")) is str
+                    and depth < limits.MAX_TREE_DEPTH
+                ):
+                    k = kn["v"]  # most keys: what decode() returns for them, without a call
+                else:
+                    k = decode(kn, leaf, where, path, depth + 1)
+                    _check_hashable(k, "dict key", where, path)
                 out[k] = decode(item[1], leaf, where, (*path, k), depth + 1)
             if "meta" in node and tag == "odict":
                 out._metadata = decode(node["meta"], leaf, where, path, depth + 1)  # type: ignore[attr-defined]

@@ -271,7 +271,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def item_source(entries: list[Entry], item: WriteItem) -> torch.Tensor:
     """The rows an item covers, as a tensor (possibly strided or on an accelerator)."""
     t = entries[item.entry].tensor.detach()
-    return t[item.start : item.stop] if t.dim() else t
+    if t.dim() == 0 or (item.start == 0 and item.stop == t.shape[0]):
+        return t  # the whole tensor (most items): no slice to make
+    return t[item.start : item.stop]
 
 
 def file_header(fp: FilePlan) -> bytes:

@@ -321,7 +321,8 @@ def validate(doc: Any, where: str, *, sealed: bool = True) -> Manifest:
     ):
         raise _fail(where, f"'per_rank' must list each of the {world} ranks' subtrees")
     _check_written_as(doc, version, sealed, where)
-    _check_tree(doc["tree"], per_rank, where, _TAGS_UNTIL.get(version))
+    with gc_paused():  # a walk of a million nodes: see gc_paused
+        _check_tree(doc["tree"], per_rank, where, _TAGS_UNTIL.get(version))
     files, header_sums = _files(doc.get("files"), where, sealed=version >= SEALED_SINCE)
     columnar = version == COLUMNAR_VERSION or (version >= PACKED_VERSION and world > 1)
     tensors = _tensors(doc.get("tensors"), files, where, columnar=columnar)

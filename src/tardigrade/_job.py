@@ -36,7 +36,7 @@ from .errors import CheckpointExistsError, InvalidArgumentError, SaveError
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import ALGORITHM
-from .format.jsonio import dumps
+from .format.jsonio import dumps, gc_paused
 from .format.manifest import FORMAT_NAME, FORMAT_VERSION
 from .storage import Storage, storage_for
 
@@ -153,10 +153,11 @@ def make_job(
         raise InvalidArgumentError(f"overwrite must be a bool, got {overwrite!r}")
     check_target(storage, name, overwrite)
     header = make_header(step=step, epoch=epoch, metrics=metrics, metadata=metadata)
-    flat = flatten(state)
-    lplan = local_plan(flat)
-    check_manifest_estimate([*lplan.shared, *lplan.own], storage.url(name))
-    gplan = global_plan([lplan], max_files=max_files)
+    with gc_paused():  # a node and plan entry per tensor: see gc_paused
+        flat = flatten(state)
+        lplan = local_plan(flat)
+        check_manifest_estimate([*lplan.shared, *lplan.own], storage.url(name))
+        gplan = global_plan([lplan], max_files=max_files)
     return SaveJob(storage, name, flat, gplan.rank_plan(0), header, overwrite, started, gplan)
 
 

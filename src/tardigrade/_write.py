@@ -32,7 +32,7 @@ from .errors import DistributedError, SaveError, StorageError, TardigradeError
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher, checksum
-from .format.jsonio import check_parse_cost, dumps, loads_strict, parse_cost
+from .format.jsonio import check_parse_cost, dumps, gc_paused, loads_strict, parse_cost
 from .format.manifest import COLUMNAR_VERSION, MANIFEST, PACKED_VERSION, seal, validate
 
 
@@ -585,17 +585,20 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
         assert job.gplan is not None
         subs = job.flat.per_rank
         base = job.gplan.own_base[0]
-        trees = [per_rank_trees([f.tree for f in subs], [len(f.entries) for f in subs], base)]
-        doc = manifest_doc(
-            job.header,
-            job.flat.tree,
-            trees,
-            job.gplan,
-            written,
-            packed=job.flat.uses_packed,
-            stored_name=job.stored_name,
-        )
-        manifest = seal_checked(doc, job.storage.url(job.name))
+        # A node or chunk object per tensor, made and checked in a burst: the cycle collector
+        # would walk them all again and again (nothing here makes cycles).
+        with gc_paused():
+            trees = [per_rank_trees([f.tree for f in subs], [len(f.entries) for f in subs], base)]
+            doc = manifest_doc(
+                job.header,
+                job.flat.tree,
+                trees,
+                job.gplan,
+                written,
+                packed=job.flat.uses_packed,
+                stored_name=job.stored_name,
+            )
+            manifest = seal_checked(doc, job.storage.url(job.name))
         commit_staging(job, staging, manifest)
     except BaseException as e:
         # The outcome first: past the commit point, aborting would delete the data of a

@@ -186,10 +186,10 @@ def check_manifest_estimate(entries: Sequence[LocalEntry], where: str) -> None:
     low = sum(named) + MIN_MANIFEST_BYTES_PER_TENSOR * len(named)
     if low > limits.MAX_MANIFEST_BYTES:
         raise SaveError(
-            f"{where}: the manifest of these {len(entries)} tensors would be at least "
-            f"{low / 2**20:.0f} MiB, more than the {limits.MAX_MANIFEST_BYTES / 2**20:.0f} MiB "
-            "any reader accepts; nothing was written. Save fewer, larger tensors (e.g. flatten "
-            "parameters into fewer buffers)."
+            f"{where}: the manifest would be at least {low / 2**20:.1f} MiB ({len(entries)} "
+            f"tensors), more than the {limits.MAX_MANIFEST_BYTES / 2**20:.1f} MiB any reader "
+            "accepts; nothing was written. Save fewer, larger tensors (e.g. flatten parameters "
+            "into fewer buffers)."
         )
 
 

@@ -349,14 +349,9 @@ _V3_TAGS = _V2_TAGS | {
     "size",
     "sparse",
 }
-_V5_TAGS = _V3_TAGS | {"per_rank"}
-_TAGS_UNTIL: dict[int, frozenset[str]] = {
-    1: _V2_TAGS,
-    2: _V2_TAGS,
-    3: _V3_TAGS,
-    4: _V5_TAGS,
-    5: _V5_TAGS,
-}
+# Formats 1-3 are closed (every later tag came with a later version); format 4 and on still
+# gain leaf kinds (e.g. "generator"), so their tags are left to decode().
+_TAGS_UNTIL: dict[int, frozenset[str]] = {1: _V2_TAGS, 2: _V2_TAGS, 3: _V3_TAGS}
 
 
 def _check_written_as(doc: dict[str, Any], version: int, sealed: bool, where: str) -> None:

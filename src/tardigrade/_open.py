@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._tree import SPARSE_LAYOUTS, sparse_problem
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -23,6 +22,7 @@ from .errors import (
 from .format import limits
 from .format.manifest import MANIFEST, Manifest, TensorInfo, parse
 from .format.sizes import ITEMSIZE
+from .format.sparse import SPARSE_PARTS, sparse_problem
 from .storage import Storage, storage_for
 
 __all__ = ["open_manifest", "read_manifest"]
@@ -140,11 +140,11 @@ def _check_sparse(node: dict[str, Any], m: Manifest, where: str) -> None:
     layout, size, parts = node.get("layout"), node.get("size"), node.get("v")
     if (
         type(layout) is not str
-        or layout not in SPARSE_LAYOUTS
+        or layout not in SPARSE_PARTS
         or type(size) is not list
         or not all(type(n) is int for n in size)
         or type(parts) is not list
-        or len(parts) != len(SPARSE_LAYOUTS[layout][1])
+        or len(parts) != len(SPARSE_PARTS[layout])
     ):
         return
     found = []

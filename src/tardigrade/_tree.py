@@ -34,6 +34,7 @@ from .format.dtypes import (
     NUMPY_SCALAR_NAMES,
     TORCH_DTYPES,
 )
+from .format.sparse import SPARSE_PARTS, sparse_problem
 
 # Device types a torch.device leaf may name. Decoding checks the recorded type against this
 # fixed set (never a lookup of a file-chosen name); saving refuses any other type so every
@@ -60,12 +61,15 @@ DEVICE_TYPES = frozenset(
 )
 
 # Sparse layouts and the component tensors each is stored as, in order.
+_TORCH_LAYOUTS = {
+    "coo": torch.sparse_coo,
+    "csr": torch.sparse_csr,
+    "csc": torch.sparse_csc,
+    "bsr": torch.sparse_bsr,
+    "bsc": torch.sparse_bsc,
+}
 SPARSE_LAYOUTS: dict[str, tuple[torch.layout, tuple[str, ...]]] = {
-    "coo": (torch.sparse_coo, ("indices", "values")),
-    "csr": (torch.sparse_csr, ("crow_indices", "col_indices", "values")),
-    "csc": (torch.sparse_csc, ("ccol_indices", "row_indices", "values")),
-    "bsr": (torch.sparse_bsr, ("crow_indices", "col_indices", "values")),
-    "bsc": (torch.sparse_bsc, ("ccol_indices", "row_indices", "values")),
+    k: (_TORCH_LAYOUTS[k], parts) for k, parts in SPARSE_PARTS.items()
 }
 SPARSE_NAMES: dict[torch.layout, str] = {v[0]: k for k, v in SPARSE_LAYOUTS.items()}
 
@@ -847,51 +851,3 @@ def _sparse(node: dict[str, Any], parts: list[Any], where: str, path: tuple[Any,
     return torch.sparse_compressed_tensor(
         parts[0], parts[1], parts[2], size, layout=torch_layout, check_invariants=check
     )
-
-
-def sparse_problem(
-    layout: str, size: list[int], parts: list[tuple[tuple[int, ...], str]]
-) -> str | None:
-    """What torch refuses in a sparse tensor's parts (their shapes and dtype names, in
-    ``SPARSE_LAYOUTS`` order) given its size, as a phrase; None if nothing.
-
-    Checked before torch sees them: the stand-ins a load builds before reading (meta tensors)
-    skip torch's own checks or fail with IndexError, and a load must refuse a damaged
-    checkpoint before it reads a byte into live state. Index bounds need the values and are
-    left to torch's invariant checks.
-    """
-    if layout == "coo":
-        (ishape, idtype), (vshape, _) = parts
-        if idtype != "I64" or len(ishape) != 2:
-            return f"indices are {idtype}{list(ishape)}, not I64[sparse dims, nnz]"
-        sparse_dim, nnz = ishape
-        if not vshape or vshape[0] != nnz:
-            return f"values {list(vshape)} do not hold one entry per index ({nnz})"
-        if len(size) != sparse_dim + len(vshape) - 1 or tuple(size[sparse_dim:]) != vshape[1:]:
-            return f"size {size} does not fit indices {list(ishape)} and values {list(vshape)}"
-        return None
-    (cshape, cdtype), (pshape, pdtype), (vshape, _) = parts
-    if cdtype not in ("I32", "I64") or pdtype != cdtype or not cshape:
-        return f"index parts are {cdtype}{list(cshape)} and {pdtype}{list(pshape)}"
-    batch, block = len(cshape) - 1, 2 if layout in ("bsr", "bsc") else 0
-    if (
-        len(pshape) != batch + 1
-        or pshape[:-1] != cshape[:-1]
-        or len(vshape) < batch + 1 + block
-        or vshape[:batch] != cshape[:-1]
-        or vshape[batch] != pshape[-1]
-    ):
-        return f"parts {list(cshape)}, {list(pshape)} and {list(vshape)} do not agree"
-    dense = vshape[batch + 1 + block :]
-    if len(size) != batch + 2 + len(dense) or tuple(size[:batch]) != cshape[:-1]:
-        return f"size {size} does not fit its parts"
-    if tuple(size[batch + 2 :]) != dense:
-        return f"size {size} does not fit values {list(vshape)}"
-    rows, cols = size[batch], size[batch + 1]
-    bs = vshape[batch + 1 : batch + 3] if block else (1, 1)
-    if 0 in bs or rows % bs[0] or cols % bs[1]:
-        return f"blocks {list(bs)} do not divide size {size}"
-    compressed = rows // bs[0] if layout in ("csr", "bsr") else cols // bs[1]
-    if cshape[-1] != compressed + 1:
-        return f"compressed indices {list(cshape)} do not hold {compressed} + 1 entries"
-    return None

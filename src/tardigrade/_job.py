@@ -12,7 +12,7 @@ import os
 import platform
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from ._plan import (
     DEFAULT_MAX_FILES,
     FilePlan,
     GlobalPlan,
+    LocalEntry,
     SavePlan,
     WriteItem,
     global_plan,
@@ -31,10 +32,11 @@ from ._plan import (
 from ._tree import Entry, Flat, flatten
 from ._units import gbps
 from ._version import __version__
-from .errors import CheckpointExistsError, InvalidArgumentError
+from .errors import CheckpointExistsError, InvalidArgumentError, SaveError
+from .format import limits
 from .format import safetensors as st
 from .format.checksum import ALGORITHM
-from .format.jsonio import dumps
+from .format.jsonio import dumps, gc_paused
 from .format.manifest import FORMAT_NAME, FORMAT_VERSION
 from .storage import Storage, storage_for
 
@@ -151,9 +153,44 @@ def make_job(
         raise InvalidArgumentError(f"overwrite must be a bool, got {overwrite!r}")
     check_target(storage, name, overwrite)
     header = make_header(step=step, epoch=epoch, metrics=metrics, metadata=metadata)
-    flat = flatten(state)
-    gplan = global_plan([local_plan(flat)], max_files=max_files)
+    with gc_paused():  # a node and plan entry per tensor: see gc_paused
+        flat = flatten(state)
+        lplan = local_plan(flat)
+        check_manifest_estimate([*lplan.shared, *lplan.own], storage.url(name))
+        gplan = global_plan([lplan], max_files=max_files)
     return SaveJob(storage, name, flat, gplan.rank_plan(0), header, overwrite, started, gplan)
+
+
+# The fewest bytes one tensor adds to a format-4 manifest, beyond its key: its record with one
+# chunk, empty shape and file name (``{"dtype":"U8","shape":[],"numpy":false,"chunks":[{"file":
+# "","key":"","offsets":[],"shape":[],"checksum":"<16 hex>"}]},``: 126) and its tree node
+# (``{"t":"tensor","e":0},``: 21), less one for ``"numpy":true`` and one for a last comma.
+MIN_MANIFEST_BYTES_PER_TENSOR = 145
+
+
+def check_manifest_estimate(entries: Sequence[LocalEntry], where: str) -> None:
+    """Refuse, before anything is written, a state whose manifest no reader would accept.
+
+    The manifest's size is known only once every file is written (chunk checksums); this lower
+    bound of it, from the tensors and their keys, costs a pass over the keys. A state of a
+    million small tensors used to write every byte for minutes, then be refused at commit.
+    """
+    if len(entries) > limits.MAX_TENSORS:
+        raise SaveError(
+            f"{where}: the state holds {len(entries)} tensors, more than the "
+            f"{limits.MAX_TENSORS} a manifest may list; nothing was written. Save fewer, larger "
+            "tensors (e.g. flatten parameters into fewer buffers)."
+        )
+    # An empty tensor may be listed without a chunk (nor its key): counted as nothing.
+    named = [len(e.name) for e in entries if 0 not in e.shape]
+    low = sum(named) + MIN_MANIFEST_BYTES_PER_TENSOR * len(named)
+    if low > limits.MAX_MANIFEST_BYTES:
+        raise SaveError(
+            f"{where}: the manifest would be at least {low / 2**20:.1f} MiB ({len(entries)} "
+            f"tensors), more than the {limits.MAX_MANIFEST_BYTES / 2**20:.1f} MiB any reader "
+            "accepts; nothing was written. Save fewer, larger tensors (e.g. flatten parameters "
+            "into fewer buffers)."
+        )
 
 
 def make_header(
@@ -235,10 +272,11 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def item_source(entries: list[Entry], item: WriteItem) -> torch.Tensor:
     """The rows an item covers, as a tensor (possibly strided or on an accelerator)."""
     t = entries[item.entry].tensor.detach()
-    return t[item.start : item.stop] if t.dim() else t
+    if t.dim() == 0 or (item.start == 0 and item.stop == t.shape[0]):
+        return t  # the whole tensor (most items): no slice to make
+    return t[item.start : item.stop]
 
 
 def file_header(fp: FilePlan) -> bytes:
     """The safetensors header of one data file (its tensors' keys, dtypes, shapes, offsets)."""
-    specs = [st.TensorSpec(it.key, it.dtype, it.shape, it.nbytes) for it in fp.items]
-    return st.encode_header(specs, {"format": "pt"})
+    return st.encode_header(fp.items, {"format": "pt", **st.SEALED_MARK})

@@ -21,6 +21,7 @@ from ._validate import standin
 from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
 from .errors import InvalidArgumentError, StateMismatchError, TardigradeError
 from .format.dtypes import TORCH_DTYPES
+from .format.jsonio import gc_paused
 from .format.manifest import PER_RANK_FALLBACKS
 
 log = logging.getLogger("tardigrade")
@@ -119,64 +120,71 @@ def _load(
         )
     storage, name, m = open_manifest(path)
     where = storage.url(name)
-    full = m.tree_for(rank, per_rank_fallback, where)
-    _check_refs(full, m, where)
-    # Validate the whole tree before walking it against keys or live state.
-    decode(full, lambda node, p: None, where)
-    tree = full if keys is None else _select(full, keys, where)
-    needed = _check_refs(tree, m, where)
-    matcher = _Matcher(m, where, strict)
-    applier = _Applier(matcher, strict, where)
-    if into is not None:
-        # Everything that can refuse the checkpoint does so here, before a byte is read into
-        # the live state: structure, shapes and dtypes, classes, each object's own checks.
-        matcher.match(tree, into, (), lenient=not strict)
+    # Planning walks a tree of a node per value and a chunk object per tensor: the cycle
+    # collector, left on, walks all of them again and again (a tenth of a load of many small
+    # tensors). Nothing here makes cycles worth collecting.
+    with gc_paused():
+        full = m.tree_for(rank, per_rank_fallback, where)
+        needed = _check_refs(full, m, where)
+        # Validate the whole tree before walking it against keys or live state.
+        decode(full, lambda node, p: None, where)
+        tree = full if keys is None else _select(full, keys, where)
+        if keys is not None:
+            needed = _check_refs(tree, m, where)
+        matcher = _Matcher(m, where, strict)
+        applier = _Applier(matcher, strict, where)
+        if into is not None:
+            # Everything that can refuse the checkpoint does so here, before a byte is read into
+            # the live state: structure, shapes and dtypes, classes, each object's own checks.
+            matcher.match(tree, into, (), lenient=not strict)
 
-        def standin_leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
-            info = m.tensors[node["e"]]
-            return standin(node, _stored_shape(node, info), info.dtype, where)
+            def standin_leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
+                info = m.tensors[node["e"]]
+                return standin(node, _stored_shape(node, info), info.dtype, where)
 
-        rejected = applier.validate(tree, into, decode(tree, standin_leaf, where))
-        _refuse(where, matcher.diffs if strict else [], rejected)
-        for message in matcher.other_class.values():
-            log.warning("tardigrade: %s: not loaded (strict=False skips it)", message)
-    checked = set(m.files) if verify == "all" else set()
-    _check_sizes(storage, name, m, checked | {c.file for e in needed for c in m.tensors[e].chunks})
-    dest = matcher.dest
-    for e in needed:
-        if e not in dest and e not in matcher.sharded:
-            info = m.tensors[e]
-            dest[e] = _empty(info.shape, TORCH_DTYPES[info.dtype], f"{where}: tensor #{e}")
-    tasks = _plan_reads(m, needed, dest, _entry_paths(tree), matcher.sharded)
-    try:
-        _read_chunks(storage, name, m, tasks, bool(verify), workers, verify == "all")
-    except TardigradeError as e:
-        if into is None or not (matcher.dest or matcher.sharded):
-            raise
-        # Bytes go straight into the live tensors (no second copy of the state), so damage
-        # found mid-way leaves some of them overwritten: say which, and what to do.
-        owners = ", ".join(
-            f"{path_str(p)} ({len(ts)} tensor(s))" if p is not None else ", ".join(ts[:10])
-            for p, ts in matcher.in_place.items()
+            rejected = applier.validate(tree, into, decode(tree, standin_leaf, where))
+            _refuse(where, matcher.diffs if strict else [], rejected)
+            for message in matcher.other_class.values():
+                log.warning("tardigrade: %s: not loaded (strict=False skips it)", message)
+        checked = set(m.files) if verify == "all" else set()
+        _check_sizes(
+            storage, name, m, checked | {c.file for e in needed for c in m.tensors[e].chunks}
         )
-        err = type(e)(
-            f"{e}\nThe live tensors read in place may be partly overwritten: {owners}. No "
-            "load_state_dict() was called and no plain value replaced. Restore them from "
-            "another checkpoint (CheckpointManager.restore() falls back to the next older one)."
-        )
-        err.live_overwritten = True  # type: ignore[attr-defined]  # restore() reads this
-        raise err from e
+        dest = matcher.dest
+        for e in needed:
+            if e not in dest and e not in matcher.sharded:
+                info = m.tensors[e]
+                dest[e] = _empty(info.shape, TORCH_DTYPES[info.dtype], f"{where}: tensor #{e}")
+        tasks = _plan_reads(m, needed, dest, _entry_paths(tree), matcher.sharded)
+        try:
+            _read_chunks(storage, name, m, tasks, bool(verify), workers, verify == "all")
+        except TardigradeError as e:
+            if into is None or not (matcher.dest or matcher.sharded):
+                raise
+            # Bytes go straight into the live tensors (no second copy of the state), so damage
+            # found mid-way leaves some of them overwritten: say which, and what to do.
+            owners = ", ".join(
+                f"{path_str(p)} ({len(ts)} tensor(s))" if p is not None else ", ".join(ts[:10])
+                for p, ts in matcher.in_place.items()
+            )
+            err = type(e)(
+                f"{e}\nThe live tensors read in place may be partly overwritten: {owners}. No "
+                "load_state_dict() was called and no plain value replaced. Restore them from "
+                "another checkpoint (CheckpointManager.restore() falls back to the next older one)."
+            )
+            err.live_overwritten = True  # type: ignore[attr-defined]  # restore() reads this
+            raise err from e
 
-    def leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
-        if node["e"] in matcher.sharded:
-            return matcher.sharded[node["e"]][0]  # the live DTensor / tg.Sharded, filled
-        t = dest[node["e"]]
-        view = node.get("view")
-        if view:
-            t = t.reshape(-1).as_strided(view["shape"], view["stride"], view["offset"])
-        return t.numpy() if node["t"] == "ndarray" else t
+        def leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
+            if node["e"] in matcher.sharded:
+                return matcher.sharded[node["e"]][0]  # the live DTensor / tg.Sharded, filled
+            t = dest[node["e"]]
+            view = node.get("view")
+            if view:
+                t = t.reshape(-1).as_strided(view["shape"], view["stride"], view["offset"])
+            return t.numpy() if node["t"] == "ndarray" else t
 
-    value = decode(tree, leaf, where)
+        value = decode(tree, leaf, where)
     if into is None:
         return value
     applier.apply(tree, into, value)

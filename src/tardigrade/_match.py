@@ -33,6 +33,9 @@ Path = tuple[Any, ...]
 
 
 def _key_of(node: Any, where: str) -> Any:
+    if type(node) is dict and node.get("t") == "str" and type(node.get("v")) is str:
+        return node["v"]  # most keys: what decode() returns for them, without a call
+
     def no_tensor(n: dict[str, Any], p: tuple[Any, ...]) -> Any:
         raise CorruptCheckpointError(f"{where}: a dict key is a tensor at {path_str(p)}")
 
@@ -528,9 +531,12 @@ def _entry_paths(tree: dict[str, Any]) -> dict[int, str]:
 
 def _region(dest: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     """The part of ``dest`` (a whole stored tensor) that ``chunk`` holds."""
+    shape = tuple(dest.shape)
+    if chunk.shape == shape:  # the whole tensor: most chunks
+        return dest
     r = dest
     for dim, (o, n) in enumerate(zip(chunk.offsets, chunk.shape, strict=True)):
-        if o != 0 or n != dest.shape[dim]:
+        if o != 0 or n != shape[dim]:
             r = r.narrow(dim, o, n)
     return r
 

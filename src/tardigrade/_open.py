@@ -22,6 +22,7 @@ from .errors import (
 from .format import limits
 from .format.manifest import MANIFEST, Manifest, TensorInfo, parse
 from .format.sizes import ITEMSIZE
+from .format.sparse import SPARSE_PARTS, sparse_problem
 from .storage import Storage, storage_for
 
 __all__ = ["open_manifest", "read_manifest"]
@@ -124,10 +125,48 @@ def _check_refs(tree: dict[str, Any], m: Manifest, where: str) -> set[int]:
                     _check_view(view, m.tensors[e], where)
                 refs.add(e)
             else:
+                if t == "sparse":
+                    _check_sparse(node, m, where)
                 stack.extend(v for k, v in node.items() if k in ("v", "meta"))
         elif isinstance(node, list):
             stack.extend(node)
     return refs
+
+
+def _check_sparse(node: dict[str, Any], m: Manifest, where: str) -> None:
+    """A sparse node's parts must fit together (shapes, index dtypes) and its size: refused
+    here, before any byte is read, and by ``verify``. A node malformed otherwise is left to
+    ``decode``, which refuses it."""
+    layout, size, parts = node.get("layout"), node.get("size"), node.get("v")
+    if (
+        type(layout) is not str
+        or layout not in SPARSE_PARTS
+        or type(size) is not list
+        or not all(type(n) is int for n in size)
+        or type(parts) is not list
+        or len(parts) != len(SPARSE_PARTS[layout])
+    ):
+        return
+    found = []
+    for p in parts:
+        e = p.get("e") if isinstance(p, dict) and p.get("t") == "tensor" else None
+        if type(e) is not int or not 0 <= e < len(m.tensors):
+            return
+        info = m.tensors[e]
+        view = p.get("view")
+        if view is not None:
+            _check_view(view, info, where)  # before its shape is trusted here
+        shape = tuple(view["shape"]) if view is not None else info.shape
+        if "complex" in p:  # stored as its real view: a trailing dimension of 2
+            found.append((shape[:-1], f"complex {info.dtype}"))
+        else:
+            found.append((shape, info.dtype))
+    problem = sparse_problem(layout, size, found)
+    if problem is not None:
+        raise CorruptCheckpointError(
+            f"{where}: a sparse {layout} tensor whose {problem}. The manifest is damaged; "
+            "restore the checkpoint from a backup or delete it."
+        )
 
 
 def _check_view(view: Any, info: TensorInfo, where: str) -> None:
@@ -147,6 +186,12 @@ def _check_view(view: Any, info: TensorInfo, where: str) -> None:
     )
     if ok and math.prod(shape):
         extent = view["offset"] + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1
-        ok = extent <= math.prod(info.shape)
+        # Nor may it hold more elements than its storage: only a view that overlaps itself
+        # (a stride of 0) could, and writers store those by value. Forged, it would load as
+        # a tensor claiming terabytes over a few bytes, which any copy of it allocates.
+        ok = extent <= math.prod(info.shape) and math.prod(shape) <= math.prod(info.shape)
     if not ok:
-        raise CorruptCheckpointError(f"{where}: a tensor view {view!r} does not fit its storage")
+        raise CorruptCheckpointError(
+            f"{where}: a tensor view {view!r} does not fit its storage of {list(info.shape)} "
+            "elements; the manifest is damaged. Restore the checkpoint from a backup or delete it."
+        )

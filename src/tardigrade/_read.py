@@ -101,7 +101,9 @@ def _read_file(
     chunks not read here (``unread``) match their checksums. Each byte is read once."""
     with storage.open_reader(f"{ckpt}/{file}") as src:
         _check_size(src, size)
-        header = st.read_header(src, m.header_checksums.get(file) if verify else None)
+        header = st.read_header(
+            src, m.header_checksums.get(file) if verify else None, unsealed=not m.sealed
+        )
         if unread is not None:
             _check_listed(src, header, [c for _, c in unread] + [t.chunk for t in tasks])
         nbytes = 0
@@ -165,7 +167,7 @@ def _verify_file(
     """Check one data file entirely: size, header checksum and keys, every chunk's checksum."""
     with storage.open_reader(f"{ckpt}/{file}") as src:
         _check_size(src, m.files[file])
-        header = st.read_header(src, m.header_checksums.get(file))
+        header = st.read_header(src, m.header_checksums.get(file), unsealed=not m.sealed)
         _check_listed(src, header, [c for _, c in chunks])
         _check_chunks(src, header, m, chunks)
         return int(src.size)

@@ -34,6 +34,7 @@ from .format.dtypes import (
     NUMPY_SCALAR_NAMES,
     TORCH_DTYPES,
 )
+from .format.sparse import SPARSE_PARTS, sparse_problem
 
 # Device types a torch.device leaf may name. Decoding checks the recorded type against this
 # fixed set (never a lookup of a file-chosen name); saving refuses any other type so every
@@ -60,12 +61,15 @@ DEVICE_TYPES = frozenset(
 )
 
 # Sparse layouts and the component tensors each is stored as, in order.
+_TORCH_LAYOUTS = {
+    "coo": torch.sparse_coo,
+    "csr": torch.sparse_csr,
+    "csc": torch.sparse_csc,
+    "bsr": torch.sparse_bsr,
+    "bsc": torch.sparse_bsc,
+}
 SPARSE_LAYOUTS: dict[str, tuple[torch.layout, tuple[str, ...]]] = {
-    "coo": (torch.sparse_coo, ("indices", "values")),
-    "csr": (torch.sparse_csr, ("crow_indices", "col_indices", "values")),
-    "csc": (torch.sparse_csc, ("ccol_indices", "row_indices", "values")),
-    "bsr": (torch.sparse_bsr, ("crow_indices", "col_indices", "values")),
-    "bsc": (torch.sparse_bsc, ("ccol_indices", "row_indices", "values")),
+    k: (_TORCH_LAYOUTS[k], parts) for k, parts in SPARSE_PARTS.items()
 }
 SPARSE_NAMES: dict[torch.layout, str] = {v[0]: k for k, v in SPARSE_LAYOUTS.items()}
 
@@ -307,10 +311,7 @@ class _Flattener:
         self, obj: Any, path: tuple[Any, ...], depth: int = 0, key: str | None = None
     ) -> dict[str, Any]:
         """Encode ``obj``; ``key`` ("dict key", "set element") admits hashable values only."""
-        if depth > limits.MAX_TREE_DEPTH:
-            raise UnsupportedTypeError(
-                f"{path_str(path)}: state is nested more than {limits.MAX_TREE_DEPTH} levels deep"
-            )
+        self.check_depth(path, depth)
         t = type(obj)
         if obj is None:
             return {"t": "none"}
@@ -328,6 +329,7 @@ class _Flattener:
         if t is bytes:
             return {"t": "bytes", "v": base64.b64encode(obj).decode()}
         if t is complex:
+            self.check_depth(path, depth + 1)  # its parts are nodes one level down
             return {"t": "complex", "v": [_float(obj.real), _float(obj.imag)]}
         if isinstance(obj, np.generic):
             return self.npscalar(obj, path)
@@ -360,11 +362,14 @@ class _Flattener:
         if t is PerRank:
             if self.in_per_rank:  # already this rank's own value
                 return self.node(obj.value, path, depth + 1)
-            self.per_rank.append(flatten(obj.value, path, per_rank=True))
+            # The part takes this node's place in every rank's tree: its depth counts from here.
+            self.per_rank.append(flatten(obj.value, path, per_rank=True, depth=depth))
             return {"t": "per_rank", "i": len(self.per_rank) - 1}
         if t is Sharded or is_dtensor(obj):
             return self.sharded_tensor(obj, path)
         if isinstance(obj, torch.Tensor):
+            if obj.layout in SPARSE_NAMES:
+                self.check_depth(path, depth + 1)  # its component tensors are nodes below it
             return self.tensor(obj, path)
         if t is np.ndarray:
             return self.ndarray(obj, path)
@@ -393,6 +398,15 @@ class _Flattener:
             "dicts, OrderedDicts, Counters, sets and frozensets of those, and objects with "
             f"state_dict()/load_state_dict().{hint}"
         )
+
+    @staticmethod
+    def check_depth(path: tuple[Any, ...], depth: int) -> None:
+        """Refuse what every reader would refuse: a node deeper than the manifest allows."""
+        if depth > limits.MAX_TREE_DEPTH:
+            raise UnsupportedTypeError(
+                f"{path_str(path)}: state is nested more than {limits.MAX_TREE_DEPTH} levels "
+                "deep; flatten it (e.g. join nested keys into one string key)"
+            )
 
     def npscalar(self, obj: np.generic, path: tuple[Any, ...]) -> dict[str, Any]:
         name = NUMPY_SCALAR_NAMES.get(obj.dtype)
@@ -448,9 +462,19 @@ class _Flattener:
         if t.numel() == 0:
             node["e"] = self.new_entry(t, name, path)
             return node
-        storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
-        sig = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+        # The storage's address from the tensor's own (untyped_storage() makes an object: a
+        # tenth of the flatten time of a state of small tensors).
+        key = (str(t.device), t.data_ptr() - t.storage_offset() * t.element_size())
+        shape, stride = tuple(t.shape), t.stride()
+        sig = (t.dtype, t.storage_offset(), shape, stride)
+        if (
+            not t.is_contiguous()
+            and t.numel() > sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1
+        ):
+            # Overlaps itself (an expand()ed tensor, a stride of 0): stored by value, never as
+            # a view of a span, since a reader refuses a view of more elements than its
+            # storage holds (a forged one would claim terabytes over a few bytes).
+            key = ("self-overlapping", *key)
         group = self.by_storage.setdefault(key, [])
         for other_sig, other in group:
             if other_sig == sig:
@@ -549,8 +573,8 @@ class _Flattener:
         """
         complex_entries = {n["e"] for n in self.refs if "complex" in n}
         moved: dict[int, tuple[int, dict[str, Any]]] = {}  # old entry -> (span entry, view)
-        for group in self.by_storage.values():
-            if len(group) < 2:
+        for key, group in self.by_storage.items():
+            if len(group) < 2 or key[0] == "self-overlapping":  # each stored by value
                 continue
             clusters = [
                 part
@@ -600,10 +624,15 @@ def _short_repr(obj: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def flatten(state: Any, root: tuple[Any, ...] = (), *, per_rank: bool = False) -> Flat:
-    """Encode ``state`` into a skeleton and the tensors to write. Raises UnsupportedTypeError."""
+def flatten(
+    state: Any, root: tuple[Any, ...] = (), *, per_rank: bool = False, depth: int = 0
+) -> Flat:
+    """Encode ``state`` into a skeleton and the tensors to write. Raises UnsupportedTypeError.
+
+    ``depth``: the level ``state`` sits at in the whole tree (a ``tg.PerRank`` part's place).
+    """
     f = _Flattener(per_rank)
-    tree = f.node(state, root)
+    tree = f.node(state, root, depth)
     f.merge_partial_aliases()
     return Flat(tree, f.entries, f.per_rank, f.packed)
 
@@ -720,8 +749,17 @@ def decode(
             for item in v:
                 if type(item) is not list or len(item) != 2:
                     raise _bad(where, path, "dict item is not a [key, value] pair")
-                k = decode(item[0], leaf, where, path, depth + 1)
-                _check_hashable(k, "dict key", where, path)
+                kn = item[0]
+                if (
+                    type(kn) is dict
+                    and kn.get("t") == "str"
+                    and type(kn.get("v")) is str
+                    and depth < limits.MAX_TREE_DEPTH
+                ):
+                    k = kn["v"]  # most keys: what decode() returns for them, without a call
+                else:
+                    k = decode(kn, leaf, where, path, depth + 1)
+                    _check_hashable(k, "dict key", where, path)
                 out[k] = decode(item[1], leaf, where, (*path, k), depth + 1)
             if "meta" in node and tag == "odict":
                 out._metadata = decode(node["meta"], leaf, where, path, depth + 1)  # type: ignore[attr-defined]
@@ -730,7 +768,7 @@ def decode(
             return decode(v, leaf, where, path, depth + 1)
     except CorruptCheckpointError:
         raise
-    except (ValueError, TypeError, OverflowError, RuntimeError) as e:
+    except (ValueError, TypeError, OverflowError, RuntimeError, IndexError) as e:
         raise _bad(where, path, f"bad {tag!r} value ({e})") from None
     raise _bad(where, path, f"unknown or malformed node of type {tag!r}")
 
@@ -798,6 +836,11 @@ def _sparse(node: dict[str, Any], parts: list[Any], where: str, path: tuple[Any,
         raise _bad(where, path, f"a sparse {layout} tensor has {', '.join(names)}")
     if not all(isinstance(p, torch.Tensor) for p in parts):
         return SparseParts(layout, tuple(size), coalesced, tuple(parts))
+    problem = sparse_problem(
+        layout, size, [(tuple(p.shape), DTYPE_NAMES.get(p.dtype, str(p.dtype))) for p in parts]
+    )
+    if problem is not None:
+        raise _bad(where, path, f"a sparse {layout} tensor whose {problem}")
     # Stand-ins (meta tensors) hold no values to check; real parts come from an untrusted file,
     # and an index out of bounds would make later sparse kernels read out of bounds: check.
     check = not any(p.is_meta for p in parts)

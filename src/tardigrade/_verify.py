@@ -17,6 +17,7 @@ from ._read import DEFAULT_READ_THREADS, _verify_file
 from ._units import gbps
 from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
 from .errors import ChecksumMismatchError, CorruptCheckpointError
+from .format.jsonio import gc_paused
 from .format.manifest import Chunk
 
 __all__ = ["VerifyReport", "verify"]
@@ -67,12 +68,13 @@ def verify(
     def local() -> bytes:
         storage, name, m = open_manifest(path)
         where = storage.url(name)
-        for rank in range(m.world_size if "per_rank" in m.raw else 1):
-            _check_refs(m.tree_for(rank, "error", where), m, where)
         by_file: dict[str, list[tuple[int, Chunk]]] = {f: [] for f in m.files}
-        for i, info in enumerate(m.tensors):
-            for c in info.chunks:
-                by_file[c.file].append((i, c))
+        with gc_paused():  # an object per node and chunk: see gc_paused
+            for rank in range(m.world_size if "per_rank" in m.raw else 1):
+                _check_refs(m.tree_for(rank, "error", where), m, where)
+            for i, info in enumerate(m.tensors):
+                for c in info.chunks:
+                    by_file[c.file].append((i, c))
 
         def one(file: str) -> int:
             return _verify_file(storage, name, file, m, by_file[file])

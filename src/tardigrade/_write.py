@@ -32,7 +32,7 @@ from .errors import DistributedError, SaveError, StorageError, TardigradeError
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher, checksum
-from .format.jsonio import check_parse_cost, dumps, loads_strict, parse_cost
+from .format.jsonio import check_parse_cost, dumps, gc_paused, loads_strict, parse_cost
 from .format.manifest import COLUMNAR_VERSION, MANIFEST, PACKED_VERSION, seal, validate
 
 
@@ -307,14 +307,23 @@ def _discard(stream: Iterable[Any]) -> None:
 def shift_refs(node: Any, base: int) -> Any:
     """A copy of a skeleton with every tensor reference moved by ``base`` (per-rank subtrees
     are flattened on their own; the manifest numbers all tensors in one table)."""
-    if isinstance(node, list):
-        return [shift_refs(x, base) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: shift_refs(v, base) for k, v in node.items()}
-    if node.get("t") in ("tensor", "ndarray") and type(node.get("e")) is int:
-        out["e"] = node["e"] + base
-    return out
+    # A loop, not recursion: a tree at the depth limit is ~3 containers per level, past
+    # Python's recursion limit when recursed through.
+    out: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(node, out, 0)]
+    while stack:
+        n, parent, slot = stack.pop()
+        copy: Any = n
+        if isinstance(n, list):
+            copy = list(n)
+            stack.extend((x, copy, j) for j, x in enumerate(n) if isinstance(x, (list, dict)))
+        elif isinstance(n, dict):
+            copy = dict(n)
+            stack.extend((v, copy, k) for k, v in n.items() if isinstance(v, (list, dict)))
+            if n.get("t") in ("tensor", "ndarray") and type(n.get("e")) is int:
+                copy["e"] = n["e"] + base
+        parent[slot] = copy
+    return out[0]
 
 
 def per_rank_trees(trees: list[Any], counts: list[int], base: int) -> list[Any]:
@@ -576,17 +585,20 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
         assert job.gplan is not None
         subs = job.flat.per_rank
         base = job.gplan.own_base[0]
-        trees = [per_rank_trees([f.tree for f in subs], [len(f.entries) for f in subs], base)]
-        doc = manifest_doc(
-            job.header,
-            job.flat.tree,
-            trees,
-            job.gplan,
-            written,
-            packed=job.flat.uses_packed,
-            stored_name=job.stored_name,
-        )
-        manifest = seal_checked(doc, job.storage.url(job.name))
+        # A node or chunk object per tensor, made and checked in a burst: the cycle collector
+        # would walk them all again and again (nothing here makes cycles).
+        with gc_paused():
+            trees = [per_rank_trees([f.tree for f in subs], [len(f.entries) for f in subs], base)]
+            doc = manifest_doc(
+                job.header,
+                job.flat.tree,
+                trees,
+                job.gplan,
+                written,
+                packed=job.flat.uses_packed,
+                stored_name=job.stored_name,
+            )
+            manifest = seal_checked(doc, job.storage.url(job.name))
         commit_staging(job, staging, manifest)
     except BaseException as e:
         # The outcome first: past the commit point, aborting would delete the data of a

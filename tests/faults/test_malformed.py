@@ -763,11 +763,11 @@ def test_tree_nested_too_deeply(ckpt: Path) -> None:
         node = {"t": "list", "v": [node]}
     edit_manifest(ckpt, lambda d: d["tree"]["v"].append([{"t": "str", "v": "deep"}, node]))
     pattern = (
-        rf"{re.escape(str(ckpt))}: state tree at state\['deep'\](\[0\])+: nested more than "
-        rf"{limits.MAX_TREE_DEPTH} levels deep"
+        rf"{re.escape(str(ckpt))}/manifest.json: state tree at state\['deep'\](\[0\])+: nested "
+        rf"more than {limits.MAX_TREE_DEPTH} levels deep"
     )
-    with raises_exactly(CorruptCheckpointError, pattern):
-        tg.load(ckpt)
+    # Refused while validating the manifest, so verify() refuses it too.
+    assert_rejected(ckpt, CorruptCheckpointError, pattern)
 
 
 # (case, how the tree is damaged, the path the message must name)

@@ -95,6 +95,19 @@ CASES: list[tuple[str, Edit, str]] = [
     ("a single chunk short of it", lambda d: bias(d).update(shape=[2]), "do not cover its shape"),
     ("a single chunk moved", lambda d: bias(d).update(offsets=[[1]]), "outside"),
     ("a single chunk's checksum not hex", lambda d: bias(d).update(checksum="Z" * 16), "not hex"),
+    # Was a ValueError from the read plan: the fast path did not count the columns.
+    (
+        "a single chunk with an extra offsets column",
+        lambda d: bias(d)["offsets"].append(0),
+        "1 'offsets' and 'shape' columns",
+    ),
+    (
+        "a single chunk with an extra shape column",
+        lambda d: bias(d)["shape"].append(1),
+        "1 'offsets' and 'shape' columns",
+    ),
+    # Was an OverflowError: file sizes are summed as int64 arrays.
+    ("a file size past int64", lambda d: d["files"][0].update(size=2**63), r"0 to 2\*\*63-1"),
     (
         "more bytes than the file holds",
         lambda d: d["files"][0].update(size=40),

@@ -197,6 +197,11 @@ class Manifest:
         return self.raw["tree"]
 
     @property
+    def sealed(self) -> bool:
+        """Whether the manifest's format carries checksums (format 2 on)."""
+        return self.raw["format_version"] >= SEALED_SINCE  # type: ignore[no-any-return]
+
+    @property
     def world_size(self) -> int:
         return self.raw.get("world_size", 1)
 
@@ -218,20 +223,29 @@ class Manifest:
                 )
             rank = 0
         own = per_rank[rank]
-
-        def resolve(node: Any) -> Any:
+        # A loop, not recursion: a tree nested to the depth limit is ~3 containers per level
+        # and recursing through it exceeded Python's recursion limit (validate() bounds it).
+        out: list[Any] = [None]
+        stack: list[tuple[Any, Any, Any]] = [(self.tree, out, 0)]
+        while stack:
+            node, parent, slot = stack.pop()
             if isinstance(node, list):
-                return [resolve(x) for x in node]
-            if not isinstance(node, dict):
-                return node
-            if node.get("t") == "per_rank":
+                copy: Any = list(node)
+                stack.extend(
+                    (x, copy, j) for j, x in enumerate(node) if isinstance(x, (list, dict))
+                )
+            elif isinstance(node, dict) and node.get("t") == "per_rank":
                 i = node.get("i")
                 if type(i) is not int or not 0 <= i < len(own):
                     raise _fail(where, f"a per-rank part refers to #{i!r}, which rank {rank} lacks")
-                return own[i]
-            return {k: resolve(v) for k, v in node.items()}
-
-        return resolve(self.tree)
+                copy = own[i]
+            elif isinstance(node, dict):
+                copy = dict(node)
+                stack.extend((v, copy, k) for k, v in node.items() if isinstance(v, (list, dict)))
+            else:
+                copy = node
+            parent[slot] = copy
+        return out[0]  # type: ignore[no-any-return]
 
     @property
     def nbytes(self) -> int:
@@ -306,6 +320,9 @@ def validate(doc: Any, where: str, *, sealed: bool = True) -> Manifest:
         or not all(isinstance(p, list) and all(isinstance(n, dict) for n in p) for p in per_rank)
     ):
         raise _fail(where, f"'per_rank' must list each of the {world} ranks' subtrees")
+    _check_written_as(doc, version, sealed, where)
+    with gc_paused():  # a walk of a million nodes: see gc_paused
+        _check_tree(doc["tree"], per_rank, where, _TAGS_UNTIL.get(version))
     files, header_sums = _files(doc.get("files"), where, sealed=version >= SEALED_SINCE)
     columnar = version == COLUMNAR_VERSION or (version >= PACKED_VERSION and world > 1)
     tensors = _tensors(doc.get("tensors"), files, where, columnar=columnar)
@@ -313,6 +330,187 @@ def validate(doc: Any, where: str, *, sealed: bool = True) -> Manifest:
         with gc_paused():  # a set of a million (file, key) tuples
             _check_keys_unique(tensors, where)
     return Manifest(doc, tensors, files, header_sums)
+
+
+# The tree node tags each older format's writers wrote; a newer tag in a manifest that claims
+# an older version means it was relabelled (older versions are checked less: v1 carries no
+# checksum at all), so it is refused. Absent: every tag this reader knows.
+_V2_TAGS = frozenset(
+    ("none", "bool", "int", "float", "str", "bytes", "dtype", "list", "tuple", "dict", "odict",
+     "stateful", "tensor", "ndarray")
+)  # fmt: skip
+_V3_TAGS = _V2_TAGS | {
+    "complex",
+    "counter",
+    "device",
+    "set",
+    "frozenset",
+    "npscalar",
+    "size",
+    "sparse",
+}
+# Formats 1-3 are closed (every later tag came with a later version); format 4 and on still
+# gain leaf kinds (e.g. "generator"), so their tags are left to decode().
+_TAGS_UNTIL: dict[int, frozenset[str]] = {1: _V2_TAGS, 2: _V2_TAGS, 3: _V3_TAGS}
+
+
+def _check_written_as(doc: dict[str, Any], version: int, sealed: bool, where: str) -> None:
+    """Refuse a manifest that claims an older format than what it holds shows.
+
+    Relabelling a newer manifest as format 1 (which has no checksums) after editing it would
+    otherwise switch off every checksum; so would one that claims format 2-3 and holds
+    distributed parts. What each version adds is listed at ``FORMAT_VERSION``.
+    """
+    newer = []
+    if version < SEALED_SINCE:
+        if sealed:
+            newer.append("a manifest checksum")
+        if any(isinstance(f, dict) and "header_checksum" in f for f in doc.get("files") or ()):
+            newer.append("data file header checksums")
+    if version < 4:
+        if "per_rank" in doc or doc.get("world_size", 1) != 1:
+            newer.append("parts saved by several ranks")
+        if any(
+            isinstance(t, dict) and ("layout" in t or "rank" in t) for t in doc.get("tensors") or ()
+        ):
+            newer.append("tensor layouts")
+    if newer:
+        raise _fail(
+            where, f"it claims format_version {version} but holds {' and '.join(newer)}, which "
+            "only newer versions write: it was edited and relabelled"
+        )  # fmt: skip
+
+
+def _check_tree(
+    tree: dict[str, Any],
+    per_rank: list[list[Any]] | None,
+    where: str,
+    tags: frozenset[str] | None = None,
+) -> None:
+    """Bound the state tree's nesting as every reader counts it, each ``tg.PerRank`` part at
+    the depth of the place it fills, and check each place names a part every rank has.
+
+    Part of validation so the writer, which validates its own manifest before commit, can
+    never commit a tree that ``load`` (``tree_for`` then ``decode``) refuses.
+    """
+    parts = min((len(p) for p in per_rank), default=0) if per_rank is not None else 0
+    placed: dict[int, int] = {}  # part -> the deepest level a place for it sits at
+    nodes = _tree_depth(tree, 0, placed, where, tags)
+    for i in placed:
+        if per_rank is None:
+            raise _fail(where, f"the state tree has a place for per-rank part #{i}, and the "
+                        "manifest lists no 'per_rank' parts")  # fmt: skip
+        if not 0 <= i < parts:
+            raise _fail(where, f"the state tree refers to per-rank part #{i}, which not every "
+                        f"one of the {len(per_rank)} ranks lists")  # fmt: skip
+    for own in per_rank or ():
+        for i, part in enumerate(own):
+            nodes += _tree_depth(part, placed.get(i, 0), None, where, tags)
+    if nodes > limits.MAX_TREE_NODES:
+        raise _fail(where, f"the state tree has more than {limits.MAX_TREE_NODES} nodes")
+
+
+def _tree_depth(
+    root: Any,
+    depth: int,
+    placed: dict[int, int] | None,
+    where: str,
+    tags: frozenset[str] | None = None,
+) -> int:
+    """Walk a tree node (at ``depth``) with a stack; return the nodes it visited.
+
+    Depth counts as ``_tree.decode`` counts it: the nodes inside a node's ``v`` and ``meta``
+    (whatever lists hold them: a list's items, a dict's [key, value] pairs) are one level
+    deeper. ``placed`` collects where ``{"t": "per_rank", "i": k}`` places sit (None: inside
+    a per-rank part, where no such place exists and the node is left to ``decode``).
+    ``tags``: the only node tags allowed (those of the format the manifest claims).
+
+    A leaf (no ``v`` or ``meta`` holding containers) is checked from its parent and never
+    pushed: most nodes are leaves, and this runs on every save and load.
+    """
+    limit = limits.MAX_TREE_DEPTH
+    stack: list[tuple[Any, int]] = [(root, depth)]
+    count = 0
+    while stack:
+        node, d = stack.pop()
+        count += 1
+        if d > limit:
+            raise _fail(
+                where, f"state tree at {_path_of(root, node)}: nested more than "
+                f"{limit} levels deep"
+            )  # fmt: skip
+        t = node.get("t")
+        if tags is not None and (
+            (type(t) is str and t not in tags) or ("complex" in node and tags is _V2_TAGS)
+        ):
+            raise _fail(
+                where, f"state tree at {_path_of(root, node)}: a {t!r} node "
+                f"{'of a complex tensor ' if 'complex' in node else ''}in a manifest of a format "
+                "that has no such node: it was edited and relabelled"
+            )  # fmt: skip
+        if t == "per_rank" and placed is not None:
+            i = node.get("i")
+            if type(i) is not int:
+                raise _fail(where, f"a per-rank part refers to #{i!r}, not a part number")
+            placed[i] = max(placed.get(i, d), d)
+            continue
+        d1 = d + 1
+        todo = [node.get("v"), node.get("meta")]
+        while todo:
+            v = todo.pop()
+            if type(v) is dict:
+                vv = v.get("v")
+                if (
+                    d1 > limit
+                    or tags is not None
+                    or type(vv) is list
+                    or type(vv) is dict
+                    or "meta" in v
+                    or v.get("t") == "per_rank"
+                ):
+                    stack.append((v, d1))
+                else:
+                    count += 1
+            elif type(v) is list:
+                todo.extend(v)  # a list's items, a dict's [key, value] pairs
+    return count
+
+
+def _path_of(root: Any, target: dict[str, Any]) -> str:
+    """``state['a'][0]``: where ``target`` sits below ``root``, for a message (keys that are
+    not plain str/int nodes print as ``?``)."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return "state" + "".join(f"[{p!r}]" for p in path)
+        if type(node) is not dict:
+            continue
+        t, v = node.get("t"), node.get("v")
+        if type(v) is dict:
+            stack.append((v, path))
+        elif t in ("dict", "odict", "counter") and type(v) is list:
+            for item in v:
+                if type(item) is list and len(item) == 2:
+                    stack.extend([(item[0], path), (item[1], (*path, _key_text(item[0])))])
+        elif t in ("list", "tuple") and type(v) is list:
+            stack.extend([(x, (*path, i)) for i, x in enumerate(v)])
+        elif type(v) is list:
+            stack.extend([(x, path) for x in v])
+        if type(node.get("meta")) is dict:
+            stack.append((node["meta"], path))
+    return "state"
+
+
+def _key_text(node: Any) -> Any:
+    """A dict key node as the key it decodes to, where that is a plain str or small int."""
+    if type(node) is dict and type(node.get("v")) is str:
+        v = node["v"]
+        if node.get("t") == "str":
+            return v
+        if node.get("t") == "int" and len(v) <= 20 and v.lstrip("-").isdigit():
+            return int(v)
+    return "?"
 
 
 def _check_keys_unique(tensors: tuple[TensorInfo, ...], where: str) -> None:
@@ -331,8 +529,14 @@ def _files(v: Any, where: str, *, sealed: bool) -> tuple[dict[str, int], dict[st
     out: dict[str, int] = {}
     sums: dict[str, str] = {}
     for f in v:
-        if not isinstance(f, dict) or type(f.get("size")) is not int or f["size"] < 0:
-            raise _fail(where, f"file entry {f!r} must have a name and a non-negative size")
+        if (
+            not isinstance(f, dict)
+            or type(f.get("size")) is not int
+            or not 0 <= f["size"] <= limits.MAX_TORCH_EXTENT  # sizes are summed as int64
+        ):
+            raise _fail(
+                where, f"file entry {f!r} must have a name and a size from 0 to 2**63-1 bytes"
+            )
         name = check_name(f.get("name"), where)
         if name in out:
             raise _fail(where, f"data file {name!r} is listed twice")
@@ -549,6 +753,8 @@ class _Columns:
         f, offsets, shapes = _one(c.get("file")), c.get("offsets"), c.get("shape")
         if f is None or type(offsets) is not list or type(shapes) is not list:
             return None
+        if len(offsets) != len(shape) or len(shapes) != len(shape):
+            return None  # one column per dimension: the array path says what is wrong
         o, n = [_one(x) for x in offsets], [_one(x) for x in shapes]
         if n != shape or any(x != 0 for x in o) or not 0 <= f < len(self.names):
             return None

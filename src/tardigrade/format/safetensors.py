@@ -57,22 +57,34 @@ class HeaderEntry:
     end: int
 
 
-def encode_header(specs: Sequence[TensorSpec], metadata: dict[str, str] | None) -> bytes:
+class Spec(Protocol):
+    """What a header needs of a tensor (a ``TensorSpec``, or a plan's write item)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+def encode_header(specs: Sequence[Spec], metadata: dict[str, str] | None) -> bytes:
     """The header for ``specs`` laid out back to back in the given order."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = metadata
     offset = 0
     for t in specs:
-        if t.key in header:
-            # A JSON object keeps only the last of two equal keys: the file would be corrupt.
-            raise ValueError(f"safetensors key {t.key!r} appears twice in one file")
-        header[t.key] = {
-            "dtype": t.dtype,
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + t.nbytes],
-        }
-        offset += t.nbytes
+        end = offset + t.nbytes
+        header[t.key] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
+    if len(header) != len(specs) + bool(metadata):
+        # A JSON object keeps only the last of two equal keys: the file would be corrupt.
+        seen: set[str] = set()
+        twice = next(t.key for t in specs if t.key in seen or seen.add(t.key))  # type: ignore[func-returns-value]
+        raise ValueError(f"safetensors key {twice!r} appears twice in one file")
     raw = dumps(header)
     raw += b" " * ((-(8 + len(raw))) % HEADER_ALIGN)
     return struct.pack("<Q", len(raw)) + raw
@@ -85,12 +97,20 @@ def _corrupt(src: ByteSource, what: str) -> CorruptCheckpointError:
     )
 
 
-def read_header(src: ByteSource, expected_checksum: str | None = None) -> dict[str, HeaderEntry]:
+# Header metadata of every data file a writer of sealed manifests (format 2 on) writes: a
+# file that carries it belongs to a checkpoint whose manifest must carry checksums.
+SEALED_MARK = {"tardigrade_manifest": "sealed"}
+
+
+def read_header(
+    src: ByteSource, expected_checksum: str | None = None, *, unsealed: bool = False
+) -> dict[str, HeaderEntry]:
     """Read and validate a data file's header; return its entries by key.
 
     With ``expected_checksum`` (what the manifest recorded), the header's bytes, length prefix
     and padding included, must match it: a damaged header can otherwise still parse (a space
-    in the padding, an edited metadata value) or point keys at other bytes.
+    in the padding, an edited metadata value) or point keys at other bytes. ``unsealed``: the
+    manifest carries no checksums (format 1), so a header marked ``SEALED_MARK`` is refused.
     """
     if src.size < 8:
         raise _corrupt(src, f"file is {src.size} bytes, too short to hold a safetensors header")
@@ -122,7 +142,16 @@ def read_header(src: ByteSource, expected_checksum: str | None = None) -> dict[s
     header = loads_strict(bytes(raw), src.name)
     if not isinstance(header, dict):
         raise _corrupt(src, "header is not a JSON object")
-    header.pop("__metadata__", None)
+    meta = header.pop("__metadata__", None)
+    if (
+        unsealed
+        and isinstance(meta, dict)
+        and all(meta.get(k) == v for k, v in SEALED_MARK.items())
+    ):
+        raise _corrupt(
+            src, "it was written with a checksummed (format 2 or newer) manifest, and the "
+            "manifest now claims format 1, which has no checksums: it was edited and relabelled"
+        )  # fmt: skip
     if len(header) > limits.MAX_TENSORS_PER_FILE:
         raise _corrupt(
             src,
@@ -137,22 +166,34 @@ def read_header(src: ByteSource, expected_checksum: str | None = None) -> dict[s
 
 
 def _entry(src: ByteSource, key: str, info: object, data_start: int) -> HeaderEntry:
-    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+    # Plain loops and lookups, no sets or generators: this runs for every tensor of a file,
+    # and a file may hold a few hundred thousand small ones.
+    if (
+        type(info) is not dict
+        or len(info) != 3
+        or "dtype" not in info
+        or "shape" not in info
+        or "data_offsets" not in info
+    ):
         raise _corrupt(src, f"tensor {key!r} must have exactly dtype, shape and data_offsets")
     dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+    if type(dtype) is not str or dtype not in ITEMSIZE:
         raise UnsupportedFormatError(
             f"{src.name}: tensor {key!r} has unknown dtype {dtype!r}; this version of Tardigrade "
             f"reads {sorted(ITEMSIZE)}. Upgrade Tardigrade or re-save the checkpoint."
         )
-    if (
-        not isinstance(shape, list)
-        or len(shape) > limits.MAX_DIMS
-        or not all(type(d) is int and 0 <= d <= limits.MAX_TORCH_EXTENT for d in shape)
-    ):
+    if type(shape) is not list or len(shape) > limits.MAX_DIMS:
         raise _corrupt(src, f"tensor {key!r} has an invalid shape {shape!r}")
-    if not (
-        isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= limits.MAX_TORCH_EXTENT:
+            raise _corrupt(src, f"tensor {key!r} has an invalid shape {shape!r}")
+    if (
+        type(offs) is not list
+        or len(offs) != 2
+        or type(offs[0]) is not int
+        or type(offs[1]) is not int
+        or offs[0] < 0
+        or offs[1] < 0
     ):
         raise _corrupt(src, f"tensor {key!r} has invalid data_offsets {offs!r}")
     begin, end = offs

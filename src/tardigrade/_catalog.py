@@ -84,7 +84,24 @@ def _deleting_name(name: str) -> str:
 
 
 class Catalog:
-    """The checkpoints under one root: ``location`` is a directory or a URL prefix."""
+    """List, describe and clean up the checkpoints under one directory or URL prefix.
+
+    ``location`` is a path or URL (``memory://``); ``storage_options`` go to its backend.
+    ``listing()`` classifies every entry (``Listed.status``: one of the constants below),
+    ``steps()`` gives the committed ``step-N`` checkpoints a ``CheckpointManager`` wrote,
+    ``tidy()`` removes what dead writers left (take ``storage.lease()`` first, as
+    ``tardigrade gc`` does).
+
+    >>> [e.name for e in tg.Catalog("ckpt").listing() if e.status == tg.Catalog.COMMITTED]  # doctest: +SKIP
+    """
+
+    # What ``describe`` finds an entry to be (``Listed.status``), and the names it reads.
+    COMMITTED = COMMITTED
+    INCOMPLETE_TMP = INCOMPLETE_TMP
+    NO_MANIFEST = NO_MANIFEST
+    UNREADABLE = UNREADABLE
+    Listed = Listed
+    step_in_name = staticmethod(step_in_name)
 
     def __init__(self, location: Any, storage_options: Mapping[str, Any] | None = None) -> None:
         self.storage: Storage = (

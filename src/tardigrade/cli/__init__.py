@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .._version import __version__
+from .. import __version__
 from ..errors import InvalidArgumentError, TardigradeError
 from ._output import error
 

@@ -19,7 +19,7 @@ from typing import Any
 from ._open import read_manifest
 from .errors import StorageError, TardigradeError
 from .format.manifest import MANIFEST
-from .storage import Storage, open_root
+from .storage import Storage, open_root, storage_for
 from .storage.base import TMP_PREFIX, Tidied
 
 __all__ = [
@@ -123,6 +123,15 @@ class Catalog:
             return False
         st = self.storage.stat(f"{name}/{MANIFEST}")
         return st is not None and not st.is_dir and not st.is_link
+
+    @classmethod
+    def is_checkpoint(cls, location: Any, storage_options: Mapping[str, Any] | None = None) -> bool:
+        """Whether ``location`` (a path or URL) is a committed checkpoint (see ``committed``)."""
+        try:
+            storage, name = storage_for(location, storage_options)
+        except TardigradeError:  # not a location at all (a bad URL): not a checkpoint either
+            return False
+        return cls(storage).committed(name)
 
     def names(self) -> list[str]:
         return self.storage.list()

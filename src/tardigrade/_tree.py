@@ -114,6 +114,12 @@ def path_str(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{p!r}]" for p in path)
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A zero-copy flat uint8 view of a dense tensor's bytes (the one definition: the writers
+    take their bytes through it, the readers fill tensors through it)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
 def tensor_dtype_name(t: torch.Tensor, path: tuple[Any, ...]) -> str:
     name = DTYPE_NAMES.get(t.dtype)
     if name is None:

@@ -509,7 +509,7 @@ class AsyncCheckpointer:
                     warnings.warn(
                         f"skipping save to {os.fspath(path)}: the save to {last.path} is still "
                         "in flight (if_busy='skip')",
-                        stacklevel=2,
+                        stacklevel=3,  # the caller of save() (or of tg.save), via submit()
                     )
                     return None
                 last.exception()  # wait; its error, if any, is raised just below

@@ -91,6 +91,7 @@ def read_manifest(path: Any) -> dict[str, Any]:
 
     ``path`` is the checkpoint directory. Returns the manifest as a dict (format version, step,
     epoch, files, tensors, the state tree, metrics, metadata); its checksum is verified.
+    ``tg.Checkpoint.open(path)`` gives the same as typed values, and reads tensors on demand.
 
     >>> info = tg.read_manifest("ckpt/step-100")   # doctest: +SKIP
     >>> info["step"], len(info["tensors"])           # doctest: +SKIP

@@ -211,7 +211,13 @@ class Checkpoint:
         while stack:
             value, path = stack.pop()
             if isinstance(value, (TensorRef, SparseRef)):
-                out["/".join(path)] = value
+                key = "/".join(path)
+                if key in out:
+                    raise InvalidArgumentError(
+                        f"{self.url}: two tensors are both at {key!r} (a key holds a '/'); "
+                        "walk tree() instead"
+                    )
+                out[key] = value
             elif isinstance(value, dict):
                 stack.extend((v, (*path, str(k))) for k, v in reversed(value.items()))
             elif isinstance(value, (list, tuple)):

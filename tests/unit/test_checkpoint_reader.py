@@ -131,3 +131,11 @@ def test_what_is_not_a_checkpoint(tmp_path: Path) -> None:
     assert tg.Catalog.is_checkpoint(tmp_path / "whole")
     with pytest.raises(tg.InvalidArgumentError, match="per_rank_fallback"):
         tg.Checkpoint.open(tmp_path / "whole").read(per_rank_fallback="nope")
+
+
+def test_tensor_paths_that_would_collide_are_refused(tmp_path: Path) -> None:
+    tg.save(tmp_path / "c", {"a/b": torch.ones(1), "a": {"b": torch.zeros(1)}})
+    ckpt = tg.Checkpoint.open(tmp_path / "c")
+    with pytest.raises(tg.InvalidArgumentError, match="both at 'a/b'"):
+        ckpt.tensor_refs()
+    assert set(ckpt.tree()) == {"a/b", "a"}

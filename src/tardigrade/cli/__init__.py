@@ -24,7 +24,6 @@ from .. import __version__
 from ..errors import InvalidArgumentError, TardigradeError
 from ._output import error
 
-EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 

@@ -25,6 +25,7 @@ import torch
 from .. import Checkpoint, SparseRef, TensorRef
 from ..errors import TardigradeError
 from ..format.dtypes import TORCH_DTYPES
+from ..format.manifest import Manifest
 from ._listing import require_single
 from ._output import error
 
@@ -95,7 +96,7 @@ class _Side:
         return dest[e]
 
 
-def _layout(m: Any, e: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def _chunking(m: Manifest, e: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return [(c.offsets, c.shape) for c in m.tensors[e].chunks]
 
 
@@ -137,7 +138,7 @@ def _same_tensor(a: _Side, ta: TensorRef, b: _Side, tb: TensorRef) -> bool:
     ea, eb = ta.entry, tb.entry
     va, vb = ta.view, tb.view
     ia, ib = a.m.tensors[ea], b.m.tensors[eb]
-    if va == vb and ia.shape == ib.shape and _layout(a.m, ea) == _layout(b.m, eb):
+    if va == vb and ia.shape == ib.shape and _chunking(a.m, ea) == _chunking(b.m, eb):
         return [c.checksum for c in ia.chunks] == [c.checksum for c in ib.chunks]
     # Stored differently (another split, or a view into another storage): compare bytes.
     xa, xb = a.entry_bytes(ea), b.entry_bytes(eb)

@@ -19,6 +19,7 @@ import torch
 from .. import Checkpoint, SparseRef, TensorRef
 from ..errors import CheckpointExistsError, InsufficientMemoryError, InvalidArgumentError
 from ..format.dtypes import TORCH_DTYPES
+from ..format.manifest import Manifest
 from ._listing import require_single
 from ._output import ProgressBar, human_bytes
 from .inspect import per_rank_paths
@@ -255,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         metadata["tardigrade_step"] = str(manifest["step"])
     if args.rank is not None:
         metadata["tardigrade_rank"] = str(args.rank)
-    order = layout(tensors, where)
+    order = file_order(tensors, where)
     try:
         os.makedirs(out_dir, exist_ok=True)  # a new folder for the export is the common case
     except FileExistsError:
@@ -309,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def layout(tensors: dict[str, TensorRef], where: str) -> list[str]:
+def file_order(tensors: dict[str, TensorRef], where: str) -> list[str]:
     """The names in the order ``safetensors.torch.save_file`` would store them."""
     for name, t in tensors.items():
         if t.torch_dtype not in _DTYPE_NAMES:
@@ -341,7 +342,7 @@ def write_header(
     f.write(header)
 
 
-def batches(order: list[str], tensors: dict[str, TensorRef], m: Any) -> list[list[str]]:
+def batches(order: list[str], tensors: dict[str, TensorRef], m: Manifest) -> list[list[str]]:
     """``order`` cut into runs whose stored tensors (aligned) fit in ``BATCH_BYTES``; a tensor
     larger than that is a batch of its own."""
     out: list[list[str]] = []

@@ -853,13 +853,22 @@ class TensorRef:
         return math.prod(self.shape) * self.torch_dtype.itemsize
 
 
+def loaded_as(
+    node: dict[str, Any], stored_shape: tuple[int, ...], stored_dtype: str
+) -> tuple[tuple[int, ...], str]:
+    """The shape and dtype name a (checked) tensor node loads as, given its stored tensor's: a
+    view's own shape; a complex tensor's, not its stored real view's (``[..., 2]``)."""
+    view = node.get("view")
+    shape = tuple(view["shape"]) if view else stored_shape
+    if node.get("complex") in COMPLEX_DTYPES:
+        return shape[:-1], node["complex"]
+    return shape, stored_dtype
+
+
 def tensor_ref(node: dict[str, Any], stored_shape: tuple[int, ...], stored_dtype: str) -> TensorRef:
     """The :class:`TensorRef` of a (checked) tensor node of a stored tensor's shape and dtype."""
     view = node.get("view")
-    shape = tuple(view["shape"]) if view else stored_shape
-    dtype = stored_dtype
-    if node.get("complex") in COMPLEX_DTYPES:  # stored as its real view: [..., 2]
-        dtype, shape = node["complex"], shape[:-1]
+    shape, dtype = loaded_as(node, stored_shape, stored_dtype)
     return TensorRef(
         node["e"],
         dtype,

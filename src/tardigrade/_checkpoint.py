@@ -261,7 +261,8 @@ class Checkpoint:
         ``dest`` maps ``TensorRef.entry`` to a CPU tensor of the stored tensor's shape and
         dtype (``tensors[entry]``; a view saved as such is read as the tensor it views, and a
         complex tensor as its real view). ``names`` names entries in error messages. Every
-        chunk read is checked against its checksum unless ``verify=False``.
+        chunk read is checked against its checksum unless ``verify=False``; ``workers`` data
+        files are read side by side.
         """
         m = self._m
         for e, t in dest.items():

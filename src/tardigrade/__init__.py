@@ -33,13 +33,15 @@ from .errors import (
 
 if TYPE_CHECKING:
     from ._async import AsyncCheckpointer, SaveFuture
+    from ._catalog import Catalog
+    from ._checkpoint import Checkpoint
     from ._job import SaveResult
     from ._load import load
     from ._open import read_manifest
     from ._rng import RNGState
     from ._save import save
     from ._sharding import PerRank, Sharded
-    from ._tree import Stateful
+    from ._tree import SparseRef, Stateful, TensorRef
     from ._verify import VerifyReport, verify
     from .data import ResumableSampler, SampleIndex, SeededDataset, seed_sample
     from .job import Job, JobRunner
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
 # program creates its process group (see distributed/_collectives.py).
 _LAZY = {
     "AsyncCheckpointer": "._async",
+    "Catalog": "._catalog",
+    "Checkpoint": "._checkpoint",
     "CheckpointManager": ".manager",
     "Job": ".job",
     "JobRunner": ".job",
@@ -63,7 +67,9 @@ _LAZY = {
     "SaveStats": ".manager",
     "SeededDataset": ".data",
     "Sharded": "._sharding",
+    "SparseRef": "._tree",
     "Stateful": "._tree",
+    "TensorRef": "._tree",
     "VerifyReport": "._verify",
     "load": "._load",
     "read_manifest": "._open",
@@ -108,6 +114,8 @@ if os.environ.get("TARDIGRADE_KILL_POINT"):
 
 __all__ = [
     "AsyncCheckpointer",
+    "Catalog",
+    "Checkpoint",
     "CheckpointExistsError",
     "CheckpointLockedError",
     "CheckpointManager",
@@ -129,10 +137,12 @@ __all__ = [
     "SaveStats",
     "SeededDataset",
     "Sharded",
+    "SparseRef",
     "StateMismatchError",
     "Stateful",
     "StorageError",
     "TardigradeError",
+    "TensorRef",
     "UnsupportedFormatError",
     "UnsupportedTypeError",
     "VerifyReport",

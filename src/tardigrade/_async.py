@@ -26,10 +26,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._job import SaveJob, SaveResult, as_bytes, file_header, item_source, make_job
+from ._job import (
+    SaveJob,
+    SaveOptions,
+    SaveResult,
+    file_header,
+    item_source,
+    make_job,
+)
 from ._plan import plan_files
 from ._staging import Slab, SlabPool, StagingStats
-from ._tree import Entry, flatten
+from ._tree import Entry, as_bytes, flatten
 from ._write import ABORT, END, Block, Segment, write_and_commit
 from .errors import InvalidArgumentError, SaveError, TardigradeError
 
@@ -484,6 +491,15 @@ class AsyncCheckpointer:
         metrics: Mapping[str, float] | None = None,
     ) -> SaveFuture | None:
         """Stage ``state`` into host memory and write it in the background; see the class doc."""
+        options = SaveOptions(
+            overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics
+        )
+        return self.submit(path, state, options)
+
+    def submit(
+        self, path: str | os.PathLike[str], state: Any, options: SaveOptions
+    ) -> SaveFuture | None:
+        """:meth:`save` with its options as one object (what ``tg.save`` passes on)."""
         with self._lock:
             if self._closed:
                 raise InvalidArgumentError("this AsyncCheckpointer is closed; create a new one")
@@ -493,20 +509,12 @@ class AsyncCheckpointer:
                     warnings.warn(
                         f"skipping save to {os.fspath(path)}: the save to {last.path} is still "
                         "in flight (if_busy='skip')",
-                        stacklevel=2,
+                        stacklevel=3,  # the caller of save() (or of tg.save), via submit()
                     )
                     return None
                 last.exception()  # wait; its error, if any, is raised just below
             self._raise_unobserved()
-            job = make_job(
-                path,
-                state,
-                overwrite=overwrite,
-                metadata=metadata,
-                step=step,
-                epoch=epoch,
-                metrics=metrics,
-            )
+            job = make_job(path, state, options)
             # The save's own clock starts after any wait for the previous save, so its
             # blocking and total times describe this save alone.
             job.started = time.perf_counter()

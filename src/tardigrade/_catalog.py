@@ -19,7 +19,7 @@ from typing import Any
 from ._open import read_manifest
 from .errors import StorageError, TardigradeError
 from .format.manifest import MANIFEST
-from .storage import Storage, open_root
+from .storage import Storage, open_root, storage_for
 from .storage.base import TMP_PREFIX, Tidied
 
 __all__ = [
@@ -84,7 +84,24 @@ def _deleting_name(name: str) -> str:
 
 
 class Catalog:
-    """The checkpoints under one root: ``location`` is a directory or a URL prefix."""
+    """List, describe and clean up the checkpoints under one directory or URL prefix.
+
+    ``location`` is a path or URL (``memory://``); ``storage_options`` go to its backend.
+    ``listing()`` classifies every entry (``Listed.status``: one of the constants below),
+    ``steps()`` gives the committed ``step-N`` checkpoints a ``CheckpointManager`` wrote,
+    ``tidy()`` removes what dead writers left (take ``storage.lease()`` first, as
+    ``tardigrade gc`` does).
+
+    >>> [e.name for e in tg.Catalog("ckpt").listing() if e.status == tg.Catalog.COMMITTED]  # doctest: +SKIP
+    """
+
+    # What ``describe`` finds an entry to be (``Listed.status``), and the names it reads.
+    COMMITTED = COMMITTED
+    INCOMPLETE_TMP = INCOMPLETE_TMP
+    NO_MANIFEST = NO_MANIFEST
+    UNREADABLE = UNREADABLE
+    Listed = Listed
+    step_in_name = staticmethod(step_in_name)
 
     def __init__(self, location: Any, storage_options: Mapping[str, Any] | None = None) -> None:
         self.storage: Storage = (
@@ -106,6 +123,15 @@ class Catalog:
             return False
         st = self.storage.stat(f"{name}/{MANIFEST}")
         return st is not None and not st.is_dir and not st.is_link
+
+    @classmethod
+    def is_checkpoint(cls, location: Any, storage_options: Mapping[str, Any] | None = None) -> bool:
+        """Whether ``location`` (a path or URL) is a committed checkpoint (see ``committed``)."""
+        try:
+            storage, name = storage_for(location, storage_options)
+        except TardigradeError:  # not a location at all (a bad URL): not a checkpoint either
+            return False
+        return cls(storage).committed(name)
 
     def names(self) -> list[str]:
         return self.storage.list()

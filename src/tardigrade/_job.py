@@ -57,6 +57,22 @@ class SaveResult:
         return gbps(self.nbytes, self.total_seconds)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """The knobs of one save, as ``tg.save`` takes them, passed through the pipeline as one.
+
+    Checked where the job is made (``make_job``, a collective save's ``describe``), not here:
+    a bad value raises the same message whichever entry point it came through.
+    """
+
+    overwrite: bool = False
+    metadata: Mapping[str, Any] | None = None
+    step: int | None = None
+    epoch: int | None = None
+    metrics: Mapping[str, float] | None = None
+    max_files: int = DEFAULT_MAX_FILES  # data files per rank (tests make more, smaller ones)
+
+
 @dataclass
 class SaveJob:
     """Everything the write and commit phases need; owns no live state once staged."""
@@ -131,17 +147,7 @@ def _check_metrics(metrics: Any) -> dict[str, float]:
     return out
 
 
-def make_job(
-    path: str | os.PathLike[str],
-    state: Any,
-    *,
-    overwrite: bool = False,
-    metadata: Mapping[str, Any] | None = None,
-    step: int | None = None,
-    epoch: int | None = None,
-    metrics: Mapping[str, float] | None = None,
-    max_files: int = DEFAULT_MAX_FILES,
-) -> SaveJob:
+def make_job(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> SaveJob:
     """Flatten ``state`` and lay out its files: everything a save needs before any byte moves.
 
     Cheap and done in the caller; raises before anything is written (a bad argument, a leaf
@@ -149,15 +155,16 @@ def make_job(
     """
     started = time.perf_counter()
     storage, name = storage_for(path)
+    overwrite = options.overwrite
     if not isinstance(overwrite, bool):
         raise InvalidArgumentError(f"overwrite must be a bool, got {overwrite!r}")
     check_target(storage, name, overwrite)
-    header = make_header(step=step, epoch=epoch, metrics=metrics, metadata=metadata)
+    header = make_header(options)
     with gc_paused():  # a node and plan entry per tensor: see gc_paused
         flat = flatten(state)
         lplan = local_plan(flat)
         check_manifest_estimate([*lplan.shared, *lplan.own], storage.url(name))
-        gplan = global_plan([lplan], max_files=max_files)
+        gplan = global_plan([lplan], max_files=options.max_files)
     return SaveJob(storage, name, flat, gplan.rank_plan(0), header, overwrite, started, gplan)
 
 
@@ -193,21 +200,14 @@ def check_manifest_estimate(entries: Sequence[LocalEntry], where: str) -> None:
         )
 
 
-def make_header(
-    *,
-    step: int | None,
-    epoch: int | None,
-    metrics: Mapping[str, float] | None,
-    metadata: Mapping[str, Any] | None,
-    world_size: int = 1,
-) -> dict[str, Any]:
+def make_header(options: SaveOptions, world_size: int = 1) -> dict[str, Any]:
     """The manifest's fields that describe the save rather than the state; checks them."""
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "save_id": uuid.uuid4().hex,
-        "step": _check_counter("step", step),
-        "epoch": _check_counter("epoch", epoch),
+        "step": _check_counter("step", options.step),
+        "epoch": _check_counter("epoch", options.epoch),
         "world_size": world_size,
         "created_unix": time.time(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -217,8 +217,8 @@ def make_header(
             "python": platform.python_version(),
         },
         "checksum_algorithm": ALGORITHM,
-        "metrics": _check_metrics(metrics),
-        "metadata": _check_metadata(metadata),
+        "metrics": _check_metrics(options.metrics),
+        "metadata": _check_metadata(options.metadata),
     }
 
 
@@ -262,11 +262,6 @@ def contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         return t.to("cpu")
     return t if t.is_contiguous() else t.contiguous()
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A zero-copy flat uint8 view of a dense tensor's bytes."""
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def item_source(entries: list[Entry], item: WriteItem) -> torch.Tensor:

@@ -22,7 +22,8 @@ from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
 from .errors import InvalidArgumentError, StateMismatchError, TardigradeError
 from .format.dtypes import TORCH_DTYPES
 from .format.jsonio import gc_paused
-from .format.manifest import PER_RANK_FALLBACKS
+from .format.manifest import PER_RANK_FALLBACKS, Manifest
+from .storage import Storage
 
 log = logging.getLogger("tardigrade")
 
@@ -111,6 +112,15 @@ def _load(
     rank: int,
     per_rank_fallback: str,
 ) -> Any:
+    check_read_options(verify, per_rank_fallback)
+    storage, name, m = open_manifest(path)
+    return load_opened(
+        storage, name, m, into=into, keys=keys, strict=strict, verify=verify, workers=workers,
+        rank=rank, per_rank_fallback=per_rank_fallback,
+    )  # fmt: skip
+
+
+def check_read_options(verify: bool | str, per_rank_fallback: str) -> None:
     if verify not in (True, False, "all"):
         raise InvalidArgumentError(f"verify must be True, False or 'all', got {verify!r}")
     if per_rank_fallback not in PER_RANK_FALLBACKS:
@@ -118,7 +128,22 @@ def _load(
             f"per_rank_fallback must be one of {list(PER_RANK_FALLBACKS)}, got "
             f"{per_rank_fallback!r}"
         )
-    storage, name, m = open_manifest(path)
+
+
+def load_opened(
+    storage: Storage,
+    name: str,
+    m: Manifest,
+    *,
+    into: Any,
+    keys: Sequence[Key] | None,
+    strict: bool,
+    verify: bool | str,
+    workers: int,
+    rank: int,
+    per_rank_fallback: str,
+) -> Any:
+    """``_load`` of a checkpoint already opened (``open_manifest``), its options checked."""
     where = storage.url(name)
     # Planning walks a tree of a node per value and a chunk object per tensor: the cycle
     # collector, left on, walks all of them again and again (a tenth of a load of many small

@@ -18,7 +18,7 @@ import torch
 
 from ._read import _ReadTask
 from ._sharding import Box, PerRank, Sharded, box_of, is_dtensor
-from ._tree import SPARSE_LAYOUTS, decode, is_stateful, path_str
+from ._tree import SPARSE_LAYOUTS, decode, is_stateful, loaded_as, path_str
 from ._validate import class_name, same_class
 from .errors import CorruptCheckpointError, InvalidArgumentError
 from .format.dtypes import COMPLEX_DTYPES, TORCH_DTYPES
@@ -463,11 +463,9 @@ def _stored_shape(node: dict[str, Any], info: TensorInfo) -> tuple[int, ...]:
 def _leaf_shape_dtype(
     node: dict[str, Any], info: TensorInfo
 ) -> tuple[tuple[int, ...], torch.dtype]:
-    """The shape and dtype the leaf loads as (a complex tensor is stored as its real view)."""
-    shape = _stored_shape(node, info)
-    if node.get("complex") in COMPLEX_DTYPES:
-        return shape[:-1], COMPLEX_DTYPES[node["complex"]][0]
-    return shape, TORCH_DTYPES[info.dtype]
+    """The shape and torch dtype the leaf loads as (``_tree.loaded_as``)."""
+    shape, name = loaded_as(node, info.shape, info.dtype)
+    return shape, COMPLEX_DTYPES[name][0] if name in COMPLEX_DTYPES else TORCH_DTYPES[name]
 
 
 def _plain_node(node: Any) -> bool:

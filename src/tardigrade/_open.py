@@ -11,6 +11,7 @@ checkpoints without loading them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import (
@@ -28,9 +29,11 @@ from .storage import Storage, storage_for
 __all__ = ["open_manifest", "read_manifest"]
 
 
-def open_manifest(path: Any) -> tuple[Storage, str, Manifest]:
+def open_manifest(
+    path: Any, storage_options: Mapping[str, Any] | None = None
+) -> tuple[Storage, str, Manifest]:
     """The checkpoint's storage, its name there and its parsed, validated manifest."""
-    storage, name = storage_for(path)
+    storage, name = storage_for(path, storage_options)
     if not storage.exists(f"{name}/{MANIFEST}"):
         if storage.exists(name) and not storage.is_dir(name):
             raise CheckpointNotFoundError(f"{storage.url(name)}: {_foreign_file(storage, name)}")
@@ -88,6 +91,7 @@ def read_manifest(path: Any) -> dict[str, Any]:
 
     ``path`` is the checkpoint directory. Returns the manifest as a dict (format version, step,
     epoch, files, tensors, the state tree, metrics, metadata); its checksum is verified.
+    ``tg.Checkpoint.open(path)`` gives the same as typed values, and reads tensors on demand.
 
     >>> info = tg.read_manifest("ckpt/step-100")   # doctest: +SKIP
     >>> info["step"], len(info["tensors"])           # doctest: +SKIP

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ._tree import as_bytes
 from .errors import ChecksumMismatchError, CorruptCheckpointError, InsufficientMemoryError
 from .format import safetensors as st
 from .format.checksum import Hasher
@@ -44,7 +45,7 @@ def _empty(shape: Sequence[int], dtype: torch.dtype, what: str) -> torch.Tensor:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(as_bytes(t).numpy())
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._async import SaveFuture, default_checkpointer
-from ._job import SaveResult, make_job
+from ._job import SaveOptions, SaveResult, make_job
 from ._write import stream_borrowed, write_and_commit
 from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
 from .distributed._save import save_collective, stage_collective
@@ -80,16 +80,18 @@ def save(
             f"path and {os.fspath(state)!r} as the state (torch.save's order is (obj, path)). "
             f"Call tg.save({os.fspath(state)!r}, state)."
         )
-    kw = dict(overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics)
+    options = SaveOptions(
+        overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics
+    )
     ranks = Ranks.current(process_group, timeout=timeout)
     if ranks is not None:
         if async_:
-            stage = functools.partial(stage_collective, path=path, state=state, **kw)
+            stage = functools.partial(stage_collective, path=path, state=state, options=options)
             return default_checkpointer().save_collective(ranks, path, stage)
-        return save_collective(ranks, path, state, **kw)  # type: ignore[arg-type]
+        return save_collective(ranks, path, state, options)
     if async_:
-        return default_checkpointer().save(path, state, **kw)  # type: ignore[arg-type]
+        return default_checkpointer().submit(path, state, options)
     # The synchronous save is the same pipeline with a stager that borrows the live tensors
     # instead of copying them, awaited in the caller.
-    job = make_job(path, state, **kw)  # type: ignore[arg-type]
+    job = make_job(path, state, options)
     return write_and_commit(job, stream_borrowed(job))

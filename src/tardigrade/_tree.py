@@ -15,7 +15,7 @@ import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -112,6 +112,12 @@ def is_stateful(obj: object) -> bool:
 def path_str(path: tuple[Any, ...]) -> str:
     """``('optim', 'param_groups', 0)`` -> ``state['optim']['param_groups'][0]``."""
     return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A zero-copy flat uint8 view of a dense tensor's bytes (the one definition: the writers
+    take their bytes through it, the readers fill tensors through it)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def tensor_dtype_name(t: torch.Tensor, path: tuple[Any, ...]) -> str:
@@ -677,7 +683,7 @@ def decode(
 
     Stateful nodes decode to their state_dict tree. Complex tensors are viewed back as complex
     and sparse tensors rebuilt from their parts when ``leaf`` returns tensors (a sparse node
-    whose parts are anything else decodes to a :class:`SparseParts`). Every malformed node
+    whose parts are anything else decodes to a :class:`SparseRef`). Every malformed node
     raises CorruptCheckpointError naming ``where`` and the path.
     """
     if depth > limits.MAX_TREE_DEPTH:
@@ -774,7 +780,7 @@ def decode(
 
 
 def _check_hashable(k: Any, what: str, where: str, path: tuple[Any, ...]) -> None:
-    if isinstance(k, (torch.Tensor, np.ndarray, SparseParts)):
+    if isinstance(k, (torch.Tensor, np.ndarray, SparseRef, TensorRef)):
         raise _bad(where, path, f"{what} is a {type(k).__name__}")
     try:
         hash(k)
@@ -809,9 +815,73 @@ def _complex_tensor(node: dict[str, Any], t: Any, where: str, path: tuple[Any, .
     return torch.view_as_complex(t)
 
 
+class TensorView(NamedTuple):
+    """Which elements of its stored tensor a view saved as such holds (``Tensor.as_strided``)."""
+
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
 @dataclass(frozen=True)
-class SparseParts:
-    """A sparse tensor's record where its parts are not tensors (tools that read no bytes)."""
+class TensorRef:
+    """A tensor of a checkpoint's state, not read: what it loads as, and where its bytes are.
+
+    ``tg.Checkpoint.tree()`` puts one in the place of each tensor and array; read its bytes
+    with ``Checkpoint.read_into({ref.entry: buffer})``. Tied tensors and views of one tensor
+    share an ``entry`` (the stored tensor, ``Checkpoint.tensors[entry]``).
+    """
+
+    entry: int  # the stored tensor holding the bytes (an index into Checkpoint.tensors)
+    dtype: str  # as it loads, by its format name: "F32", "BF16", ... ("C64": complex)
+    shape: tuple[int, ...]  # as it loads
+    ndarray: bool  # loads as a numpy array (else a torch tensor)
+    # The elements of the stored tensor this one is, for a view saved as such (in elements
+    # of the stored tensor: a complex tensor is stored as its real view, trailing dim 2).
+    view: TensorView | None = None
+
+    @property
+    def complex(self) -> bool:
+        return self.dtype in COMPLEX_DTYPES
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return COMPLEX_DTYPES[self.dtype][0] if self.complex else TORCH_DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
+
+
+def loaded_as(
+    node: dict[str, Any], stored_shape: tuple[int, ...], stored_dtype: str
+) -> tuple[tuple[int, ...], str]:
+    """The shape and dtype name a (checked) tensor node loads as, given its stored tensor's: a
+    view's own shape; a complex tensor's, not its stored real view's (``[..., 2]``)."""
+    view = node.get("view")
+    shape = tuple(view["shape"]) if view else stored_shape
+    if node.get("complex") in COMPLEX_DTYPES:
+        return shape[:-1], node["complex"]
+    return shape, stored_dtype
+
+
+def tensor_ref(node: dict[str, Any], stored_shape: tuple[int, ...], stored_dtype: str) -> TensorRef:
+    """The :class:`TensorRef` of a (checked) tensor node of a stored tensor's shape and dtype."""
+    view = node.get("view")
+    shape, dtype = loaded_as(node, stored_shape, stored_dtype)
+    return TensorRef(
+        node["e"],
+        dtype,
+        shape,
+        node["t"] == "ndarray",
+        TensorView(view["offset"], tuple(view["shape"]), tuple(view["stride"])) if view else None,
+    )
+
+
+@dataclass(frozen=True)
+class SparseRef:
+    """A sparse tensor of a checkpoint's state, not read: its layout, size and parts (each a
+    :class:`TensorRef`, or whatever stand-in a tool decoded its parts to)."""
 
     layout: str
     size: tuple[int, ...]
@@ -835,7 +905,7 @@ def _sparse(node: dict[str, Any], parts: list[Any], where: str, path: tuple[Any,
     if len(parts) != len(names) or any(x.get("t") != "tensor" for x in node["v"]):
         raise _bad(where, path, f"a sparse {layout} tensor has {', '.join(names)}")
     if not all(isinstance(p, torch.Tensor) for p in parts):
-        return SparseParts(layout, tuple(size), coalesced, tuple(parts))
+        return SparseRef(layout, tuple(size), coalesced, tuple(parts))
     problem = sparse_problem(
         layout, size, [(tuple(p.shape), DTYPE_NAMES.get(p.dtype, str(p.dtype))) for p in parts]
     )

@@ -7,7 +7,7 @@ selects, matches and restores nothing. ``load(verify="all")`` does the same chec
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +18,8 @@ from ._units import gbps
 from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
 from .errors import ChecksumMismatchError, CorruptCheckpointError
 from .format.jsonio import gc_paused
-from .format.manifest import Chunk
+from .format.manifest import Chunk, Manifest
+from .storage import Storage
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -37,6 +38,22 @@ class VerifyReport:
     @property
     def throughput_gbps(self) -> float:
         return gbps(self.nbytes, self.seconds)
+
+    @classmethod
+    def total(cls, path: str, reports: Sequence[VerifyReport]) -> VerifyReport:
+        """One report for several passes (e.g. every checkpoint of a directory): sums of their
+        files, tensors, bytes and seconds, under ``path``.
+
+        >>> everything = tg.VerifyReport.total("ckpt", [tg.verify(p) for p in paths])  # doctest: +SKIP
+        """
+        return cls(
+            path,
+            None,
+            sum(r.files for r in reports),
+            sum(r.tensors for r in reports),
+            sum(r.nbytes for r in reports),
+            sum(r.seconds for r in reports),
+        )
 
 
 def verify(
@@ -67,39 +84,24 @@ def verify(
 
     def local() -> bytes:
         storage, name, m = open_manifest(path)
-        where = storage.url(name)
-        by_file: dict[str, list[tuple[int, Chunk]]] = {f: [] for f in m.files}
-        with gc_paused():  # an object per node and chunk: see gc_paused
-            for rank in range(m.world_size if "per_rank" in m.raw else 1):
-                _check_refs(m.tree_for(rank, "error", where), m, where)
-            for i, info in enumerate(m.tensors):
-                for c in info.chunks:
-                    by_file[c.file].append((i, c))
-
-        def one(file: str) -> int:
-            return _verify_file(storage, name, file, m, by_file[file])
-
-        files = sorted(m.files)
-        if ranks is not None:
-            # Largest first to the least loaded rank: every rank computes the same shares.
-            loads = [0] * ranks.size
-            mine = []
-            for f in sorted(files, key=lambda f: (-m.files[f], f)):
-                r = loads.index(min(loads))
-                loads[r] += m.files[f]
-                if r == ranks.rank:
-                    mine.append(f)
-            files_checked = mine
-        else:
-            files_checked = files
-        seen.update(where=where, step=m.step, files=len(files), tensors=len(m.tensors))
-        return str(_check_files(files_checked, one, workers, where)).encode()
+        return str(_check_checkpoint(storage, name, m, workers, ranks, seen)).encode()
 
     if ranks is None:
         nbytes = int(local())
     else:
         # The exchange makes damage found by any rank fail the pass on every rank.
         nbytes = sum(int(d) for d in ranks.all_gather("tg.verify", local))
+    return _report(seen, nbytes, start)
+
+
+def verify_opened(storage: Storage, name: str, m: Manifest, workers: int) -> VerifyReport:
+    """``verify`` of a checkpoint already opened (``open_manifest``), in this process alone."""
+    start = time.perf_counter()
+    seen: dict[str, Any] = {}
+    return _report(seen, _check_checkpoint(storage, name, m, workers, None, seen), start)
+
+
+def _report(seen: dict[str, Any], nbytes: int, start: float) -> VerifyReport:
     return VerifyReport(
         seen["where"],
         seen["step"],
@@ -108,6 +110,41 @@ def verify(
         nbytes,
         time.perf_counter() - start,
     )
+
+
+def _check_checkpoint(
+    storage: Storage, name: str, m: Manifest, workers: int, ranks: Ranks | None,
+    seen: dict[str, Any],
+) -> int:  # fmt: skip
+    """Check the tree's references and this process's share of the data files (all of them
+    without ``ranks``); record what the report names in ``seen``; return the bytes checked."""
+    where = storage.url(name)
+    by_file: dict[str, list[tuple[int, Chunk]]] = {f: [] for f in m.files}
+    with gc_paused():  # an object per node and chunk: see gc_paused
+        for rank in range(m.world_size if "per_rank" in m.raw else 1):
+            _check_refs(m.tree_for(rank, "error", where), m, where)
+        for i, info in enumerate(m.tensors):
+            for c in info.chunks:
+                by_file[c.file].append((i, c))
+
+    def one(file: str) -> int:
+        return _verify_file(storage, name, file, m, by_file[file])
+
+    files = sorted(m.files)
+    if ranks is not None:
+        # Largest first to the least loaded rank: every rank computes the same shares.
+        loads = [0] * ranks.size
+        mine = []
+        for f in sorted(files, key=lambda f: (-m.files[f], f)):
+            r = loads.index(min(loads))
+            loads[r] += m.files[f]
+            if r == ranks.rank:
+                mine.append(f)
+        files_checked = mine
+    else:
+        files_checked = files
+    seen.update(where=where, step=m.step, files=len(files), tensors=len(m.tensors))
+    return _check_files(files_checked, one, workers, where)
 
 
 def _check_files(files: list[str], one: Callable[[str], int], workers: int, where: str) -> int:

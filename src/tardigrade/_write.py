@@ -14,20 +14,20 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from ._job import (
     SaveJob,
     SaveResult,
-    as_bytes,
     check_target,
     contiguous_cpu,
     file_header,
     item_source,
 )
 from ._plan import PER_RANK, REPLICATED, FilePlan, GlobalPlan
+from ._tree import as_bytes
 from .errors import DistributedError, SaveError, StorageError, TardigradeError
 from .format import limits
 from .format import safetensors as st
@@ -560,6 +560,15 @@ def as_save_error(job: SaveJob, e: BaseException, committed: bool | None = False
     return err
 
 
+def raise_save_error(job: SaveJob, e: BaseException, committed: bool | None = False) -> NoReturn:
+    """Raise what a save that failed with ``e`` raises (``as_save_error``); call it from the
+    ``except`` block that caught ``e``."""
+    err = as_save_error(job, e, committed)
+    if err is e:
+        raise e
+    raise err from e
+
+
 def save_result(job: SaveJob, nbytes: int, files: int) -> SaveResult:
     total = time.perf_counter() - job.started
     return SaveResult(
@@ -606,8 +615,5 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
         committed = committed_here(job) if staging is not None else False
         if staging is not None and committed is False:
             abort_staging(job, staging)
-        err = as_save_error(job, e, committed)
-        if err is e:
-            raise
-        raise err from e
+        raise_save_error(job, e, committed)
     return save_result(job, sum(w.size for w in written.values()) + len(manifest), len(written))

@@ -239,7 +239,7 @@ def late_commit_rank(rank: int, world: int, root: str) -> Any:
 
         _collectives.Ranks._issue = issue  # type: ignore[method-assign]
         if rank == 1:
-            real = dsave.as_save_error
+            real = dsave.raise_save_error
 
             def failed(*args: Any, **kw: Any) -> Any:
                 # Called once this rank knows what it can of the outcome; rank 0 commits only
@@ -247,7 +247,7 @@ def late_commit_rank(rank: int, world: int, root: str) -> Any:
                 marker.write_text(repr(args[2] if len(args) > 2 else "not stated"))
                 return real(*args, **kw)
 
-            dsave.as_save_error = failed  # type: ignore[assignment]
+            dsave.raise_save_error = failed  # type: ignore[assignment]
         else:
 
             def wait_for_rank_1() -> None:

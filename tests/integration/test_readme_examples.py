@@ -119,6 +119,21 @@ def test_distributed_example_runs_under_torchrun(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / "step-100" / "manifest.json").is_file()
 
 
+def test_reader_example_prints_what_the_checkpoint_holds(tmp_path: Path) -> None:
+    """The "Reading checkpoints from your own tools" example: the manifest as typed values,
+    the tensors by path with dtype and shape, a verified read, the catalog's listing."""
+    run = run_example(readme_block("tg.Checkpoint.open("), tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = next((tmp_path / "tools" / "step-000000007").glob("data-*"))
+    assert run.stdout.splitlines() == [
+        f"4 7 {{'run': 'a'}} {data.stat().st_size} 1",
+        "model/weight F32 (2, 4)",
+        "model/bias F32 (2,)",
+        "2 tensors verified",
+        "step-000000007 committed 7",
+    ], run.stdout
+
+
 # Every ```python block of the README runs: alone, or after the blocks it continues (the
 # Quickstart's state, the manager's loop). Each block is named by a line only it holds; a block
 # no test names fails test_every_readme_block_is_run, so a new example cannot go untested.
@@ -150,6 +165,7 @@ CHAINS = {
 # Blocks with a test of their own above.
 OWN_TESTS = [
     "FaultyStorage(",
+    "tg.Checkpoint.open(",
     "tg.SeededDataset(Jitter())",
     "rows = tg.Sharded(",
     "# torchrun --nproc-per-node 2 train.py",

@@ -4,6 +4,8 @@ import tardigrade as tg
 
 EXPECTED = {
     "AsyncCheckpointer",
+    "Catalog",
+    "Checkpoint",
     "CheckpointExistsError",
     "CheckpointLockedError",
     "CheckpointManager",
@@ -25,10 +27,12 @@ EXPECTED = {
     "SaveStats",
     "SeededDataset",
     "Sharded",
+    "SparseRef",
     "StateMismatchError",
     "Stateful",
     "StorageError",
     "TardigradeError",
+    "TensorRef",
     "UnsupportedFormatError",
     "UnsupportedTypeError",
     "VerifyReport",

@@ -20,11 +20,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .._version import __version__
+from .. import __version__
 from ..errors import InvalidArgumentError, TardigradeError
 from ._output import error
 
-EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 

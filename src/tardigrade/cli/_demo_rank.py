@@ -25,7 +25,6 @@ import argparse
 import datetime
 import os
 import random
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -106,7 +105,7 @@ def apply_retention(ckpt_dir: str, keep_last: int) -> None:
     """Keep the ``keep_last`` newest committed checkpoints (rank 0, after a commit)."""
     committed = [c for c in list_checkpoints(ckpt_dir) if c.status == COMMITTED]
     for c in committed[:-keep_last]:
-        shutil.rmtree(os.path.join(ckpt_dir, c.name))
+        tg.Catalog(ckpt_dir).retire(c.name)  # out of view first, as retention does
 
 
 def train(args: argparse.Namespace) -> int:

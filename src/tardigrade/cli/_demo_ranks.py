@@ -31,10 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .. import verify
-from .._load import _load
-from .._read import DEFAULT_READ_THREADS
-from ..distributed._launch import loopback_store
+from .. import Checkpoint, verify
+from ..distributed import loopback_store
 from ._demo_run import (
     CHILD_TIMEOUT_S,
     EVENT_PREFIX,
@@ -180,8 +178,8 @@ def _fail(what: str, run: RanksRun) -> int:
 
 def final_states(path: str, world: int) -> list[Any]:
     """Each rank's view of a final checkpoint: the replicated state and its own per-rank values."""
-    read = dict(into=None, keys=None, strict=True, verify=True, workers=DEFAULT_READ_THREADS)
-    return [_load(path, rank=r, per_rank_fallback="error", **read) for r in range(world)]  # type: ignore[arg-type]
+    ckpt = Checkpoint.open(path)
+    return [ckpt.read(rank=r, per_rank_fallback="error") for r in range(world)]
 
 
 def worker_args(args: argparse.Namespace, ckpt_dir: str) -> tuple[list[str], list[str]]:

@@ -165,7 +165,7 @@ def restore(mgr: tg.CheckpointManager, *, warnings: Sequence[str] = ()) -> int |
     ``warnings`` are messages logged earlier (e.g. when the manager took over a dead run's
     lock); they are reported with the ones ``restore()`` logs.
     """
-    before = list_checkpoints(mgr.directory) if os.path.isdir(mgr.directory) else []
+    before = list_checkpoints(mgr.directory) if tg.Catalog(mgr.directory).storage.is_dir("") else []
     with collect_warnings() as logged:
         start = mgr.restore()
     after = {c.name for c in list_checkpoints(mgr.directory)}

@@ -8,15 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._catalog import (
-    COMMITTED,
-    INCOMPLETE_TMP,
-    NO_MANIFEST,
-    UNREADABLE,
-    Catalog,
-    Listed,
-    step_in_name,
-)
+from .. import Catalog
 from ..errors import CheckpointNotFoundError, TardigradeError
 from ..format.manifest import MANIFEST
 from ..storage import storage_for
@@ -35,7 +27,12 @@ __all__ = [
     "step_from_name",
 ]
 
-step_from_name = step_in_name
+COMMITTED = Catalog.COMMITTED
+INCOMPLETE_TMP = Catalog.INCOMPLETE_TMP
+NO_MANIFEST = Catalog.NO_MANIFEST
+UNREADABLE = Catalog.UNREADABLE
+Listed = Catalog.Listed
+step_from_name = Catalog.step_in_name
 
 
 def _is_checkpoint(location: Any) -> bool:

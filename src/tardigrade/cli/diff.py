@@ -17,19 +17,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from .._match import _plan_reads
-from .._open import _check_refs, open_manifest
-from .._read import _read_chunks
-from .._tree import SparseParts, decode, path_str
-from .._verify import verify
+from .. import Checkpoint, SparseRef, TensorRef
 from ..errors import TardigradeError
-from ..format.dtypes import COMPLEX_DTYPES, TORCH_DTYPES
+from ..format.dtypes import TORCH_DTYPES
 from ..format.manifest import Manifest
 from ._listing import require_single
 from ._output import error
@@ -66,17 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-@dataclass(frozen=True)
-class _Tensor:
-    """A tensor leaf as the manifest describes it."""
-
-    node: dict[str, Any]
-    dtype: str
-    shape: tuple[int, ...]
-
-    def text(self) -> str:
-        kind = "ndarray" if self.node["t"] == "ndarray" else "tensor"
-        return f"{kind} {self.dtype}{list(self.shape)}"
+def _text(t: TensorRef) -> str:
+    return f"{'ndarray' if t.ndarray else 'tensor'} {t.dtype}{list(t.shape)}"
 
 
 class _Side:
@@ -84,22 +70,11 @@ class _Side:
 
     def __init__(self, path: str) -> None:
         require_single(path)
-        self.storage, self.name, self.m = open_manifest(path)
-        self.where = self.storage.url(self.name)
-        self.tree = self.m.tree_for(0, "rank0", self.where)  # rank 0's tg.PerRank values
-        _check_refs(self.tree, self.m, self.where)
+        self.ckpt = Checkpoint.open(path)
+        self.m = self.ckpt.manifest
         self.leaves: dict[tuple[Any, ...], Any] = {}
         self.containers: dict[tuple[Any, ...], str] = {}
-        tree = decode(self.tree, self._tensor, self.where)
-        self._walk(tree, ())
-
-    def _tensor(self, node: dict[str, Any], path: tuple[Any, ...]) -> _Tensor:
-        info = self.m.tensors[node["e"]]
-        view = node.get("view")
-        shape = tuple(view["shape"]) if view else info.shape
-        if node.get("complex") in COMPLEX_DTYPES:  # stored as its real view: [..., 2]
-            return _Tensor(node, node["complex"], shape[:-1])
-        return _Tensor(node, info.dtype, shape)
+        self._walk(self.ckpt.tree(rank=0), ())  # rank 0's tg.PerRank values
 
     def _walk(self, value: Any, path: tuple[Any, ...]) -> None:
         if isinstance(value, dict):
@@ -117,19 +92,18 @@ class _Side:
         """One stored tensor, read and checksum-verified."""
         info = self.m.tensors[e]
         dest = {e: torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])}
-        tasks = _plan_reads(self.m, {e}, dest, {})
-        _read_chunks(self.storage, self.name, self.m, tasks, True, 2)
+        self.ckpt.read_into(dest, workers=2)
         return dest[e]
 
 
-def _layout(m: Manifest, e: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def _chunking(m: Manifest, e: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return [(c.offsets, c.shape) for c in m.tensors[e].chunks]
 
 
 def _leaf_text(v: Any) -> str:
-    if isinstance(v, _Tensor):
-        return v.text()
-    if isinstance(v, SparseParts):
+    if isinstance(v, TensorRef):
+        return _text(v)
+    if isinstance(v, SparseRef):
         return f"sparse {v.layout} tensor {v.parts[-1].dtype}{list(v.size)}"
     return f"{type(v).__name__} {_short(v)}"
 
@@ -160,18 +134,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _same_tensor(a: _Side, ta: _Tensor, b: _Side, tb: _Tensor) -> bool:
-    ea, eb = ta.node["e"], tb.node["e"]
-    va, vb = ta.node.get("view"), tb.node.get("view")
+def _same_tensor(a: _Side, ta: TensorRef, b: _Side, tb: TensorRef) -> bool:
+    ea, eb = ta.entry, tb.entry
+    va, vb = ta.view, tb.view
     ia, ib = a.m.tensors[ea], b.m.tensors[eb]
-    if va == vb and ia.shape == ib.shape and _layout(a.m, ea) == _layout(b.m, eb):
+    if va == vb and ia.shape == ib.shape and _chunking(a.m, ea) == _chunking(b.m, eb):
         return [c.checksum for c in ia.chunks] == [c.checksum for c in ib.chunks]
     # Stored differently (another split, or a view into another storage): compare bytes.
     xa, xb = a.entry_bytes(ea), b.entry_bytes(eb)
     if va:
-        xa = xa.reshape(-1).as_strided(va["shape"], va["stride"], va["offset"])
+        xa = xa.reshape(-1).as_strided(va.shape, va.stride, va.offset)
     if vb:
-        xb = xb.reshape(-1).as_strided(vb["shape"], vb["stride"], vb["offset"])
+        xb = xb.reshape(-1).as_strided(vb.shape, vb.stride, vb.offset)
     return torch.equal(_bits(xa), _bits(xb))
 
 
@@ -183,12 +157,12 @@ def compare(path_a: str, path_b: str, *, verified: bool = True) -> list[dict[str
     """
     a, b = _Side(path_a), _Side(path_b)
     if verified:
-        verify(path_a)
-        verify(path_b)
+        a.ckpt.verify()
+        b.ckpt.verify()
     out: list[dict[str, str]] = []
 
     def add(kind: str, path: tuple[Any, ...], detail: str) -> None:
-        out.append({"kind": kind, "path": path_str(path), "detail": detail})
+        out.append({"kind": kind, "path": Checkpoint.path_text(path), "detail": detail})
 
     paths = list(dict.fromkeys([*a.containers, *a.leaves, *b.containers, *b.leaves]))
     for p in paths:
@@ -210,12 +184,12 @@ def compare(path_a: str, path_b: str, *, verified: bool = True) -> list[dict[str
                 add("type", p, f"{left} -> {right}")
             continue
         x, y = a.leaves[p], b.leaves[p]
-        if isinstance(x, _Tensor) and isinstance(y, _Tensor):
-            if (x.dtype, x.shape, x.node["t"]) != (y.dtype, y.shape, y.node["t"]):
-                add("type", p, f"{x.text()} -> {y.text()}")
+        if isinstance(x, TensorRef) and isinstance(y, TensorRef):
+            if (x.dtype, x.shape, x.ndarray) != (y.dtype, y.shape, y.ndarray):
+                add("type", p, f"{_text(x)} -> {_text(y)}")
             elif not _same_tensor(a, x, b, y):
-                add("values", p, f"{x.text()}: bytes differ")
-        elif isinstance(x, SparseParts) and isinstance(y, SparseParts):
+                add("values", p, f"{_text(x)}: bytes differ")
+        elif isinstance(x, SparseRef) and isinstance(y, SparseRef):
             head_x = (x.layout, x.size, x.coalesced, x.parts[-1].dtype)
             if head_x != (y.layout, y.size, y.coalesced, y.parts[-1].dtype):
                 add("type", p, f"{_leaf_text(x)} -> {_leaf_text(y)}")
@@ -225,8 +199,8 @@ def compare(path_a: str, path_b: str, *, verified: bool = True) -> list[dict[str
             ):
                 add("values", p, f"{_leaf_text(x)}: indices or values differ")
         elif (
-            isinstance(x, (_Tensor, SparseParts))
-            or isinstance(y, (_Tensor, SparseParts))
+            isinstance(x, (TensorRef, SparseRef))
+            or isinstance(y, (TensorRef, SparseRef))
             or type(x) is not type(y)
         ):
             add("type", p, f"{_leaf_text(x)} -> {_leaf_text(y)}")

@@ -12,19 +12,14 @@ import os
 import struct
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
 
-from .._match import _leaf_shape_dtype, _plan_reads, _select
-from .._open import _check_refs, open_manifest
-from .._read import DEFAULT_READ_THREADS, _bytes_of, _check_sizes, _empty, _read_chunks
-from .._tree import SparseParts, decode
-from ..errors import CheckpointExistsError, InvalidArgumentError
+from .. import Checkpoint, SparseRef, TensorRef
+from ..errors import CheckpointExistsError, InsufficientMemoryError, InvalidArgumentError
 from ..format.dtypes import TORCH_DTYPES
 from ..format.manifest import Manifest
-from ..storage import Storage
 from ._listing import require_single
 from ._output import ProgressBar, human_bytes
 from .inspect import per_rank_paths
@@ -53,23 +48,6 @@ _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 _DTYPE_ORDER = {dtype: i for i, dtype in enumerate(SAFETENSORS_DTYPES.values())}
 # Tensors in the read buffer start at multiples of this, so each can be viewed as its dtype.
 _ALIGN = 64
-
-
-@dataclass(frozen=True)
-class Stored:
-    """A tensor of the checkpoint, not read yet: its tree node and the shape and dtype it loads
-    as (a complex tensor is stored as its real view, the same bytes)."""
-
-    node: dict[str, Any]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -164,22 +142,18 @@ def resolve_key(tree: dict[str, Any], text: str, where: str) -> tuple[tuple[Any,
 
 def load_key(node: Any) -> Any:
     """The Python value of a dict key node (keys are plain values, never tensors)."""
-
-    def no_tensor(n: dict[str, Any], p: tuple[Any, ...]) -> Any:
-        raise InvalidArgumentError("a dict key in this checkpoint is a tensor")
-
-    return decode(node, no_tensor, "manifest")
+    return Checkpoint.decode_node(node)
 
 
 def collect(
     value: Any,
     prefix: tuple[str, ...],
-    out: dict[str, Stored],
+    out: dict[str, TensorRef],
     sparse: list[str] | None = None,
     leave_out: frozenset[tuple[str, ...]] = frozenset(),
     left_out: list[str] | None = None,
 ) -> int:
-    """Gather the tensors under ``value`` (a tree decoded with :class:`Stored` leaves) into
+    """Gather the tensors under ``value`` (a ``Checkpoint.tree()``: TensorRef leaves) into
     ``out`` by dotted path; return how many non-tensor values were skipped.
 
     Sparse tensors are left out too (a safetensors file holds dense tensors only); their
@@ -189,11 +163,11 @@ def collect(
         if left_out is not None:
             left_out.append(".".join(prefix) or "the whole state")
         return 0
-    if isinstance(value, SparseParts):
+    if isinstance(value, SparseRef):
         if sparse is not None:
             sparse.append(".".join(prefix) or "tensor")
         return 0
-    if isinstance(value, Stored):
+    if isinstance(value, TensorRef):
         name = ".".join(prefix) or "tensor"
         if name in out and out[name] is not value:
             raise InvalidArgumentError(
@@ -226,9 +200,10 @@ def run(args: argparse.Namespace) -> int:
     if args.no_prefix and len(keys) != 1:
         raise InvalidArgumentError("--no-prefix needs exactly one --keys KEY")
     require_single(args.ckpt)
-    storage, ckpt_name, m = open_manifest(args.ckpt)
+    ckpt = Checkpoint.open(args.ckpt)
+    m = ckpt.manifest
     manifest = m.raw
-    where = storage.url(ckpt_name)
+    where = ckpt.url
     if args.rank is not None and not 0 <= args.rank < m.world_size:
         raise InvalidArgumentError(
             f"--rank {args.rank}: {where} was saved by {m.world_size} rank(s); give a rank from "
@@ -241,20 +216,13 @@ def run(args: argparse.Namespace) -> int:
         if args.rank is not None or "per_rank" not in manifest
         else frozenset(per_rank_paths(m.tree).values())
     )
-    full = m.tree_for(rank, "error", where)
-    resolved = [resolve_key(full, k, where) for k in keys]
-    _check_refs(full, m, where)
-    if resolved and all(n > 0 for _, n in resolved):
-        # Select dict keys as load(keys=...) does; a path that goes on into a list takes the list.
-        full = _select(full, [p[:n] for p, n in resolved], where)
+    resolved = [resolve_key(m.tree_for(rank, "error", where), k, where) for k in keys]
+    # Select dict keys as load(keys=...) does; a path that goes on into a list takes the list.
+    select = [p[:n] for p, n in resolved] if resolved and all(n > 0 for _, n in resolved) else None
+    # The selected state with a TensorRef in place of each tensor: nothing is read yet.
+    tree = ckpt.tree(select, rank=rank, per_rank_fallback="error")
 
-    def stored(node: dict[str, Any], p: tuple[Any, ...]) -> Stored:
-        return Stored(node, *_leaf_shape_dtype(node, m.tensors[node["e"]]))
-
-    # The selected state with a Stored in place of each tensor: nothing is read yet.
-    tree = decode(full, stored, where)
-
-    tensors: dict[str, Stored] = {}
+    tensors: dict[str, TensorRef] = {}
     sparse: list[str] = []
     left_out: list[str] = []
     skipped = 0
@@ -288,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         metadata["tardigrade_step"] = str(manifest["step"])
     if args.rank is not None:
         metadata["tardigrade_rank"] = str(args.rank)
-    order = layout(tensors, where)
+    order = file_order(tensors, where)
     try:
         os.makedirs(out_dir, exist_ok=True)  # a new folder for the export is the common case
     except FileExistsError:
@@ -303,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with os.fdopen(fd, "wb") as f:
             write_header(f, order, tensors, metadata)
-            write_tensors(f, order, tensors, storage, ckpt_name, m, where, bar.update)
+            write_tensors(f, order, tensors, ckpt, bar.update)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp made it private; OUT is an ordinary file
@@ -342,19 +310,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def layout(tensors: dict[str, Stored], where: str) -> list[str]:
+def file_order(tensors: dict[str, TensorRef], where: str) -> list[str]:
     """The names in the order ``safetensors.torch.save_file`` would store them."""
     for name, t in tensors.items():
-        if t.dtype not in _DTYPE_NAMES:
+        if t.torch_dtype not in _DTYPE_NAMES:
             raise InvalidArgumentError(
-                f"{where}: tensor {name!r} is {t.dtype}, which a safetensors file cannot hold; "
-                "export the other tensors with --keys"
+                f"{where}: tensor {name!r} is {t.torch_dtype}, which a safetensors file cannot "
+                "hold; export the other tensors with --keys"
             )
-    return sorted(tensors, key=lambda name: (_DTYPE_ORDER[tensors[name].dtype], name))
+    return sorted(tensors, key=lambda name: (_DTYPE_ORDER[tensors[name].torch_dtype], name))
 
 
 def write_header(
-    f: BinaryIO, order: list[str], tensors: dict[str, Stored], metadata: dict[str, str]
+    f: BinaryIO, order: list[str], tensors: dict[str, TensorRef], metadata: dict[str, str]
 ) -> None:
     """The safetensors header: its length (8 bytes, little-endian), then JSON padded with
     spaces to a multiple of 8 bytes; tensors follow back to back in ``order``."""
@@ -363,7 +331,7 @@ def write_header(
     for name in order:
         t = tensors[name]
         doc[name] = {
-            "dtype": _DTYPE_NAMES[t.dtype],
+            "dtype": _DTYPE_NAMES[t.torch_dtype],
             "shape": list(t.shape),
             "data_offsets": [at, at + t.nbytes],
         }
@@ -374,13 +342,13 @@ def write_header(
     f.write(header)
 
 
-def batches(order: list[str], tensors: dict[str, Stored], m: Manifest) -> list[list[str]]:
+def batches(order: list[str], tensors: dict[str, TensorRef], m: Manifest) -> list[list[str]]:
     """``order`` cut into runs whose stored tensors (aligned) fit in ``BATCH_BYTES``; a tensor
     larger than that is a batch of its own."""
     out: list[list[str]] = []
     size = 0
     for name in order:
-        n = _aligned(m.tensors[tensors[name].node["e"]].nbytes)
+        n = _aligned(m.tensors[tensors[name].entry].nbytes)
         if not out or size + n > BATCH_BYTES:
             out.append([])
             size = 0
@@ -396,11 +364,8 @@ def _aligned(nbytes: int) -> int:
 def write_tensors(
     f: BinaryIO,
     order: list[str],
-    tensors: dict[str, Stored],
-    storage: Storage,
-    ckpt: str,
-    m: Manifest,
-    where: str,
+    tensors: dict[str, TensorRef],
+    ckpt: Checkpoint,
     progress: Callable[[int], object] | None = None,
 ) -> None:
     """Read (and verify) the tensors a batch at a time and write their bytes in ``order``.
@@ -410,14 +375,15 @@ def write_tensors(
     Every batch is read into one buffer allocated once, as large as the largest batch: memory
     stays bounded by it, whatever the allocator does with freed blocks.
     """
-    entry = {name: tensors[name].node["e"] for name in order}
-    _check_sizes(storage, ckpt, m, {c.file for e in entry.values() for c in m.tensors[e].chunks})
+    m = ckpt.manifest
+    entry = {name: tensors[name].entry for name in order}
+    ckpt.check_sizes(sorted(set(entry.values())))
     paths = {e: name for name, e in entry.items()}
     plan = batches(order, tensors, m)
     # What is read is the stored tensor, which may be larger than a view saved of it; a tensor
     # named twice (tied weights) is read once per batch.
     need = [sum(_aligned(m.tensors[e].nbytes) for e in {entry[n] for n in b}) for b in plan]
-    buf = _empty((max(need, default=0),), torch.uint8, f"{where}: export buffer")
+    buf = _buffer(max(need, default=0), f"{ckpt.url}: export buffer")
     written = 0
     for batch in plan:
         dest: dict[int, torch.Tensor] = {}
@@ -429,18 +395,31 @@ def write_tensors(
                 piece = buf[at : at + info.nbytes].view(TORCH_DTYPES[info.dtype])
                 dest[e] = piece.view(info.shape)
                 at += _aligned(info.nbytes)
-        tasks = _plan_reads(m, set(dest), dest, paths)
-        _read_chunks(storage, ckpt, m, tasks, True, DEFAULT_READ_THREADS)
+        ckpt.read_into(dest, names=paths)
         for name in batch:
             t = dest[entry[name]]
-            view = tensors[name].node.get("view")
+            view = tensors[name].view
             if view:
                 # as_strided counts its offset from the start of the buffer, not of the tensor.
-                at = t.storage_offset() + view["offset"]
-                t = t.as_strided(view["shape"], view["stride"], at)
+                at = t.storage_offset() + view.offset
+                t = t.as_strided(view.shape, view.stride, at)
             if t.numel():
                 # A complex tensor is written as the bytes of its stored real view: the same.
-                f.write(_bytes_of(t.contiguous()))
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
         written += len(batch)
         if progress is not None:
             progress(written)
+
+
+def _buffer(nbytes: int, what: str) -> torch.Tensor:
+    """A byte buffer, with running out of memory as a TardigradeError (torch raises
+    RuntimeError)."""
+    try:
+        return torch.empty((nbytes,), dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as e:
+        if isinstance(e, RuntimeError) and "can't allocate memory" not in str(e):
+            raise
+        raise InsufficientMemoryError(
+            f"{what}: cannot allocate {nbytes} bytes. Free memory, or export fewer keys at once "
+            "(--keys)."
+        ) from None

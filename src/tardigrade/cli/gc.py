@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .._catalog import Catalog
+from .. import Catalog
 from ..errors import CheckpointNotFoundError
 from ._output import human_bytes
 

@@ -13,12 +13,10 @@ import math
 import re
 from typing import Any
 
-from .._open import open_manifest
-from .._tree import decode, flatten
+from .. import Checkpoint
 from ..errors import CorruptCheckpointError, InvalidArgumentError, TardigradeError
 from ..format.dtypes import COMPLEX_DTYPES, ITEMSIZE
 from ..format.manifest import MANIFEST
-from ..storage import storage_for
 from ._listing import location_text, require_single
 from ._output import human_bytes, table
 
@@ -72,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.depth is not None and args.depth < 1:
         raise InvalidArgumentError(f"--depth {args.depth}: must be at least 1")
     require_single(args.ckpt)
-    manifest = open_manifest(args.ckpt)[2]
+    ckpt = Checkpoint.open(args.ckpt)
+    manifest = ckpt.manifest
     m = manifest.raw
     ranks = _shown_ranks(m, args.rank, args.ckpt)
     if args.json:
@@ -81,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     where = location_text(args.ckpt)
     # The manifest's tree is untrusted input: validate it whole before walking it. Each
     # tg.PerRank part is checked in rank 0's view of the tree and then on its own.
-    decode(manifest.tree_for(0, "rank0", where), lambda node, path: None, where)
+    Checkpoint.decode_node(manifest.tree_for(0, "rank0", where), where)
     for r, parts in enumerate(m.get("per_rank") or []):
         if len(parts) != len(m["per_rank"][0]):
             raise CorruptCheckpointError(
@@ -90,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
                 "Tardigrade"
             )
         for part in parts:
-            decode(part, lambda node, path: None, where)
+            Checkpoint.decode_node(part, where)
     try:
-        head = summary(args.ckpt, m)
+        head = summary(args.ckpt, m, ckpt.manifest_nbytes())
         tree = render_tree(m, depth=args.depth)
         per_rank = render_per_rank(m, ranks, depth=args.depth)
     except (KeyError, TypeError, ValueError, RecursionError) as e:
@@ -128,16 +127,10 @@ def tensor_nbytes(info: dict[str, Any]) -> int:
     return math.prod(info["shape"]) * ITEMSIZE[info["dtype"]]
 
 
-def summary(path: str, m: dict[str, Any]) -> list[str]:
+def summary(path: str, m: dict[str, Any], manifest_bytes: int) -> list[str]:
     versions = m.get("versions") or {}
     files = m.get("files") or []
     tensors = m.get("tensors") or []
-    try:
-        storage, name = storage_for(path)
-        st = storage.stat(f"{name}/{MANIFEST}")
-        manifest_bytes = st.size if st is not None else 0
-    except (OSError, TardigradeError):
-        manifest_bytes = 0
     file_bytes = sum(f["size"] for f in files)
     lines = [
         f"{location_text(path)}",
@@ -216,7 +209,7 @@ def scalar_text(node: dict[str, Any], short: bool = False) -> str:
                 f"torch.Generator({kind})" if isinstance(kind, str) else "<malformed 'generator'>"
             )
         if t in ("complex", "npscalar", "size", "device"):
-            return _clip(repr(decode(node, lambda n, p: None, "manifest")))
+            return _clip(repr(Checkpoint.decode_node(node)))
     except (TypeError, ValueError, TardigradeError):
         pass
     return f"<malformed {t!r} value>"
@@ -319,11 +312,11 @@ def _plain_list_text(tag: str, items: list[dict[str, Any]]) -> str:
 def _packed_text(node: dict[str, Any]) -> str:
     """A packed list or tuple (format 6), shown as the same list stored item by item is."""
     try:
-        items = decode(node, lambda n, p: None, "manifest")
+        items = Checkpoint.decode_node(node)
     except TardigradeError:
         return "<malformed 'packed' value>"
     shown = [*items[:3], items[-1]] if len(items) > INLINE_ITEMS else list(items)
-    nodes = [flatten(x).tree for x in shown]
+    nodes = [Checkpoint.encode_value(x) for x in shown]
     if len(items) > INLINE_ITEMS:
         # Only the count, the kind and the ends are shown; every item has the first's kind.
         nodes[3:3] = [nodes[0]] * (len(items) - 4)

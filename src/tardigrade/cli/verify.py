@@ -9,9 +9,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from .. import VerifyReport, verify
-from .._open import open_manifest
-from .._units import gbps
+from .. import Checkpoint, VerifyReport, verify
 from ..errors import TardigradeError
 from ..format.manifest import MANIFEST
 from ._listing import (
@@ -53,7 +51,7 @@ def _ok_line(name: str, r: VerifyReport) -> str:
 
 def _data_bytes(path: str) -> int:
     try:
-        return sum(open_manifest(path)[2].files.values())
+        return Checkpoint.open(path).nbytes
     except TardigradeError:
         return 0  # verify() says what is wrong
 
@@ -95,8 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     failed: list[str] = []
     results: list[dict[str, Any]] = []
-    nbytes = 0
-    seconds = 0.0
+    passed: list[VerifyReport] = []
     checked = 0
     say = (lambda line: None) if args.json else print
     for c in candidates:
@@ -118,11 +115,11 @@ def run(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"tardigrade: error: {e}", file=sys.stderr)
             continue
-        nbytes += report.nbytes
-        seconds += report.seconds
+        passed.append(report)
         results.append(_report_json(c.name, report))
         say(_ok_line(c.name, report))
-    rate = gbps(nbytes, seconds)
+    total = VerifyReport.total(path, passed)
+    nbytes, rate = total.nbytes, total.throughput_gbps
     if args.json:
         summary = {"checked": checked, "failed": failed, "nbytes": nbytes, "gbps": round(rate, 3)}
         print(json.dumps({"checkpoints": results, **summary}, indent=2))

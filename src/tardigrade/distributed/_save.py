@@ -29,9 +29,8 @@ from typing import Any
 import torch
 
 from .._async import stage_entries
-from .._job import SaveJob, SaveResult, check_target, make_header
+from .._job import SaveJob, SaveOptions, SaveResult, check_target, make_header
 from .._plan import (
-    DEFAULT_MAX_FILES,
     GlobalPlan,
     LocalPlan,
     SavePlan,
@@ -44,11 +43,11 @@ from .._tree import Flat, flatten, path_str
 from .._write import (
     WrittenFile,
     abort_staging,
-    as_save_error,
     commit_staging,
     committed_here,
     manifest_doc,
     per_rank_trees,
+    raise_save_error,
     save_result,
     seal_checked,
     stream_borrowed,
@@ -169,11 +168,11 @@ def _check_same_target(targets: list[dict[str, Any]]) -> None:
 class _Save:
     """One collective save, as seen by one rank."""
 
-    def __init__(self, ranks: Ranks, path: Any, state: Any, kw: dict[str, Any]) -> None:
+    def __init__(self, ranks: Ranks, path: Any, state: Any, options: SaveOptions) -> None:
         self.ranks = ranks
         self.path = path
         self.state = state
-        self.kw = kw
+        self.options = options
         self.started = time.perf_counter()
         self.storage: Storage | None = None
         self.name = ""
@@ -193,14 +192,11 @@ class _Save:
     # -- phase 1 -----------------------------------------------------------------------------
 
     def describe(self) -> bytes:
-        kw = self.kw
-        if not isinstance(kw["overwrite"], bool):
-            raise InvalidArgumentError(f"overwrite must be a bool, got {kw['overwrite']!r}")
+        overwrite = self.options.overwrite
+        if not isinstance(overwrite, bool):
+            raise InvalidArgumentError(f"overwrite must be a bool, got {overwrite!r}")
         self.storage, self.name = storage_for(self.path)
-        self.header = make_header(
-            step=kw["step"], epoch=kw["epoch"], metrics=kw["metrics"], metadata=kw["metadata"],
-            world_size=self.ranks.size,
-        )  # fmt: skip
+        self.header = make_header(self.options, world_size=self.ranks.size)
         self.flat = flatten(self.state)
         self.lp = local_plan(self.flat)
         sig = self.lp.signature()
@@ -227,7 +223,7 @@ class _Save:
         assert self.storage is not None
         return {
             "path": self.storage.url(self.name),
-            "overwrite": self.kw["overwrite"],
+            "overwrite": self.options.overwrite,
             "step": self.header["step"],
             "epoch": self.header["epoch"],
             # A digest: metadata may be large, and only its equality matters here.
@@ -255,7 +251,7 @@ class _Save:
         if any(d["tree"] != docs[0]["tree"] for d in docs):
             return _json({"diverged": True})
         assert self.storage is not None
-        check_target(self.storage, self.name, self.kw["overwrite"])
+        check_target(self.storage, self.name, self.options.overwrite)
         c = self.cached
         if c is not None and c.gplan is not None and all(d["plan"] == c.plan_id for d in docs):
             return _json({"plan_id": c.plan_id, **self._begin()})
@@ -279,7 +275,7 @@ class _Save:
 
     def plan(self, payloads: list[bytes]) -> bytes:
         """Coordinator: the global plan, cached, and every rank's own part of it."""
-        gplan = global_plan_from_wire(payloads, max_files=self.kw["max_files"])
+        gplan = global_plan_from_wire(payloads, max_files=self.options.max_files)
         plan_id = uuid.uuid4().hex
         assert self.lp is not None
         _cache[_cache_key(self.ranks)] = _Cached(
@@ -318,7 +314,7 @@ class _Save:
         c = _cache[_cache_key(ranks)]
         self.header["save_id"] = verdict["save_id"]
         job = SaveJob(
-            self.storage, self.name, self.flat, c.plan, self.header, self.kw["overwrite"],
+            self.storage, self.name, self.flat, c.plan, self.header, self.options.overwrite,
             self.started, c.gplan,
         )  # fmt: skip
         staging = verdict["staging"]
@@ -327,10 +323,7 @@ class _Save:
             try:
                 written = write_files(job, staging, self.make_streams(job))
             except Exception as e:  # reaches every rank as the SaveError a save raises
-                err = as_save_error(job, e)
-                if err is e:
-                    raise
-                raise err from e
+                raise_save_error(job, e)
             return _json(
                 {
                     "files": {
@@ -375,31 +368,13 @@ class _Save:
             committed = _outcome(job, ranks, e)
             if ranks.coordinator and committed is False:
                 abort_staging(job, staging)
-            err = as_save_error(job, e, committed)
-            if err is e:
-                raise
-            raise err from e
+            raise_save_error(job, e, committed)
         return save_result(job, done["nbytes"], done["files"])
 
 
-def save_collective(
-    ranks: Ranks,
-    path: Any,
-    state: Any,
-    *,
-    overwrite: bool = False,
-    metadata: Any = None,
-    step: int | None = None,
-    epoch: int | None = None,
-    metrics: Any = None,
-    max_files: int = DEFAULT_MAX_FILES,
-) -> SaveResult:
+def save_collective(ranks: Ranks, path: Any, state: Any, options: SaveOptions) -> SaveResult:
     """Save ``state`` collectively: every rank of ``ranks`` calls this with its own state."""
-    kw = dict(
-        overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics,
-        max_files=max_files,
-    )  # fmt: skip
-    return _Save(ranks, path, state, kw).run()
+    return _Save(ranks, path, state, options).run()
 
 
 def stage_collective(
@@ -408,12 +383,8 @@ def stage_collective(
     *,
     path: Any,
     state: Any,
-    overwrite: bool = False,
-    metadata: Any = None,
-    step: int | None = None,
-    epoch: int | None = None,
-    metrics: Any = None,
-    max_files: int = DEFAULT_MAX_FILES,
+    options: SaveOptions | None = None,
+    **knobs: Any,
 ) -> Callable[[], SaveResult]:
     """The caller's half of an async collective save; returns the half to run in the background.
 
@@ -423,12 +394,15 @@ def stage_collective(
     meets the training's collectives) from the staged copy, and gives the slabs back. A
     failure here is not raised here: it is raised at "begin" on every rank alike, as the
     synchronous save raises it, so no rank is left waiting for a peer that gave up.
+
+    ``options`` are the save's knobs (``tg.save``); the manager passes them as keywords
+    (``overwrite=...``, ``step=...``: the fields of ``SaveOptions``) instead.
     """
-    kw = dict(
-        overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics,
-        max_files=max_files,
-    )  # fmt: skip
-    save = _Save(ranks, path, state, kw)
+    if options is None:  # the manager passes the knobs themselves (overwrite=..., step=...)
+        options = SaveOptions(**knobs)
+    elif knobs:
+        raise TypeError(f"stage_collective: pass options or {sorted(knobs)}, not both")
+    save = _Save(ranks, path, state, options)
     staged = None
     try:
         payload = save.describe()

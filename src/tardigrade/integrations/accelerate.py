@@ -103,14 +103,12 @@ def _checkpoints_dir(accelerator: Accelerator) -> str:
 
 def _complete(directory: str) -> list[tuple[int, str]]:
     """(iteration, path) of each committed ``checkpoint_N`` in ``directory``, oldest first."""
-    if not os.path.isdir(directory):
-        return []
+    catalog = Catalog(directory)
     found = []
-    for name in os.listdir(directory):
+    for name in catalog.names():  # none when the directory does not exist yet
         m = _NAME.match(name)
-        path = os.path.join(directory, name)
-        if m and os.path.isfile(os.path.join(path, MANIFEST)):
-            found.append((int(m.group(1)), path))
+        if m and catalog.committed(name):
+            found.append((int(m.group(1)), os.path.join(directory, name)))
     return sorted(found)
 
 
@@ -172,7 +170,7 @@ def load_state(accelerator: Accelerator, input_dir: str | None = None) -> str | 
             return None
         input_dir = complete[-1][1]
     input_dir = os.fspath(input_dir)
-    if not os.path.isfile(os.path.join(input_dir, MANIFEST)):
+    if not Catalog.is_checkpoint(input_dir):
         raise CheckpointNotFoundError(
             f"{input_dir}: no Tardigrade checkpoint here (no {MANIFEST}); pass a directory "
             "written by save_state(), or input_dir=None to take the newest complete one"

@@ -35,7 +35,6 @@ from __future__ import annotations
 import os
 import random
 import warnings
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -49,7 +48,6 @@ from .._catalog import Catalog
 from .._rng import RNGState
 from ..data import ResumableSampler, _BatchCount
 from ..errors import InvalidArgumentError
-from ..format.manifest import MANIFEST
 from ._plain import check_unknown, storable
 
 __all__ = ["TardigradeCallback", "TardigradeCheckpointIO", "is_tardigrade_checkpoint"]
@@ -60,9 +58,7 @@ _HPARAMS_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
 
 def is_tardigrade_checkpoint(path: Any) -> bool:
     """Whether ``path`` is a local Tardigrade checkpoint directory (it holds a manifest)."""
-    return isinstance(path, (str, os.PathLike)) and os.path.isfile(
-        os.path.join(os.fspath(path), MANIFEST)
-    )
+    return isinstance(path, (str, os.PathLike)) and Catalog.is_checkpoint(path)
 
 
 def _distributed() -> bool:
@@ -182,12 +178,12 @@ class TardigradeCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint ``ModelCheckpoint`` no longer keeps, as retention does: renamed
         out of view first, so a crash never leaves a half-deleted checkpoint looking whole."""
-        path = os.fspath(path)
-        if os.path.isdir(path) and not os.path.islink(path):
-            parent, name = os.path.split(os.path.abspath(path))
-            Catalog(parent).retire(name)
-        elif os.path.lexists(path):
-            os.unlink(path)
+        parent, name = os.path.split(os.path.abspath(os.fspath(path)))
+        catalog = Catalog(parent)
+        if catalog.storage.is_dir(name):
+            catalog.retire(name)
+        else:  # a file (or link) some other CheckpointIO wrote
+            catalog.storage.delete(name)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
@@ -347,7 +343,7 @@ _lightning_load = saving.pl_load
 
 
 def _load_checkpoint(path_or_url: Any, map_location: Any = None, weights_only: Any = None) -> Any:
-    if isinstance(path_or_url, (str, Path)) and is_tardigrade_checkpoint(path_or_url):
+    if isinstance(path_or_url, (str, os.PathLike)) and is_tardigrade_checkpoint(path_or_url):
         return TardigradeCheckpointIO().load_checkpoint(path_or_url)
     return _lightning_load(path_or_url, map_location=map_location, weights_only=weights_only)
 

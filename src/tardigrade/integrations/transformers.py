@@ -34,11 +34,12 @@ from typing import Any
 from transformers import Trainer
 
 from .. import _load, _save
+from .._catalog import Catalog
 from .._rng import RNGState
 from .._sharding import PerRank
 from ..data import ResumableSampler
 from ..errors import CheckpointNotFoundError
-from ..format.manifest import MANIFEST
+from ..storage import open_root
 
 __all__ = ["TardigradeTrainer", "TardigradeTrainerMixin", "last_complete_checkpoint"]
 
@@ -50,12 +51,11 @@ _PICKLED_ARGS = "training_args.bin"
 
 def last_complete_checkpoint(output_dir: str) -> str | None:
     """The newest ``checkpoint-N`` in ``output_dir`` whose Tardigrade checkpoint committed."""
-    if not os.path.isdir(output_dir):
-        return None
+    catalog = Catalog(output_dir)
     found = []
-    for name in os.listdir(output_dir):
+    for name in catalog.names():  # none when the directory does not exist
         m = _CHECKPOINT.match(name)
-        if m and os.path.isfile(os.path.join(output_dir, name, TARDIGRADE_DIR, MANIFEST)):
+        if m and catalog.committed(f"{name}/{TARDIGRADE_DIR}"):
             found.append((int(m.group(1)), name))
     return os.path.join(output_dir, max(found)[1]) if found else None
 
@@ -142,10 +142,7 @@ class TardigradeTrainerMixin:
             step=step,
         )
         if self.args.should_save:  # type: ignore[attr-defined]
-            try:
-                os.remove(os.path.join(folder, _PICKLED_ARGS))
-            except FileNotFoundError:
-                pass
+            open_root(folder).delete(_PICKLED_ARGS)  # gone already: nothing to do
 
     # -- resuming --------------------------------------------------------------------------
 
@@ -165,7 +162,7 @@ class TardigradeTrainerMixin:
         if checkpoint is None:
             return None
         path = os.path.join(checkpoint, TARDIGRADE_DIR)
-        return path if os.path.isdir(path) else None
+        return path if open_root(checkpoint).is_dir(TARDIGRADE_DIR) else None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         path = self._tardigrade_checkpoint(resume_from_checkpoint)

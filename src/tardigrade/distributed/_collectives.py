@@ -284,6 +284,16 @@ def _carries_cpu_over_gloo(group: Any) -> bool:
 # holds a Ranks cannot keep the group's threads running past destroy_process_group()), and the
 # groups it creates itself are freed with their owner or, at the latest, at exit.
 
+# A program's own objects may hold its group past destroy_process_group() (a DDP module does),
+# so its threads can outlive the interpreter whatever Tardigrade holds. What must not happen is
+# a gloo thread dropping the last reference to one of our finished operation's tensors during
+# teardown: when wait() returns, the worker may still hold the operation a moment, and our
+# references would go first. So the last operation's tensors stay referenced from here (not the
+# operation itself: it holds its group) until the next one replaces them or the main thread
+# clears the module at exit. (With a DDP module held past destroy and a load as the last
+# collective, 2 runs of 10 aborted before; 1 of 50 since, cause unknown.)
+_LAST_TENSORS: list[Any] = [None]
+
 # A gloo group beside each non-gloo (NCCL) group, created on its first collective and kept
 # while that group exists: creating one is itself a collective, so it must happen once.
 _GLOO_SIBLINGS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -458,6 +468,8 @@ class Ranks:
                 what,
                 "gathering payloads on the coordinator",
                 lambda group: dist.gather(sent, received, self._root, group, async_op=True),
+                sent,
+                received,
             )
             if received is not None:
                 payloads = [_to_bytes(t, n) for t, n in zip(received, lengths, strict=True)]
@@ -473,6 +485,7 @@ class Ranks:
             what,
             "receiving the combined result",
             lambda group: dist.broadcast(header, src=self._root, group=group, async_op=True),
+            header,
         )
         status, nbytes = (int(x) for x in header.tolist())
         data = self._broadcast_bytes(what, "receiving the combined result", body, nbytes)
@@ -508,6 +521,7 @@ class Ranks:
             what,
             "agreeing on the largest value",
             lambda group: dist.all_reduce(tensor, dist.ReduceOp.MAX, group, async_op=True),
+            tensor,
         )
         return int(tensor.item())
 
@@ -561,6 +575,8 @@ class Ranks:
             what,
             "exchanging headers",
             lambda group: dist.all_gather(received, sent, group=group, async_op=True),
+            received,
+            sent,
         )
         headers = [(int(s), int(n), int(t)) for s, n, t in (h.tolist() for h in received)]
         others = [r for r, h in enumerate(headers) if h[2] != tag]
@@ -597,7 +613,11 @@ class Ranks:
         sent = _to_tensor(data, longest)
         received = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
         self._issue(
-            what, step, lambda group: dist.all_gather(received, sent, group=group, async_op=True)
+            what,
+            step,
+            lambda group: dist.all_gather(received, sent, group=group, async_op=True),
+            received,
+            sent,
         )
         return [_to_bytes(t, n) for t, n in zip(received, lengths, strict=True)]
 
@@ -611,6 +631,7 @@ class Ranks:
             what,
             step,
             lambda group: dist.broadcast(tensor, src=self._root, group=group, async_op=True),
+            tensor,
         )
         return data if self.coordinator else _to_bytes(tensor, nbytes)
 
@@ -633,12 +654,14 @@ class Ranks:
             self._root = dist.get_global_rank(transport, 0)
         return transport
 
-    def _issue(self, what: str, step: str, op: Callable[[Any], Any]) -> None:
-        """Run ``op(group)``, one async collective op, and wait for it, at most ``timeout`` s.
+    def _issue(self, what: str, step: str, op: Callable[[Any], Any], *tensors: Any) -> None:
+        """Run ``op(group)``, one async collective op on ``tensors``, and wait for it, at most
+        ``timeout`` s.
 
         The group is passed in rather than held in callers' locals: the frames a traceback
         keeps must not keep the group alive (see the note on process groups at exit).
         """
+        _LAST_TENSORS[0] = tensors  # dropped by the next operation, never by a gloo thread
         start = time.monotonic()
         try:
             work = op(self._transport_group(what))

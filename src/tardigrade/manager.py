@@ -24,7 +24,7 @@ from typing import Any
 
 from ._async import AsyncCheckpointer, SaveFuture
 from ._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_name
-from ._job import SaveResult
+from ._job import SaveOptions, SaveResult
 from ._load import load
 from ._match import Key
 from ._open import open_manifest
@@ -917,13 +917,13 @@ class CheckpointManager:
             )
         try:
             self._prepare(step, replace)
-            kw = dict(overwrite=replace, step=step, epoch=epoch, metrics=metrics)
+            options = SaveOptions(overwrite=replace, step=step, epoch=epoch, metrics=metrics)
             if self._async is not None and not sync:
                 if self._ranks is None:
-                    fut = self._async.save(self.path(step), self.state, **kw)  # type: ignore[arg-type]
+                    fut = self._async.submit(self.path(step), self.state, options)
                 else:
                     stage = functools.partial(
-                        stage_collective, path=self.path(step), state=self.state, **kw
+                        stage_collective, path=self.path(step), state=self.state, options=options
                     )
                     fut = self._async.save_collective(self._ranks, self.path(step), stage)
                 assert fut is not None
@@ -934,8 +934,15 @@ class CheckpointManager:
             else:
                 if self._async is not None:
                     self._drain(wait=True)
-                kw.update(self._collective)
-                res = save(self.path(step), self.state, **kw)  # type: ignore[arg-type]
+                res = save(
+                    self.path(step),
+                    self.state,
+                    overwrite=replace,
+                    step=step,
+                    epoch=epoch,
+                    metrics=metrics,
+                    **self._collective,
+                )
                 self._record_ok(step, res)
         except (InvalidArgumentError, UnsupportedTypeError):
             raise  # a programming error, not a storage failure: never swallowed

@@ -46,7 +46,7 @@ from ._harness import LOOPBACK, run_ranks_and_exits
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
 SRC = str(Path(tg.__file__).resolve().parents[1])
-KINDS = ("tensors", "optimizer", "ddp", "ddp")  # ddp aborted 1 run in 5 before
+KINDS = ("tensors", "optimizer", "ddp")  # ddp aborted 1 run in 5 before
 RUNS = 2 * len(KINDS)
 
 

@@ -124,13 +124,13 @@ def coordinator_loses_ranks_rank(rank: int, world: int, root: str) -> Any:
     if rank == 0:
         real = _collectives.Ranks._issue
 
-        def issue(self: Any, what: str, step: str, op: Any) -> None:
+        def issue(self: Any, what: str, step: str, op: Any, *tensors: Any) -> None:
             if what == "tg.save (write and commit)" and step == "receiving the combined result":
                 # What gloo raises when the peer's connection is gone.
                 raise self._transport_error(
                     what, step, RuntimeError("Connection closed by peer [127.0.0.1]:1234"), 0.0
                 )
-            real(self, what, step, op)
+            real(self, what, step, op, *tensors)
 
         _collectives.Ranks._issue = issue  # type: ignore[method-assign]
     return outcome(
@@ -226,16 +226,16 @@ def late_commit_rank(rank: int, world: int, root: str) -> Any:
         state["step"] = 2
         real_issue = _collectives.Ranks._issue
 
-        def issue(self: Any, what: str, step: str, op: Any) -> None:
+        def issue(self: Any, what: str, step: str, op: Any, *tensors: Any) -> None:
             # Rank 1 gives up on rank 0's result soon; so does rank 0 on sending it (rank 1
             # no longer waits for it), and every other wait keeps the generous timeout.
             if what == "tg.save (write and commit)" and step.startswith("receiving"):
                 self._wait, wait = GIVE_UP, self._wait
                 try:
-                    return real_issue(self, what, step, op)
+                    return real_issue(self, what, step, op, *tensors)
                 finally:
                     self._wait = wait
-            return real_issue(self, what, step, op)
+            return real_issue(self, what, step, op, *tensors)
 
         _collectives.Ranks._issue = issue  # type: ignore[method-assign]
         if rank == 1:
@@ -296,8 +296,8 @@ def rank_dies_during_commit_rank(rank: int, world: int, root: str) -> Any:
     if rank == 1:
         real = _collectives.Ranks._issue
 
-        def issue(self: Any, what: str, step: str, op: Any) -> None:
-            real(self, what, step, op)
+        def issue(self: Any, what: str, step: str, op: Any, *tensors: Any) -> None:
+            real(self, what, step, op, *tensors)
             if what == "tg.save (write and commit)" and step.startswith("gathering payloads"):
                 die()  # rank 0 has this rank's files and report: it will commit
 

@@ -383,8 +383,7 @@ def stage_collective(
     *,
     path: Any,
     state: Any,
-    options: SaveOptions | None = None,
-    **knobs: Any,
+    options: SaveOptions,
 ) -> Callable[[], SaveResult]:
     """The caller's half of an async collective save; returns the half to run in the background.
 
@@ -394,14 +393,8 @@ def stage_collective(
     meets the training's collectives) from the staged copy, and gives the slabs back. A
     failure here is not raised here: it is raised at "begin" on every rank alike, as the
     synchronous save raises it, so no rank is left waiting for a peer that gave up.
-
-    ``options`` are the save's knobs (``tg.save``); the manager passes them as keywords
-    (``overwrite=...``, ``step=...``: the fields of ``SaveOptions``) instead.
+    ``options`` are the save's knobs (``tg.save``'s).
     """
-    if options is None:  # the manager passes the knobs themselves (overwrite=..., step=...)
-        options = SaveOptions(**knobs)
-    elif knobs:
-        raise TypeError(f"stage_collective: pass options or {sorted(knobs)}, not both")
     save = _Save(ranks, path, state, options)
     staged = None
     try:

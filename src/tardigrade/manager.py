@@ -585,6 +585,11 @@ class CheckpointManager:
         except CheckpointLockedError as e:
             log.error("tardigrade: not %s in %s: %s", what, self.directory, e)
             return False
+        except OSError as e:
+            # The lease record cannot be read now: ownership is not proved, so nothing is
+            # deleted this time; the next check may succeed.
+            log.warning("tardigrade: not %s in %s now: %s", what, self.directory, e)
+            return False
         return True
 
     def _remove_leftovers(self) -> None:
@@ -1056,7 +1061,14 @@ class CheckpointManager:
         """Delete the abandoned checkpoints this run has now saved past (``step`` committed)."""
         try:
             names = self._catalog.names()
-        except OSError:
+        except OSError as e:
+            log.warning(
+                "tardigrade: could not list %s to remove the abandoned checkpoints that step %d "
+                "replaced (tried again after the next save): %s",
+                self.directory,
+                step,
+                e,
+            )
             return
         for n in names:
             m = ABANDONED_NAME.match(n)

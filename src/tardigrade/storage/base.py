@@ -295,6 +295,28 @@ class ManifestLastCommit(Storage):
         mine = self.data_name("", save_id)
         self.delete_many([f"{name}/{n}" for n in self.list(name) if n.startswith(mine)])
 
+    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+        """Delete the data objects of saves that never committed: those under a name that
+        has no manifest (a save that died, or whose abort failed). Only objects named as a
+        save's data are touched, never a manifest or anything else.
+
+        A store cannot tell a dead save from a live one (no flock), so this is for the holder
+        of the root's lease (a manager, `tardigrade gc`) with none of its own saves in flight:
+        under the one-writer rule nobody else saves into the root meanwhile.
+        """
+        done = []
+        for name in self.list():
+            if name.startswith(".") or self.exists(f"{name}/{MANIFEST}"):
+                continue
+            dead = [n for n in self.list(name) if _SAVE_DATA.match(n)]
+            if not dead:
+                continue
+            nbytes = sum(st.size for n in dead if (st := self.stat(f"{name}/{n}")) is not None)
+            if not dry_run:
+                self.delete_many([f"{name}/{n}" for n in dead])
+            done.append(Tidied(name, "removed", nbytes))
+        return done
+
     def describe(self, name: str) -> str | None:
         """As :meth:`Storage.describe`; data a save left without committing is nothing."""
         kind = super().describe(name)

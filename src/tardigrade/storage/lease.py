@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointLockedError, StorageError
+from ..errors import CheckpointLockedError, CorruptCheckpointError, StorageError
 from .base import PreconditionFailed
 
 if TYPE_CHECKING:
@@ -35,6 +35,8 @@ log = logging.getLogger("tardigrade")
 
 LOCK = ".lock"
 _MAX_RECORD = 64 * 1024
+# Puts a release tries before leaving the record to expire.
+_RELEASE_TRIES = 3
 
 
 class Lease(abc.ABC):
@@ -92,14 +94,20 @@ class ObjectLease(Lease):
         ).encode()
 
     def _read(self) -> tuple[dict[str, Any] | None, str | None]:
-        """(record, version): (None, None) when there is none, ({}, version) when unreadable."""
+        """(record, version): (None, None) when there is none, ({}, version) when its bytes
+        are not a record. A failure to read it raises StorageError: a record that could not be
+        read says nothing about its holder, who may be alive (taking the lease over on a
+        transient read error would make two writers)."""
         st = self.storage.stat(LOCK)
         if st is None:
             return None, None
         try:
             raw = self.storage.read_bytes(LOCK, _MAX_RECORD)
+        except CorruptCheckpointError:
+            return {}, st.version  # larger than any record, or gone since the stat
+        try:
             rec = json.loads(raw)
-        except (ValueError, StorageError):
+        except ValueError:
             return {}, st.version
         if not isinstance(rec, dict):
             return {}, st.version
@@ -177,6 +185,8 @@ class ObjectLease(Lease):
         )
 
     def check(self) -> None:
+        """Raise CheckpointLockedError unless this holder still has the lease; StorageError
+        when the record cannot be read now (the lease is not proved, nor given up)."""
         with self._mutex:
             if self.held and self._ours():
                 return
@@ -214,10 +224,25 @@ class ObjectLease(Lease):
                 return
             self.held = False
             try:
-                self.storage.put(
-                    LOCK, self._record(released=True), mode="if_match", expect=self._version
-                )
-            except (PreconditionFailed, StorageError) as e:
-                log.warning("tardigrade: releasing the lease of %s: %s", self.url, e)
+                # A store's request fails now and then: the next one usually works, and a
+                # record left unreleased blocks the next job for the whole lease.
+                for attempt in range(1, _RELEASE_TRIES + 1):
+                    try:
+                        self.storage.put(
+                            LOCK, self._record(released=True), mode="if_match", expect=self._version
+                        )
+                        return
+                    except PreconditionFailed as e:
+                        log.warning("tardigrade: releasing the lease of %s: %s", self.url, e)
+                        return
+                    except StorageError as e:
+                        left = (
+                            "trying again"
+                            if attempt < _RELEASE_TRIES
+                            else f"it expires {self.lease:.0f} s after its last heartbeat"
+                        )
+                        log.warning(
+                            "tardigrade: releasing the lease of %s: %s (%s)", self.url, e, left
+                        )
             finally:
                 self.generation = None

@@ -33,7 +33,8 @@ from typing import Any
 from ..errors import InvalidArgumentError, StorageError
 from ..format.checksum import Hasher
 from ..storage import Reader, Stat, Storage, Writer, open_root, register_scheme
-from ..storage.base import PutMode
+from ..storage.base import ManifestLastCommit, PutMode, Tidied
+from ..storage.lease import ObjectLease
 from ._kill import KillResult, kill_during
 from ._resume import ResumeReport, assert_resumes_exactly, checkpoint_dir, log_loss, save_final
 
@@ -83,6 +84,13 @@ class FaultyStorage(Storage):
     ``fail(op, nth=..., error=..., times=...)`` arms a fault; ``ops`` lists every operation
     performed, in order; ``count`` counts them by kind; ``injected`` lists the faults that
     fired. Thread-safe: saves write files in parallel.
+
+    Around an object store (a backend that commits manifest-last), the commit strategy and
+    the lease run over this wrapper's own primitives, as they do over a store's requests: a
+    commit is a ``commit`` operation, then the ``stat``, ``put``, ``list`` and ``delete`` it
+    is made of, each of which can fail on its own (a store's requests fail one by one). Around
+    a POSIX directory the rename strategy and the ``flock`` lease are the backend's own
+    system calls, one ``begin``/``commit``/``abort`` operation each.
     """
 
     def __init__(self, inner: Storage | str) -> None:
@@ -164,6 +172,11 @@ class FaultyStorage(Storage):
         self._op("delete", self.url(name))
         self.inner.delete(name)
 
+    @property
+    def _store(self) -> bool:
+        """Whether the inner backend commits manifest-last (an object store)."""
+        return isinstance(self.inner, ManifestLastCommit)
+
     def begin(self, name: str, save_id: str) -> str:
         self._op("begin", self.url(name))
         return self.inner.begin(name, save_id)
@@ -175,17 +188,29 @@ class FaultyStorage(Storage):
         self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
     ) -> None:
         self._op("commit", self.url(name))
-        self.inner.commit(staging, name, manifest, save_id=save_id, replace=replace)
+        if self._store:
+            ManifestLastCommit.commit(  # type: ignore[arg-type]
+                self, staging, name, manifest, save_id=save_id, replace=replace
+            )
+        else:
+            self.inner.commit(staging, name, manifest, save_id=save_id, replace=replace)
 
     def abort(self, staging: str, name: str, save_id: str) -> None:
         self._op("abort", self.url(name))
-        self.inner.abort(staging, name, save_id)
+        if self._store:
+            ManifestLastCommit.abort(self, staging, name, save_id)  # type: ignore[arg-type]
+        else:
+            self.inner.abort(staging, name, save_id)
 
     def describe(self, name: str) -> str | None:
         return self.inner.describe(name)
 
     def lease(self, *, lease_seconds: float = 30.0) -> Any:
-        return self.inner.lease(lease_seconds=lease_seconds)
+        lease = self.inner.lease(lease_seconds=lease_seconds)
+        if isinstance(lease, ObjectLease):
+            # The record is read and written with this wrapper's conditional puts.
+            return ObjectLease(self, lease_seconds=lease_seconds)
+        return lease
 
     @property  # type: ignore[override]
     def can_move(self) -> bool:  # a class attribute on backends
@@ -195,7 +220,9 @@ class FaultyStorage(Storage):
         self._op("move", self.url(src))
         self.inner.move(src, dst)
 
-    def tidy(self, *, dry_run: bool = False) -> Any:
+    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+        if self._store:
+            return ManifestLastCommit.tidy(self, dry_run=dry_run)  # type: ignore[arg-type]
         return self.inner.tidy(dry_run=dry_run)
 
     def preflight(self) -> None:

@@ -1,0 +1,197 @@
+"""Every operation fails in turn: one driver for every kind of run (a save, a load, a manager
+step, a restore, a gc), on every backend.
+
+A :class:`Family` says how to lay down the checkpoints that exist before the run
+(``prepare``), how to run it (``run``, through a ``FaultyStorage``), and what cleans up after
+a fault once it is gone (``tidy``, where the design has one). :func:`every_fault` runs it once
+to enumerate its storage operations, then, for every operation k of that run and each error
+the schedule picks for k, starts again from the same checkpoints, fails operation k and
+asserts:
+
+- the fault surfaces: the run raises a ``TardigradeError`` naming the location, or counts a
+  failed save (``on_save_error="warn"``), or logs a warning naming the location where the run
+  is designed to go on (a retention delete, a lease release);
+- nothing committed before is modified or lost (byte for byte; a family names the
+  checkpoints its run may retire by design) and whatever the run committed verifies;
+- nothing is left behind once the fault is gone and ``tidy`` ran: only committed
+  checkpoints and a released lease record remain;
+- the next run succeeds.
+
+Operation k is named by its kind and its rank among the operations of that kind (``write``
+#3), which is the same in every run even where writes run in parallel threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import tardigrade as tg
+from tardigrade._catalog import Catalog
+from tardigrade.errors import TardigradeError
+from tardigrade.storage import Storage
+from tardigrade.storage.lease import LOCK
+from tardigrade.testing import ERRORS, FaultyStorage
+
+# Faults injected, per family and backend, for the session's summary (conftest prints them).
+INJECTED: Counter[str] = Counter()
+
+RAISING = [e for e in ERRORS if e != "short_write"]
+
+
+@dataclass
+class Outcome:
+    """What a run did: the error it raised (None: it returned), saves it counted as failed."""
+
+    error: BaseException | None = None
+    failed: int = 0
+    value: Any = None
+
+
+@dataclass
+class Family:
+    name: str
+    prepare: Callable[[FaultyStorage], None]
+    # run(faulty, attempt): attempt 0 is the run that a fault hits, 1 the next one after it.
+    run: Callable[[FaultyStorage, int], Outcome]
+    tidy: Callable[[FaultyStorage], None] = lambda faulty: None
+    # Checks of the family's own (e.g. restore put the values of the step it returned).
+    check: Callable[[FaultyStorage, Outcome], None] = lambda faulty, out: None
+    # Checkpoints the run may delete by design (retention), by name.
+    may_retire: frozenset[str] = field(default_factory=frozenset)
+
+
+def errors_for(op: str, k: int, *, sample: bool) -> list[str]:
+    """The errors to inject at operation ``k`` (of kind ``op``): all of them, or one per k,
+    taken in turn (deterministically), so that every error kind still hits every op kind."""
+    kinds = [*RAISING, "short_write"] if op == "write" else RAISING
+    return [kinds[k % len(kinds)]] if sample else kinds
+
+
+def objects(storage: Storage, prefix: str) -> dict[str, bytes]:
+    """Every object under ``prefix``, recursively, with its bytes."""
+    out: dict[str, bytes] = {}
+    todo = [prefix]
+    while todo:
+        here = todo.pop()
+        for child in storage.list(here):
+            name = f"{here}/{child}" if here else child
+            st = storage.stat(name)
+            if st is None:
+                continue
+            if st.is_dir:
+                todo.append(name)
+            else:
+                out[name] = storage.read_bytes(name, 1 << 30)
+    return out
+
+
+def committed(storage: Storage) -> dict[str, dict[str, bytes]]:
+    """Each committed checkpoint under the root, with every object under its name."""
+    catalog = Catalog(storage)
+    return {n: objects(storage, n) for n in catalog.names() if catalog.committed(n)}
+
+
+def wipe(storage: Storage) -> None:
+    storage.delete("")
+
+
+def leftovers(storage: Storage) -> list[str]:
+    """What is under the root but a committed checkpoint or a released lease record."""
+    catalog = Catalog(storage)
+    out = []
+    for n in catalog.names():
+        if n == LOCK:
+            record = storage.lease().read()
+            if record is not None and record.get("released") is not True:
+                out.append(f"{n} (held: {record})")
+            continue
+        if not catalog.committed(n):
+            out.append(n)
+    return out
+
+
+@contextlib.contextmanager
+def warnings_logged() -> Iterator[list[str]]:
+    """The messages of the tardigrade logger at WARNING and above, while inside."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("tardigrade")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def surfaced(faulty: FaultyStorage, out: Outcome, logged: list[str]) -> str:
+    """How the fault surfaced; fails the test when it did not, or not naming the location."""
+    roots = (faulty.root, faulty.inner.root)
+    if out.error is not None:
+        assert isinstance(out.error, TardigradeError), repr(out.error)
+        assert any(r in str(out.error) for r in roots), str(out.error)
+        return "raised"
+    if out.failed:
+        assert any(any(r in m for r in roots) for m in logged), logged
+        return "counted"
+    reported = [m for m in logged if "injected" in m and any(r in m for r in roots)]
+    assert reported, f"the fault vanished: no error, no failed save, nothing logged: {logged}"
+    return "logged"
+
+
+def every_fault(
+    faulty: FaultyStorage, family: Family, *, sample: bool = False
+) -> Counter[str]:
+    """Fail every storage operation of ``family``'s run in turn; the faults injected, by how
+    each surfaced (``raised``, ``counted``, ``logged``)."""
+    inner = faulty.inner
+    wipe(inner)
+    family.prepare(faulty)
+    start = len(faulty.ops)
+    probe = family.run(faulty, 0)
+    assert probe.error is None and probe.failed == 0, probe
+    ops = faulty.ops[start:]
+    assert ops, f"{family.name}: the run performed no storage operation"
+    seen: Counter[str] = Counter()
+    how: Counter[str] = Counter()
+    for k, op in enumerate(ops):
+        seen[op] += 1
+        for error in errors_for(op, k, sample=sample):
+            where = f"{family.name}: {op} #{seen[op]} (operation {k + 1} of {len(ops)}), {error}"
+            wipe(inner)
+            family.prepare(faulty)
+            before = committed(inner)
+            fired = len(faulty.injected)
+            with warnings_logged() as logged:
+                faulty.fail(op, nth=seen[op], error=error)
+                out = family.run(faulty, 0)
+                faulty.heal()
+            assert len(faulty.injected) == fired + 1, f"{where}: the fault did not fire"
+            try:
+                how[surfaced(faulty, out, logged)] += 1
+                family.check(faulty, out)
+                after = committed(inner)
+                for name, files in before.items():
+                    if name in after:
+                        assert after[name] == files, f"{name} was modified"
+                    else:
+                        assert name in family.may_retire, f"{name} was lost"
+                for name in after.keys() - before.keys():
+                    tg.verify(faulty.inner.url(name))
+                family.tidy(faulty)
+                left = leftovers(inner)
+                assert not left, f"left behind: {left}"
+                again = family.run(faulty, 1)
+                assert again.error is None and again.failed == 0, f"the next run: {again}"
+            except AssertionError as e:
+                raise AssertionError(f"{where}: {e}\n  outcome: {out}\n  log: {logged}") from e
+            except Exception as e:
+                raise AssertionError(f"{where}: {e!r}\n  outcome: {out}\n  log: {logged}") from e
+    total = sum(how.values())
+    INJECTED[family.name] += total
+    return how

@@ -1,0 +1,195 @@
+"""Every storage operation of a save, an async save, a manager step with retention, a load, a
+restore and a gc fails in turn, with every error kind, on every backend (the driver is
+``_fault_matrix.every_fault``; the collective save on 2 ranks is in
+``test_fault_matrix_collective.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tardigrade as tg
+from tardigrade.cli import main as cli
+from tardigrade.errors import TardigradeError
+from tardigrade.testing import FaultyStorage
+
+from ._fault_matrix import Family, Outcome, every_fault
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def make_state(value: float) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.fill_(value)
+        model.bias.fill_(value)
+    return {"model": model, "table": torch.full((2, 300), value), "step": int(value)}
+
+
+def value_of(state: dict[str, Any]) -> float:
+    return float(state["model"].weight.detach()[0, 0])
+
+
+def outcome(call: Any) -> Outcome:
+    try:
+        return Outcome(value=call())
+    except Exception as e:
+        return Outcome(error=e)
+
+
+# -- tg.save, synchronous and asynchronous -----------------------------------------------------
+
+
+def prepare_one(faulty: FaultyStorage) -> None:
+    tg.save(faulty.inner.url("step-1"), make_state(1.0), step=1)
+
+
+def tidy_leftovers(faulty: FaultyStorage) -> None:
+    """What `tardigrade gc` (or the next manager) does: remove what dead saves left."""
+    faulty.inner.tidy()
+
+
+def sync_save(faulty: FaultyStorage, attempt: int) -> Outcome:
+    step = 5 + attempt
+    return outcome(lambda: tg.save(faulty.url(f"step-{step}"), make_state(step), step=step))
+
+
+def async_save(faulty: FaultyStorage, attempt: int) -> Outcome:
+    step = 5 + attempt
+
+    def run() -> Any:
+        with tg.AsyncCheckpointer() as ckpt:
+            fut = ckpt.save(faulty.url(f"step-{step}"), make_state(step), step=step)
+            assert fut is not None
+            return fut.result()
+
+    return outcome(run)
+
+
+# -- load ----------------------------------------------------------------------------------------
+
+
+def load(faulty: FaultyStorage, attempt: int) -> Outcome:
+    def run() -> float:
+        live = make_state(-1.0)
+        tg.load(faulty.url("step-1"), into=live)
+        assert value_of(live) == 1.0 and float(live["table"][1, 299]) == 1.0
+        return value_of(live)
+
+    return outcome(run)
+
+
+# -- the manager: a step with retention, a restore -----------------------------------------------
+
+
+def prepare_two(faulty: FaultyStorage) -> None:
+    state = make_state(0.0)
+    with tg.CheckpointManager(faulty.inner.root, state, async_save=False) as mgr:
+        for step in (1, 2):
+            state["model"].weight.data.fill_(float(step))
+            mgr.save(step)
+
+
+def manager_step(async_mode: bool) -> Any:
+    def run(faulty: FaultyStorage, attempt: int) -> Outcome:
+        step = 3 + attempt
+        state = make_state(float(step))
+        try:
+            mgr = tg.CheckpointManager(
+                faulty.root,
+                state,
+                every_steps=1,
+                keep_last=2,
+                async_save=async_mode,
+                on_save_error="warn",
+            )
+            with mgr:
+                mgr.step(step)
+        except TardigradeError as e:
+            return Outcome(error=e)
+        return Outcome(failed=mgr.stats.failed, value=mgr.stats.succeeded)
+
+    return run
+
+
+def restore(faulty: FaultyStorage, attempt: int) -> Outcome:
+    def run() -> tuple[int | None, float]:
+        state = make_state(-1.0)
+        with tg.CheckpointManager(faulty.root, state) as mgr:
+            step = mgr.restore()
+        return step, value_of(state)
+
+    return outcome(run)
+
+
+def restored_what_it_says(faulty: FaultyStorage, out: Outcome) -> None:
+    """A restore that returned step s put step s's values in the live state, and s is the
+    newest committed step unless it logged why it skipped the newer one."""
+    if out.error is None:
+        step, value = out.value
+        assert step in (1, 2) and value == float(step), out.value
+
+
+# -- gc --------------------------------------------------------------------------------------
+
+
+def prepare_leftover(faulty: FaultyStorage) -> None:
+    """A committed checkpoint, and what a save killed before its commit left beside it."""
+    prepare_one(faulty)
+    if faulty.inner.can_move:  # a directory: the dead save's staging directory
+        dead = ".tmp-step-2-0123456789abcdef0123456789abcdef"
+    else:  # a store: the dead save's data objects under the checkpoint's name, no manifest
+        dead = "step-2/0123456789abcdef.data-00000-of-00001"
+    w = faulty.inner.open_writer(f"{dead}/x" if faulty.inner.can_move else dead)
+    w.write(b"bytes of a save that never committed")
+    w.close()
+
+
+def gc(faulty: FaultyStorage, attempt: int) -> Outcome:
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = cli(["gc", faulty.root])
+    if rc != 0:
+        return Outcome(error=TardigradeError(f"tardigrade gc exited {rc}: {err.getvalue()}"))
+    return Outcome(value=rc)
+
+
+def gc_again(faulty: FaultyStorage) -> None:
+    assert gc(faulty, 1).error is None
+
+
+FAMILIES = {
+    "sync-save": Family("sync-save", prepare_one, sync_save, tidy_leftovers),
+    "async-save": Family("async-save", prepare_one, async_save, tidy_leftovers),
+    "load": Family("load", prepare_one, load),
+    "manager-step": Family(
+        "manager-step",
+        prepare_two,
+        manager_step(async_mode=False),
+        tidy_leftovers,
+        may_retire=frozenset({"step-000000001"}),
+    ),
+    "manager-step-async": Family(
+        "manager-step-async",
+        prepare_two,
+        manager_step(async_mode=True),
+        tidy_leftovers,
+        may_retire=frozenset({"step-000000001"}),
+    ),
+    "restore": Family("restore", prepare_two, restore, check=restored_what_it_says),
+    "gc": Family("gc", prepare_leftover, gc, gc_again),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_operation_fails_in_turn(root_url: str, family: str) -> None:
+    faulty = FaultyStorage(root_url)
+    how = every_fault(faulty, FAMILIES[family])
+    print(f"{family} on {root_url.split(':')[0]}: {sum(how.values())} faults, {dict(how)}")

@@ -662,6 +662,7 @@ class CheckpointManager:
         )
         committed, candidates = found["steps"], found["candidates"]
         damaged: str | None = None  # a candidate that failed after bytes reached the live state
+        unread: StorageError | None = None  # the last candidate storage failed to read
         for s in candidates:
             self._loading.add(s)
             loading = False
@@ -687,6 +688,8 @@ class CheckpointManager:
                 # load_state_dict(), or restore raises rather than train from a mix.
                 if loading and self._live_touched(e):
                     damaged = self.path(s)
+                if isinstance(e, StorageError):
+                    unread = e
                 if step is not None:
                     raise
                 log.warning(
@@ -727,6 +730,16 @@ class CheckpointManager:
                 "them: the live state is no longer as it was built. Rebuild it (restart the "
                 "process) and restore again, or delete the damaged checkpoints "
                 "(`tardigrade verify` names them) to start from scratch."
+            )
+        if unread is not None:
+            # Not None ("nothing to resume"): training would start from scratch and its saves
+            # would retire the checkpoints that only could not be read just now.
+            raise StorageError(
+                unread.errno,
+                f"{self.directory}: no checkpoint could be restored, and storage failed reading "
+                f"at least one of them ({unread}); committed steps: {committed}. Nothing was "
+                "restored and nothing was deleted: fix the storage (or wait for it) and restore "
+                "again.",
             )
         return None
 

@@ -65,11 +65,14 @@ class Family:
     may_retire: frozenset[str] = field(default_factory=frozenset)
 
 
-def errors_for(op: str, k: int, *, sample: bool) -> list[str]:
-    """The errors to inject at operation ``k`` (of kind ``op``): all of them, or one per k,
-    taken in turn (deterministically), so that every error kind still hits every op kind."""
+def errors_for(op: str, k: int, *, sample: bool) -> list[tuple[str, bool]]:
+    """The faults to inject at operation ``k`` (of kind ``op``), as (error, outage): every
+    error kind failing that one operation, or (``sample``) one kind per k, taken in turn
+    (deterministically, so every kind still hits every op kind); then one outage (operation
+    k and every one after it fail, the cleanup included), its kind also taken in turn."""
     kinds = [*RAISING, "short_write"] if op == "write" else RAISING
-    return [kinds[k % len(kinds)]] if sample else kinds
+    single = [kinds[k % len(kinds)]] if sample else kinds
+    return [(e, False) for e in single] + [(RAISING[k % len(RAISING)], True)]
 
 
 def objects(storage: Storage, prefix: str) -> dict[str, bytes]:
@@ -144,11 +147,9 @@ def surfaced(faulty: FaultyStorage, out: Outcome, logged: list[str]) -> str:
     return "logged"
 
 
-def every_fault(
-    faulty: FaultyStorage, family: Family, *, sample: bool = False
-) -> Counter[str]:
-    """Fail every storage operation of ``family``'s run in turn; the faults injected, by how
-    each surfaced (``raised``, ``counted``, ``logged``)."""
+def every_fault(faulty: FaultyStorage, family: Family, *, sample: bool = False) -> Counter[str]:
+    """Fail every storage operation of ``family``'s run in turn; the faults injected
+    (``single``, ``outage``) and how each surfaced (``raised``, ``counted``, ``logged``)."""
     inner = faulty.inner
     wipe(inner)
     family.prepare(faulty)
@@ -161,17 +162,21 @@ def every_fault(
     how: Counter[str] = Counter()
     for k, op in enumerate(ops):
         seen[op] += 1
-        for error in errors_for(op, k, sample=sample):
-            where = f"{family.name}: {op} #{seen[op]} (operation {k + 1} of {len(ops)}), {error}"
+        for error, outage in errors_for(op, k, sample=sample):
+            where = (
+                f"{family.name}: {op} #{seen[op]} (operation {k + 1} of {len(ops)}), {error}"
+                f"{' and an outage after it' if outage else ''}"
+            )
             wipe(inner)
             family.prepare(faulty)
             before = committed(inner)
             fired = len(faulty.injected)
             with warnings_logged() as logged:
-                faulty.fail(op, nth=seen[op], error=error)
+                faulty.fail(op, nth=seen[op], error=error, outage=outage)
                 out = family.run(faulty, 0)
                 faulty.heal()
             assert len(faulty.injected) == fired + 1, f"{where}: the fault did not fire"
+            how["outage" if outage else "single"] += 1
             try:
                 how[surfaced(faulty, out, logged)] += 1
                 family.check(faulty, out)
@@ -192,6 +197,5 @@ def every_fault(
                 raise AssertionError(f"{where}: {e}\n  outcome: {out}\n  log: {logged}") from e
             except Exception as e:
                 raise AssertionError(f"{where}: {e!r}\n  outcome: {out}\n  log: {logged}") from e
-    total = sum(how.values())
-    INJECTED[family.name] += total
+    INJECTED[family.name] += how["single"] + how["outage"]
     return how

@@ -43,10 +43,10 @@ from .._staging import SlabPool
 from .._tree import Flat, flatten, path_str
 from .._write import (
     WrittenFile,
-    abort_staging,
     as_save_error,
     commit_staging,
     committed_here,
+    end_staging,
     manifest_doc,
     per_rank_trees,
     save_result,
@@ -373,8 +373,8 @@ class _Save:
             # The outcome first: past the commit point, aborting would delete the data of a
             # committed checkpoint (an object store's data objects are not in a staging dir).
             committed = _outcome(job, ranks, e)
-            if ranks.coordinator and committed is False:
-                abort_staging(job, staging)
+            if ranks.coordinator:
+                end_staging(job, staging, committed)
             err = as_save_error(job, e, committed)
             if err is e:
                 raise

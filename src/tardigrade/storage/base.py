@@ -17,7 +17,8 @@ Call order for a save (the commit order is the design), through the backend's st
 ``begin(name, save_id)`` -> a staging location; each data file ``open_writer(staging/
 data_name(file, save_id))``, ``write``..., ``close`` (durable) -> ``commit(staging, name,
 manifest)``. After ``commit`` returns the checkpoint exists and survives power loss; before,
-it does not. On failure ``abort(staging, name, save_id)`` removes what the save wrote. Two
+it does not. On failure ``abort(staging, name, save_id)`` removes what the save wrote; where that fails
+(or the outcome is unknown) ``abandon(staging)`` leaves it to ``tidy``. Two
 strategies: :class:`RenameCommit` (POSIX: a staging directory renamed into place, see
 ``local.py``) and :class:`ManifestLastCommit` (stores, which cannot rename: data objects under
 names unique to the save, then the manifest created only if none exists).
@@ -184,6 +185,13 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def abort(self, staging: str, name: str, save_id: str) -> None:
         """Remove what a save that will not commit wrote (it never became visible)."""
+
+    def abandon(self, staging: str) -> None:
+        """Let go of ``staging`` without removing it: its save ended without committing and
+        its ``abort`` failed, or its outcome is unknown. Whatever marks it as a live save's
+        (a POSIX staging directory's flock) is dropped, so ``tidy`` takes it for a dead
+        writer's leftover. Never raises."""
+        return None
 
     # Whether move() works: POSIX directories rename; object stores cannot.
     can_move = False

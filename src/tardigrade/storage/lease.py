@@ -37,6 +37,9 @@ LOCK = ".lock"
 _MAX_RECORD = 64 * 1024
 # Puts a release tries before leaving the record to expire.
 _RELEASE_TRIES = 3
+# Owners (of this process) whose release could not be written: their records read as held, but
+# this process knows they were let go, so its next holder need not wait for them to expire.
+_let_go: set[str] = set()
 
 
 class Lease(abc.ABC):
@@ -141,6 +144,8 @@ class ObjectLease(Lease):
             raise self._locked(self.read()) from None
         if reason:
             log.warning("tardigrade: took over the lease of %s: %s", self.url, reason)
+        if rec:
+            _let_go.discard(rec.get("owner"))  # type: ignore[arg-type]
         self.held = True
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -154,6 +159,8 @@ class ObjectLease(Lease):
             return "its record was unreadable"
         if rec.get("released") is True:
             return ""
+        if rec.get("owner") in _let_go:
+            return "this process released it, but could not record that"
         beat, lease = rec.get("heartbeat"), rec.get("lease_seconds")
         if not isinstance(beat, (int, float)) or not isinstance(lease, (int, float)):
             return "its record had no heartbeat"
@@ -236,11 +243,13 @@ class ObjectLease(Lease):
                         log.warning("tardigrade: releasing the lease of %s: %s", self.url, e)
                         return
                     except StorageError as e:
-                        left = (
-                            "trying again"
-                            if attempt < _RELEASE_TRIES
-                            else f"it expires {self.lease:.0f} s after its last heartbeat"
-                        )
+                        left = "trying again"
+                        if attempt == _RELEASE_TRIES:
+                            _let_go.add(self.owner)
+                            left = (
+                                "the next holder in this process takes it over; elsewhere it "
+                                f"expires {self.lease:.0f} s after its last heartbeat"
+                            )
                         log.warning(
                             "tardigrade: releasing the lease of %s: %s (%s)", self.url, e, left
                         )

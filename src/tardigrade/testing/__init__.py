@@ -75,6 +75,7 @@ class _Fault:
     nth: int  # the operation of this kind that fails first (1 = the first)
     error: str
     times: int  # how many consecutive operations of this kind fail
+    outage: bool  # once it fires, every operation fails until heal()
 
 
 class FaultyStorage(Storage):
@@ -101,26 +102,37 @@ class FaultyStorage(Storage):
         self.count: Counter[str] = Counter()
         self.injected: list[str] = []
         self._faults: list[_Fault] = []
+        self._outage: str | None = None  # the error every operation fails with, in an outage
         self._lock = threading.Lock()
         _instances[self.id] = self
 
-    def fail(self, op: str, *, nth: int = 1, error: str = "EIO", times: int = 1) -> None:
-        """Make the ``nth`` next operation ``op`` (counted from now) fail with ``error``."""
+    def fail(
+        self, op: str, *, nth: int = 1, error: str = "EIO", times: int = 1, outage: bool = False
+    ) -> None:
+        """Make the ``nth`` next operation ``op`` (counted from now) fail with ``error``.
+
+        ``times``: how many consecutive operations ``op`` fail. ``outage=True``: from that
+        operation on, every operation of every kind fails with ``error`` until :meth:`heal`
+        (a disk that stays full, a store that stays down), so what a failed run does to clean
+        up fails too."""
         if op not in OPERATIONS:
             raise InvalidArgumentError(f"op must be one of {list(OPERATIONS)}, got {op!r}")
         if error not in ERRORS:
             raise InvalidArgumentError(f"error must be one of {list(ERRORS)}, got {error!r}")
-        if error == "short_write" and op != "write":
-            raise InvalidArgumentError("error='short_write' applies to op='write' only")
+        if error == "short_write" and (op != "write" or outage):
+            raise InvalidArgumentError(
+                "error='short_write' applies to op='write' only, and not to an outage"
+            )
         if nth < 1 or times < 1:
             raise InvalidArgumentError(f"nth and times must be >= 1, got {nth} and {times}")
         with self._lock:
-            self._faults.append(_Fault(op, self.count[op] + nth, error, times))
+            self._faults.append(_Fault(op, self.count[op] + nth, error, times, outage))
 
     def heal(self) -> None:
         """Disarm every fault not yet fired."""
         with self._lock:
             self._faults.clear()
+            self._outage = None
 
     def _op(self, op: str, what: str) -> str | None:
         """Log ``op``; raise (or, for a short write, return the error) if a fault fires."""
@@ -128,18 +140,22 @@ class FaultyStorage(Storage):
             self.count[op] += 1
             self.ops.append(op)
             k = self.count[op]
-            fault = next((f for f in self._faults if f.op == op and f.nth <= k), None)
-            if fault is None:
-                return None
-            fault.times -= 1
-            fault.nth += 1
-            if fault.times == 0:
-                self._faults.remove(fault)
-            self.injected.append(f"{op} #{k}: {fault.error}")
-        if fault.error == "short_write":
-            return fault.error
-        code = ERRORS[fault.error]
-        raise StorageError(code, f"{what}: injected {fault.error} ({op} #{k}, FaultyStorage)")
+            error = self._outage
+            if error is None:
+                fault = next((f for f in self._faults if f.op == op and f.nth <= k), None)
+                if fault is None:
+                    return None
+                fault.times -= 1
+                fault.nth += 1
+                if fault.times == 0 or fault.outage:
+                    self._faults.remove(fault)
+                if fault.outage:
+                    self._outage = fault.error
+                error = fault.error
+                self.injected.append(f"{op} #{k}: {error}")
+        if error == "short_write":
+            return error
+        raise StorageError(ERRORS[error], f"{what}: injected {error} ({op} #{k}, FaultyStorage)")
 
     # -- the contract, each call logged and possibly failed -------------------------------
 
@@ -201,6 +217,9 @@ class FaultyStorage(Storage):
             ManifestLastCommit.abort(self, staging, name, save_id)  # type: ignore[arg-type]
         else:
             self.inner.abort(staging, name, save_id)
+
+    def abandon(self, staging: str) -> None:
+        self.inner.abandon(staging)  # lets go of a resource here; no storage request
 
     def describe(self, name: str) -> str | None:
         return self.inner.describe(name)

@@ -1,0 +1,175 @@
+"""What the fault matrix (``test_fault_matrix.py``) found, each pinned by a test of its own
+that fails on the code before the fix."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tardigrade as tg
+from tardigrade.cli import main as cli
+from tardigrade.errors import CheckpointLockedError, StorageError
+from tardigrade.storage import open_root
+from tardigrade.storage.lease import ObjectLease
+from tardigrade.testing import FaultyStorage
+
+
+def make_state(value: float) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    return {"model": model, "step": int(value)}
+
+
+def weight(state: dict[str, Any]) -> float:
+    return float(state["model"].weight.detach()[0, 0])
+
+
+def gc(location: str) -> int:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return cli(["gc", location])
+
+
+@pytest.fixture
+def store() -> FaultyStorage:
+    """A store (manifest-last commit, object lease) whose requests can fail one by one."""
+    url = "memory://findings/root"
+    open_root(url).delete("")
+    return FaultyStorage(url)
+
+
+# -- the object lease ------------------------------------------------------------------------
+
+
+def test_a_failed_read_of_the_lease_record_never_takes_a_live_lease(store: FaultyStorage) -> None:
+    holder = ObjectLease(store.inner)
+    holder.acquire()
+    try:
+        contender = store.lease()
+        store.fail("read", error="EIO")  # reading the holder's record
+        with pytest.raises(StorageError, match=r"\.lock: injected EIO"):
+            contender.acquire()
+        assert not contender.held
+        holder.check()  # still the holder's: no second writer
+        with pytest.raises(CheckpointLockedError, match="another job is writing"):
+            contender.acquire()  # once the record reads, it names the live holder
+    finally:
+        holder.release()
+
+
+def test_a_failed_read_in_check_neither_proves_nor_loses_the_lease(store: FaultyStorage) -> None:
+    lease = store.lease()
+    lease.acquire()
+    try:
+        store.fail("read", error="transient")
+        with pytest.raises(StorageError, match="injected transient"):
+            lease.check()
+        assert lease.held
+        lease.check()  # the next check proves it again
+    finally:
+        lease.release()
+
+
+def test_a_manager_deletes_nothing_while_its_lease_cannot_be_read(
+    store: FaultyStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = make_state(1.0)
+    with tg.CheckpointManager(store.root, state, keep_last=1, async_save=False) as mgr:
+        mgr.save(1)
+        # The reads after this: the lease record (the save's check before it writes), the
+        # new manifest (retention: is step 2 readable?), the lease record (retention's check
+        # before it deletes step 1): that one fails.
+        store.fail("read", nth=3, error="EIO")
+        assert mgr.save(2) is True
+        assert mgr.steps() == [1, 2]  # step 1 kept: ownership was not proved
+        assert mgr.save(3) is True  # the lease is still held: saves go on
+        assert mgr.steps() == [3]
+    assert any("not removing old checkpoints" in r.getMessage() for r in caplog.records)
+
+
+def test_one_failed_release_request_still_releases(store: FaultyStorage) -> None:
+    lease = store.lease()
+    lease.acquire()
+    store.fail("put", error="transient")
+    lease.release()
+    record = store.inner.lease().read()
+    assert record is not None and record["released"] is True
+
+
+def test_this_process_takes_over_a_lease_it_could_not_release(store: FaultyStorage) -> None:
+    with tg.CheckpointManager(store.root, make_state(1.0)):
+        store.fail("put", error="EIO", times=10)  # every try of the release fails
+    store.heal()
+    record = store.inner.lease().read()
+    assert record is not None and record["released"] is False  # left as held
+    with tg.CheckpointManager(store.root, make_state(1.0)):  # not refused for 30 s
+        pass
+    assert store.inner.lease().read()["released"] is True  # type: ignore[index]
+    assert gc(store.root) == 0
+
+
+# -- what failed saves leave behind ---------------------------------------------------------
+
+
+def test_gc_removes_the_data_a_dead_save_left_on_a_store(store: FaultyStorage) -> None:
+    tg.save(store.url("step-1"), make_state(1.0))
+    dead = "step-2/0123456789abcdef.data-00000-of-00001.safetensors"
+    w = store.inner.open_writer(dead)
+    w.write(b"x" * 100)
+    w.close()
+    assert gc(store.root) == 0
+    assert store.inner.list() == [".lock", "step-1"]
+    assert tg.load(store.url("step-1"))["step"] == 1
+
+
+def test_a_failed_abort_reports_the_save_s_own_error_and_gc_removes_its_leftovers(
+    root_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    faulty = FaultyStorage(root_url)
+    tg.save(faulty.url("step-1"), make_state(1.0))
+    faulty.fail("write", error="ENOSPC")
+    faulty.fail("abort", error="EIO")  # and removing what the save wrote fails too
+    with pytest.raises(tg.SaveError, match=r"nothing was committed.*injected ENOSPC \(write #"):
+        tg.save(faulty.url("step-2"), make_state(2.0))
+    assert any("could not remove what the failed save" in r.getMessage() for r in caplog.records)
+    faulty.heal()
+    if faulty.inner.can_move:  # a directory: the staging is left, for gc (a store's object
+        assert [n for n in faulty.inner.list() if n != "step-1"]  # appears only once closed)
+    assert gc(faulty.root) == 0
+    assert [n for n in faulty.inner.list() if n != ".lock"] == ["step-1"]
+    tg.save(faulty.url("step-2"), make_state(2.0))
+
+
+def test_restore_raises_when_storage_fails_reading_every_checkpoint(root_url: str) -> None:
+    faulty = FaultyStorage(root_url)
+    state = make_state(0.0)
+    with tg.CheckpointManager(faulty.root, state, async_save=False) as mgr:
+        for step in (1, 2):
+            state["model"].weight.data.fill_(float(step))
+            mgr.save(step)
+    state = make_state(-1.0)
+    with tg.CheckpointManager(faulty.root, state) as mgr:
+        faulty.fail("open_reader", error="EIO", times=1000)
+        with pytest.raises(StorageError, match=r"no checkpoint could be restored.*\[1, 2\]"):
+            mgr.restore()  # not None: that would start training from scratch
+        faulty.heal()
+        assert mgr.restore() == 2 and weight(state) == 2.0
+
+
+def test_a_failed_listing_after_a_save_is_logged(
+    root_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    faulty = FaultyStorage(root_url)
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    with tg.CheckpointManager(faulty.root, make_state(1.0), async_save=False) as mgr:
+        mgr.save(1)
+        faulty.fail("list", error="EIO")  # the listing for abandoned checkpoints to remove
+        assert mgr.save(2) is True
+    assert any("could not list" in r.getMessage() for r in caplog.records)

@@ -68,6 +68,21 @@ def async_save(faulty: FaultyStorage, attempt: int) -> Outcome:
     return outcome(run)
 
 
+def bounded_async_save(faulty: FaultyStorage, attempt: int) -> Outcome:
+    """An async save under a staging budget smaller than the state: the writers drain slabs
+    while the copy goes on, so a writer that fails must not leave the copy waiting for a slab."""
+    step = 5 + attempt
+
+    def run() -> Any:
+        state = {**make_state(step), "big": torch.full((3 << 19,), float(step))}  # 6 MiB
+        with tg.AsyncCheckpointer(max_staging_bytes=2 << 20) as ckpt:
+            fut = ckpt.save(faulty.url(f"step-{step}"), state, step=step)
+            assert fut is not None
+            return fut.result()
+
+    return outcome(run)
+
+
 # -- load ----------------------------------------------------------------------------------------
 
 
@@ -166,6 +181,9 @@ def tidy_leftovers(faulty: FaultyStorage) -> None:
 FAMILIES = {
     "sync-save": Family("sync-save", prepare_one, sync_save, tidy_leftovers),
     "async-save": Family("async-save", prepare_one, async_save, tidy_leftovers),
+    "async-save-bounded": Family(
+        "async-save-bounded", prepare_one, bounded_async_save, tidy_leftovers
+    ),
     "load": Family("load", prepare_one, load, tidy_leftovers),
     "manager-step": Family(
         "manager-step",

@@ -72,10 +72,12 @@ _ids = itertools.count(1)
 @dataclass
 class _Fault:
     op: str
-    nth: int  # the operation of this kind that fails first (1 = the first)
+    nth: int  # the matching operation that fails first (1 = the first after fail())
     error: str
-    times: int  # how many consecutive operations of this kind fail
+    times: int  # how many consecutive matching operations fail
     outage: bool  # once it fires, every operation fails until heal()
+    where: str | None  # only operations on a location containing this text match
+    seen: int = 0  # matching operations so far
 
 
 class FaultyStorage(Storage):
@@ -107,14 +109,22 @@ class FaultyStorage(Storage):
         _instances[self.id] = self
 
     def fail(
-        self, op: str, *, nth: int = 1, error: str = "EIO", times: int = 1, outage: bool = False
+        self,
+        op: str,
+        *,
+        nth: int = 1,
+        error: str = "EIO",
+        times: int = 1,
+        outage: bool = False,
+        where: str | None = None,
     ) -> None:
         """Make the ``nth`` next operation ``op`` (counted from now) fail with ``error``.
 
-        ``times``: how many consecutive operations ``op`` fail. ``outage=True``: from that
-        operation on, every operation of every kind fails with ``error`` until :meth:`heal`
-        (a disk that stays full, a store that stays down), so what a failed run does to clean
-        up fails too."""
+        ``times``: how many consecutive operations ``op`` fail. ``where``: only operations on
+        a location (URL or path) containing this text count, e.g. ``where="data-r00001"`` for
+        one rank's data file. ``outage=True``: from that operation on, every operation of every
+        kind fails with ``error`` until :meth:`heal` (a disk that stays full, a store that
+        stays down), so what a failed run does to clean up fails too."""
         if op not in OPERATIONS:
             raise InvalidArgumentError(f"op must be one of {list(OPERATIONS)}, got {op!r}")
         if error not in ERRORS:
@@ -126,7 +136,7 @@ class FaultyStorage(Storage):
         if nth < 1 or times < 1:
             raise InvalidArgumentError(f"nth and times must be >= 1, got {nth} and {times}")
         with self._lock:
-            self._faults.append(_Fault(op, self.count[op] + nth, error, times, outage))
+            self._faults.append(_Fault(op, nth, error, times, outage, where))
 
     def heal(self) -> None:
         """Disarm every fault not yet fired."""
@@ -142,7 +152,12 @@ class FaultyStorage(Storage):
             k = self.count[op]
             error = self._outage
             if error is None:
-                fault = next((f for f in self._faults if f.op == op and f.nth <= k), None)
+                fault = None
+                for f in self._faults:
+                    if f.op == op and (f.where is None or f.where in what):
+                        f.seen += 1
+                        if fault is None and f.nth <= f.seen:
+                            fault = f
                 if fault is None:
                     return None
                 fault.times -= 1

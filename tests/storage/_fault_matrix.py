@@ -37,7 +37,7 @@ from tardigrade.storage import Storage
 from tardigrade.storage.lease import LOCK
 from tardigrade.testing import ERRORS, FaultyStorage
 
-# Faults injected, per family and backend, for the session's summary (conftest prints them).
+# Faults injected, per family (and backend), for the session's summary (conftest prints them).
 INJECTED: Counter[str] = Counter()
 
 RAISING = [e for e in ERRORS if e != "short_write"]
@@ -147,7 +147,9 @@ def surfaced(faulty: FaultyStorage, out: Outcome, logged: list[str]) -> str:
     return "logged"
 
 
-def every_fault(faulty: FaultyStorage, family: Family, *, sample: bool = False) -> Counter[str]:
+def every_fault(
+    faulty: FaultyStorage, family: Family, *, sample: bool = False, label: str | None = None
+) -> Counter[str]:
     """Fail every storage operation of ``family``'s run in turn; the faults injected
     (``single``, ``outage``) and how each surfaced (``raised``, ``counted``, ``logged``)."""
     inner = faulty.inner
@@ -197,5 +199,5 @@ def every_fault(faulty: FaultyStorage, family: Family, *, sample: bool = False) 
                 raise AssertionError(f"{where}: {e}\n  outcome: {out}\n  log: {logged}") from e
             except Exception as e:
                 raise AssertionError(f"{where}: {e!r}\n  outcome: {out}\n  log: {logged}") from e
-    INJECTED[family.name] += how["single"] + how["outage"]
+    INJECTED[label or family.name] += how["single"] + how["outage"]
     return how

@@ -173,3 +173,30 @@ def test_a_failed_listing_after_a_save_is_logged(
         faulty.fail("list", error="EIO")  # the listing for abandoned checkpoints to remove
         assert mgr.save(2) is True
     assert any("could not list" in r.getMessage() for r in caplog.records)
+
+
+# -- a manager's preflight on a store --------------------------------------------------------
+
+
+def test_a_transient_store_error_at_manager_creation_only_warns(
+    store: FaultyStorage, caplog: pytest.LogCaptureFixture
+) -> None:
+    store.fail("put", error="transient")  # the preflight's probe
+    with tg.CheckpointManager(store.root, make_state(1.0), async_save=False) as mgr:
+        assert mgr.save(1) is True  # the job was not failed for it, and saves work
+    assert any("saves will fail until this is fixed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_store_that_denies_writes_is_refused_at_manager_creation(store: FaultyStorage) -> None:
+    store.fail("put", error="EACCES")
+    with pytest.raises(StorageError, match=r"faulty://\d+: cannot be used as a checkpoint"):
+        tg.CheckpointManager(store.root, make_state(1.0))
+
+
+def test_a_probe_that_could_not_be_deleted_is_removed_by_gc(store: FaultyStorage) -> None:
+    store.fail("delete", error="EIO")  # the preflight's probe stays
+    with tg.CheckpointManager(store.root, make_state(1.0)):
+        pass
+    assert [n for n in store.inner.list() if n.startswith(".probe-")]
+    assert gc(store.root) == 0
+    assert store.inner.list() == [".lock"]

@@ -114,5 +114,5 @@ def test_every_operation_of_a_collective_save_fails_in_turn(root_url: str) -> No
     assert not problems, "\n".join(problems)
     faults = sum(sum(r["count"].values()) for r in results)
     assert faults >= 5 * sum(r["ops"] for r in results)  # each error kind, and an outage
-    INJECTED["collective-save"] += faults
+    INJECTED["collective-save[local]"] += faults
     print(f"collective-save: {[r['count'] for r in results]}")

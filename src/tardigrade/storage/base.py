@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import errno
+import logging
 import re
 import uuid
 from dataclasses import dataclass
@@ -37,8 +38,20 @@ from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError
 from ..format.checksum import Hasher
 from ..format.manifest import MANIFEST, MANIFEST_START
 
+log = logging.getLogger("tardigrade")
+
 # Everything in flight or left behind starts with this; readers never read it.
 TMP_PREFIX = ".tmp-"
+# The empty object a preflight writes and deletes (``tidy`` removes one whose delete failed).
+PROBE_PREFIX = ".probe-"
+# Errors no amount of waiting fixes: a location that gives them can never hold a checkpoint.
+# A full store or disk, an I/O error or a transient one is not among them.
+PERMANENT_ERRNOS = frozenset(
+    {
+        errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ELOOP,
+        errno.ENAMETOOLONG,
+    }
+)  # fmt: skip
 
 PutMode = Literal["create", "if_match", "overwrite"]
 
@@ -204,10 +217,33 @@ class Storage(abc.ABC):
 
     def preflight(self) -> None:
         """Raise StorageError if checkpoints can never be written here (read-only, denied, a
-        file in the way); create the root if missing. A transient failure only warns."""
-        probe = f".probe-{uuid.uuid4().hex}"
-        self.put(probe, b"", mode="create")
-        self.delete(probe)
+        file in the way); create the root if missing. A transient failure only warns: the
+        saves report it, and may succeed once it is gone."""
+        probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+        try:
+            self.put(probe, b"", mode="create")
+        except StorageError as e:
+            if e.errno in PERMANENT_ERRNOS:
+                raise StorageError(
+                    e.errno,
+                    f"{self.root}: cannot be used as a checkpoint location, no save could ever "
+                    f"succeed there: {e}. Fix its permissions or pass another location.",
+                ) from e
+            log.warning(
+                "tardigrade: checkpoint location %s: %s; saves will fail until this is fixed "
+                "(training is not stopped for it)",
+                self.root,
+                e,
+            )
+            return
+        try:
+            self.delete(probe)
+        except StorageError as e:
+            log.warning(
+                "tardigrade: could not delete the probe %s: %s (`tardigrade gc` removes it)",
+                self.url(probe),
+                e,
+            )
 
     def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
         """Clean up after writers that died: their staging, half-done replaces and deletes.
@@ -305,8 +341,9 @@ class ManifestLastCommit(Storage):
 
     def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
         """Delete the data objects of saves that never committed: those under a name that
-        has no manifest (a save that died, or whose abort failed). Only objects named as a
-        save's data are touched, never a manifest or anything else.
+        has no manifest (a save that died, or whose abort failed), and a preflight's probe
+        whose delete failed. Only objects named as a save's data are touched under a name,
+        never a manifest or anything else.
 
         A store cannot tell a dead save from a live one (no flock), so this is for the holder
         of the root's lease (a manager, `tardigrade gc`) with none of its own saves in flight:
@@ -314,6 +351,13 @@ class ManifestLastCommit(Storage):
         """
         done = []
         for name in self.list():
+            if name.startswith(PROBE_PREFIX):
+                st = self.stat(name)
+                if st is not None and not st.is_dir:
+                    if not dry_run:
+                        self.delete(name)
+                    done.append(Tidied(name, "removed", st.size))
+                continue
             if name.startswith(".") or self.exists(f"{name}/{MANIFEST}"):
                 continue
             dead = [n for n in self.list(name) if _SAVE_DATA.match(n)]

@@ -260,7 +260,10 @@ class FaultyStorage(Storage):
         return self.inner.tidy(dry_run=dry_run)
 
     def preflight(self) -> None:
-        self.inner.preflight()
+        if self._store:
+            Storage.preflight(self)  # a store's probe: this wrapper's put and delete
+        else:
+            self.inner.preflight()
 
 
 class _FaultyWriter(Writer):

@@ -927,7 +927,13 @@ class CheckpointManager:
             )
         # A committed checkpoint is replaced only when asked (force) or when it belongs to the
         # timeline abandoned by restore(step); repeating a step otherwise is a programming error.
-        replace = self.exists(step)
+        try:
+            replace = self.exists(step)
+        except (StorageError, CheckpointLockedError) as e:
+            # Storage failed before the save began (a transient error, a full disk): a failed
+            # save like any other, never an error out of step() in "warn" mode.
+            self._record_failure(step, e, time.perf_counter() - started)
+            return False
         if replace and not force and step not in self._abandoned:
             raise CheckpointExistsError(
                 f"{self.path(step)}: a checkpoint for step {step} already exists; "
@@ -1292,7 +1298,17 @@ class CheckpointManager:
         return keep | set(abandoned)
 
     def _retain(self) -> None:
-        steps = self._steps_here()
+        try:
+            steps = self._steps_here()
+        except OSError as e:
+            # The save is committed and counted; the old checkpoints go at the next save.
+            log.warning(
+                "tardigrade: could not list %s to apply retention (tried again after the next "
+                "save): %s",
+                self.directory,
+                e,
+            )
+            return
         keep = self.keep(steps)
         # A step being loaded, or with a save of ours in flight (a replace: force=True or an
         # abandoned step), is not deleted under that reader or writer.

@@ -15,7 +15,8 @@ asserts:
   checkpoints its run may retire by design) and whatever the run committed verifies;
 - nothing is left behind once the fault is gone and ``tidy`` ran: only committed
   checkpoints and a released lease record remain;
-- the next run succeeds.
+- the next run succeeds; where the family says how (``then``), the same run also goes on
+  once the fault is gone (the same manager saves its next step).
 
 Operation k is named by its kind and its rank among the operations of that kind (``write``
 #3), which is the same in every run even where writes run in parallel threads.
@@ -63,6 +64,9 @@ class Family:
     check: Callable[[FaultyStorage, Outcome], None] = lambda faulty, out: None
     # Checkpoints the run may delete by design (retention), by name.
     may_retire: frozenset[str] = field(default_factory=frozenset)
+    # What the same run goes on to do once the fault is gone (e.g. the same manager saves the
+    # next step), given what ``run`` returned; its operations are not failed.
+    then: Callable[[FaultyStorage, Outcome], Outcome] | None = None
 
 
 def errors_for(op: str, k: int, *, sample: bool) -> list[tuple[str, bool]]:
@@ -157,8 +161,10 @@ def every_fault(
     family.prepare(faulty)
     start = len(faulty.ops)
     probe = family.run(faulty, 0)
-    assert probe.error is None and probe.failed == 0, probe
     ops = faulty.ops[start:]
+    if family.then is not None:
+        probe = family.then(faulty, probe)
+    assert probe.error is None and probe.failed == 0, probe
     assert ops, f"{family.name}: the run performed no storage operation"
     seen: Counter[str] = Counter()
     how: Counter[str] = Counter()
@@ -175,8 +181,15 @@ def every_fault(
             fired = len(faulty.injected)
             with warnings_logged() as logged:
                 faulty.fail(op, nth=seen[op], error=error, outage=outage)
-                out = family.run(faulty, 0)
-                faulty.heal()
+                try:
+                    out = family.run(faulty, 0)
+                    faulty.heal()
+                    if family.then is not None:
+                        out = family.then(faulty, out)
+                except AssertionError as e:
+                    raise AssertionError(f"{where}: {e}\n  log: {logged}") from e
+                finally:
+                    faulty.heal()
             assert len(faulty.injected) == fired + 1, f"{where}: the fault did not fire"
             how["outage" if outage else "single"] += 1
             try:
@@ -194,6 +207,8 @@ def every_fault(
                 left = leftovers(inner)
                 assert not left, f"left behind: {left}"
                 again = family.run(faulty, 1)
+                if family.then is not None:
+                    again = family.then(faulty, again)
                 assert again.error is None and again.failed == 0, f"the next run: {again}"
             except AssertionError as e:
                 raise AssertionError(f"{where}: {e}\n  outcome: {out}\n  log: {logged}") from e

@@ -200,3 +200,34 @@ def test_a_probe_that_could_not_be_deleted_is_removed_by_gc(store: FaultyStorage
     assert [n for n in store.inner.list() if n.startswith(".probe-")]
     assert gc(store.root) == 0
     assert store.inner.list() == [".lock"]
+
+
+# -- a manager in "warn" mode never fails the job for storage ---------------------------------
+
+
+def test_step_counts_a_failed_existence_check_as_a_failed_save(root_url: str) -> None:
+    faulty = FaultyStorage(root_url)
+    state = make_state(1.0)
+    with tg.CheckpointManager(faulty.root, state, every_steps=1, async_save=False) as mgr:
+        faulty.fail("stat", error="EIO")  # is step 1 there already? storage cannot say
+        assert mgr.step(1) is False  # not raised: counted, training goes on
+        assert mgr.stats.failed == 1 and "injected EIO" in (mgr.stats[0].error or "")
+        assert mgr.step(2) is True
+        assert mgr.steps() == [2]
+
+
+def test_a_failed_retention_listing_does_not_count_a_committed_save_as_failed(
+    root_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    faulty = FaultyStorage(root_url)
+    state = make_state(1.0)
+    with tg.CheckpointManager(faulty.root, state, keep_last=1, async_save=False) as mgr:
+        mgr.save(1)
+        # After step 2 commits: the listing for abandoned checkpoints, then retention's.
+        faulty.fail("list", nth=2, error="EIO")
+        assert mgr.save(2) is True
+        assert [(s.step, s.ok) for s in mgr.stats] == [(1, True), (2, True)]
+        assert mgr.steps() == [1, 2]  # nothing deleted this time
+        mgr.save(3)
+        assert mgr.steps() == [3]  # retention catches up
+    assert any("to apply retention" in r.getMessage() for r in caplog.records)

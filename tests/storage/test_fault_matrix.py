@@ -107,7 +107,17 @@ def prepare_two(faulty: FaultyStorage) -> None:
             mgr.save(step)
 
 
+def warn_mode(call: Any) -> None:
+    """``call()`` on a manager in "warn" mode: whatever storage does, it does not raise."""
+    try:
+        call()
+    except Exception as e:
+        raise AssertionError(f'raised under on_save_error="warn": {e!r}') from e
+
+
 def manager_step(async_mode: bool) -> Any:
+    """A manager is created (which may refuse the location), saves a step and closes."""
+
     def run(faulty: FaultyStorage, attempt: int) -> Outcome:
         step = 3 + attempt
         state = make_state(float(step))
@@ -120,13 +130,64 @@ def manager_step(async_mode: bool) -> Any:
                 async_save=async_mode,
                 on_save_error="warn",
             )
-            with mgr:
-                mgr.step(step)
         except TardigradeError as e:
             return Outcome(error=e)
+        warn_mode(lambda: mgr.step(step))
+        warn_mode(mgr.close)
         return Outcome(failed=mgr.stats.failed, value=mgr.stats.succeeded)
 
     return run
+
+
+def manager_opened(async_mode: bool) -> Any:
+    """A manager is created and saves step 3 (the fault hits here; 5 on the next run), then
+    goes on."""
+
+    def run(faulty: FaultyStorage, attempt: int) -> Outcome:
+        step = 3 + 2 * attempt
+        state = make_state(float(step))
+        try:
+            mgr = tg.CheckpointManager(
+                faulty.root,
+                state,
+                every_steps=1,
+                keep_last=2,
+                async_save=async_mode,
+                on_save_error="warn",
+            )
+        except TardigradeError as e:
+            return Outcome(error=e)
+        try:
+            warn_mode(lambda: mgr.step(step))
+            # The background save is part of this step: it finishes (and fails) before the
+            # fault is taken away.
+            warn_mode(mgr.wait)
+        except BaseException:
+            mgr.close()
+            raise
+        return Outcome(value=(mgr, state, step))
+
+    return run
+
+
+def manager_goes_on(faulty: FaultyStorage, out: Outcome) -> Outcome:
+    """Once the fault is gone the same manager saves the next step: training went on (Caffe2)."""
+    if out.error is not None:
+        return out
+    mgr, state, step = out.value
+    state["model"].weight.data.fill_(float(step + 1))
+    warn_mode(lambda: mgr.step(step + 1))
+    warn_mode(mgr.wait)
+    warn_mode(mgr.close)
+    assert mgr.stats[-1].step == step + 1 and mgr.stats[-1].ok, mgr.stats
+    return Outcome(failed=mgr.stats.failed, value=[(s.step, s.ok) for s in mgr.stats])
+
+
+def saved_step_4(faulty: FaultyStorage, out: Outcome) -> None:
+    """The same manager saved step 4 once the fault was gone, with step 4's values."""
+    if out.error is None:
+        assert out.value[-1] == (4, True), out.value
+        assert float(tg.load(faulty.url("step-000000004"))["model"]["weight"][0, 0]) == 4.0
 
 
 def restore(faulty: FaultyStorage, attempt: int) -> Outcome:
@@ -199,6 +260,24 @@ FAMILIES = {
         tidy_leftovers,
         may_retire=frozenset({"step-000000001"}),
     ),
+    "manager-goes-on": Family(
+        "manager-goes-on",
+        prepare_two,
+        manager_opened(async_mode=False),
+        tidy_leftovers,
+        saved_step_4,
+        may_retire=frozenset({"step-000000001", "step-000000002"}),
+        then=manager_goes_on,
+    ),
+    "manager-goes-on-async": Family(
+        "manager-goes-on-async",
+        prepare_two,
+        manager_opened(async_mode=True),
+        tidy_leftovers,
+        saved_step_4,
+        may_retire=frozenset({"step-000000001", "step-000000002"}),
+        then=manager_goes_on,
+    ),
     "restore": Family("restore", prepare_two, restore, tidy_leftovers, restored_what_it_says),
     "gc": Family("gc", prepare_leftover, gc, tidy_leftovers),
 }
@@ -209,7 +288,9 @@ FAMILIES = {
 # (taken in turn, so every kind hits every op kind) and one outage, not with every kind; on
 # memory:// (the same code above the byte layer, at a fraction of the cost) with every kind.
 # (A store reached over the network, when it joins BACKENDS, is sampled too.)
-SAMPLED_ON_DISK = {"manager-step", "manager-step-async", "restore"}
+SAMPLED_ON_DISK = {
+    "manager-step", "manager-step-async", "manager-goes-on", "manager-goes-on-async", "restore"
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

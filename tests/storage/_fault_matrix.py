@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from typing import Any
 import tardigrade as tg
 from tardigrade._catalog import Catalog
 from tardigrade.errors import TardigradeError
-from tardigrade.storage import Storage
+from tardigrade.storage import LocalStorage, Storage
 from tardigrade.storage.lease import LOCK
 from tardigrade.testing import ERRORS, FaultyStorage
 
@@ -107,6 +108,36 @@ def wipe(storage: Storage) -> None:
     storage.delete("")
 
 
+def laid_down(faulty: FaultyStorage, family: Family) -> Callable[[], None]:
+    """Lay down ``family``'s checkpoints once; return what puts the root back as it was then.
+
+    A copy, not the saves again: on a disk each save fsyncs, and the matrix starts afresh
+    hundreds of times. Plain copies are enough here: nothing is crashed in between.
+    """
+    inner = faulty.inner
+    wipe(inner)
+    family.prepare(faulty)
+    if isinstance(inner, LocalStorage):
+        # Beside the root, in the test's own temporary directory (removed with it).
+        pristine = f"{inner.root}.pristine"
+        shutil.rmtree(pristine, ignore_errors=True)
+        shutil.copytree(inner.root, pristine, symlinks=True)
+
+        def again() -> None:
+            shutil.rmtree(inner.root, ignore_errors=True)
+            shutil.copytree(pristine, inner.root, symlinks=True)
+
+        return again
+    objs = objects(inner, "")
+
+    def again() -> None:
+        wipe(inner)
+        for name, data in objs.items():
+            inner.put(name, data, mode="overwrite")
+
+    return again
+
+
 def leftovers(storage: Storage) -> list[str]:
     """What is under the root but a committed checkpoint or a released lease record."""
     catalog = Catalog(storage)
@@ -157,8 +188,7 @@ def every_fault(
     """Fail every storage operation of ``family``'s run in turn; the faults injected
     (``single``, ``outage``) and how each surfaced (``raised``, ``counted``, ``logged``)."""
     inner = faulty.inner
-    wipe(inner)
-    family.prepare(faulty)
+    again_as_before = laid_down(faulty, family)
     start = len(faulty.ops)
     probe = family.run(faulty, 0)
     ops = faulty.ops[start:]
@@ -175,8 +205,7 @@ def every_fault(
                 f"{family.name}: {op} #{seen[op]} (operation {k + 1} of {len(ops)}), {error}"
                 f"{' and an outage after it' if outage else ''}"
             )
-            wipe(inner)
-            family.prepare(faulty)
+            again_as_before()
             before = committed(inner)
             fired = len(faulty.injected)
             with warnings_logged() as logged:

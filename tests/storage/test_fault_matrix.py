@@ -74,7 +74,7 @@ def bounded_async_save(faulty: FaultyStorage, attempt: int) -> Outcome:
     step = 5 + attempt
 
     def run() -> Any:
-        state = {**make_state(step), "big": torch.full((3 << 19,), float(step))}  # 6 MiB
+        state = {**make_state(step), "big": torch.full((3 << 18,), float(step))}  # 3 MiB
         with tg.AsyncCheckpointer(max_staging_bytes=2 << 20) as ckpt:
             fut = ckpt.save(faulty.url(f"step-{step}"), state, step=step)
             assert fut is not None
@@ -284,12 +284,13 @@ FAMILIES = {
 
 
 # Runs that cost tens of milliseconds on a disk (a manager, its fsynced preflight and lease, two
-# checkpoints laid down before each trial): there, each operation k fails with one error kind
+# checkpoints laid down before each trial; megabytes staged under a budget): there, each operation k fails with one error kind
 # (taken in turn, so every kind hits every op kind) and one outage, not with every kind; on
 # memory:// (the same code above the byte layer, at a fraction of the cost) with every kind.
 # (A store reached over the network, when it joins BACKENDS, is sampled too.)
 SAMPLED_ON_DISK = {
-    "manager-step", "manager-step-async", "manager-goes-on", "manager-goes-on-async", "restore"
+    "async-save-bounded", "manager-step", "manager-step-async", "manager-goes-on",
+    "manager-goes-on-async", "restore",
 }  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""Every storage operation of a collective save on 2 gloo ranks fails in turn, on each rank.
+"""Every storage operation of a collective save on 2 gloo ranks (synchronous, and
+asynchronous: the protocol in the background on a forked group) fails in turn, on each rank.
 
 The ranks run the whole matrix in one job (spawning ranks per fault would cost seconds each):
 each enumerates its own operations of one save, then for every operation k of every rank,
@@ -32,7 +33,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 TIMEOUT = 30.0  # seconds a rank waits for the other in one save: far above what a save takes
 
 
-def collective_matrix(rank: int, world: int, root: str) -> dict[str, Any]:
+def collective_matrix(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
     faulty = FaultyStorage(root)  # the first in each fresh rank process: the same URL on both
     inner = faulty.inner
 
@@ -45,7 +46,15 @@ def collective_matrix(rank: int, world: int, root: str) -> dict[str, Any]:
 
     def run(step: int) -> None:
         state = make_state(rank, world, float(step))
-        tg.save(faulty.url(f"step-{step}"), state, step=step, timeout=TIMEOUT)
+        url = faulty.url(f"step-{step}")
+        if mode == "sync":
+            tg.save(url, state, step=step, timeout=TIMEOUT)
+            return
+        # The collective protocol runs in the background on a forked gloo group; its error
+        # reaches every rank's future.
+        fut = tg.save(url, state, step=step, timeout=TIMEOUT, async_=True)
+        assert isinstance(fut, tg.SaveFuture)
+        fut.result()
 
     prepare()
     start = len(faulty.ops)
@@ -104,15 +113,16 @@ def collective_matrix(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"root": faulty.root, "problems": problems, "count": count, "ops": len(mine)}
 
 
-def test_every_operation_of_a_collective_save_fails_in_turn(root_url: str) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_operation_of_a_collective_save_fails_in_turn(root_url: str, mode: str) -> None:
     if root_url.startswith("memory://"):
         pytest.skip("memory:// lives in one process; ranks are processes")
-    results = run_ranks(collective_matrix, 2, root_url, timeout=360)
+    results = run_ranks(collective_matrix, 2, root_url, mode, timeout=360)
     assert not [r for r in results if "error" in r], results
     assert results[0]["root"] == results[1]["root"]
     problems = results[0]["problems"] + results[1]["problems"]
     assert not problems, "\n".join(problems)
     faults = sum(sum(r["count"].values()) for r in results)
     assert faults >= 5 * sum(r["ops"] for r in results)  # each error kind, and an outage
-    INJECTED["collective-save[local]"] += faults
-    print(f"collective-save: {[r['count'] for r in results]}")
+    INJECTED[f"collective-save-{mode}[local]"] += faults
+    print(f"collective-save ({mode}): {[r['count'] for r in results]}")

@@ -42,7 +42,9 @@ from tardigrade.testing import ERRORS, FaultyStorage
 # Faults injected, per family (and backend), for the session's summary (conftest prints them).
 INJECTED: Counter[str] = Counter()
 
-RAISING = [e for e in ERRORS if e != "short_write"]
+RAISING = [e for e in ERRORS if e not in ("short_write", "lost_reply")]
+# Operations that change what is stored: their reply can be lost after they took effect.
+CHANGING = {"put", "delete", "close", "commit", "abort", "move"}
 
 
 @dataclass
@@ -72,10 +74,13 @@ class Family:
 
 def errors_for(op: str, k: int, *, sample: bool) -> list[tuple[str, bool]]:
     """The faults to inject at operation ``k`` (of kind ``op``), as (error, outage): every
-    error kind failing that one operation, or (``sample``) one kind per k, taken in turn
+    error kind failing that one operation (a lost reply where the operation changes what is
+    stored), or (``sample``) one kind per k, taken in turn
     (deterministically, so every kind still hits every op kind); then one outage (operation
     k and every one after it fail, the cleanup included), its kind also taken in turn."""
     kinds = [*RAISING, "short_write"] if op == "write" else RAISING
+    if op in CHANGING:
+        kinds = [*kinds, "lost_reply"]
     single = [kinds[k % len(kinds)]] if sample else kinds
     return [(e, False) for e in single] + [(RAISING[k % len(RAISING)], True)]
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import tardigrade as tg
 from tardigrade.cli import main as cli
-from tardigrade.errors import CheckpointLockedError, StorageError
+from tardigrade.errors import CheckpointLockedError, StorageError, TardigradeError
 from tardigrade.storage import open_root
 from tardigrade.storage.lease import ObjectLease
 from tardigrade.testing import FaultyStorage
@@ -231,3 +231,34 @@ def test_a_failed_retention_listing_does_not_count_a_committed_save_as_failed(
         mgr.save(3)
         assert mgr.steps() == [3]  # retention catches up
     assert any("to apply retention" in r.getMessage() for r in caplog.records)
+
+
+# -- a lost reply: the store did it, the caller got an error ---------------------------------
+
+
+def test_a_lease_whose_reply_was_lost_is_held(store: FaultyStorage) -> None:
+    lease = store.lease()
+    store.fail("put", error="lost_reply")  # the record was written; the answer timed out
+    lease.acquire()
+    assert lease.held
+    lease.check()
+    lease.release()
+    assert store.inner.lease().read()["released"] is True  # type: ignore[index]
+
+
+def test_a_manager_whose_lease_reply_was_lost_saves(store: FaultyStorage) -> None:
+    state = make_state(1.0)
+    store.fail("put", nth=2, error="lost_reply")  # the preflight's probe, then the lease
+    with tg.CheckpointManager(store.root, state, async_save=False) as mgr:
+        assert mgr.save(1) is True  # not refused by its own lease record
+        assert mgr.steps() == [1]
+    assert gc(store.root) == 0  # nor is the next holder
+
+
+def test_a_commit_whose_reply_was_lost_says_it_committed(root_url: str) -> None:
+    faulty = FaultyStorage(root_url)
+    faulty.fail("commit", error="lost_reply")
+    with pytest.raises(TardigradeError, match=r"committed nonetheless \(committed=True\)") as e:
+        tg.save(faulty.url("step-1"), make_state(1.0))
+    assert e.value.committed is True
+    assert tg.load(faulty.url("step-1"))["step"] == 1

@@ -142,6 +142,19 @@ class ObjectLease(Lease):
         except PreconditionFailed:
             self.generation = None
             raise self._locked(self.read()) from None
+        except StorageError as e:
+            # The put may have taken effect with its reply lost (a store's request that timed
+            # out): then the record is ours and so is the lease.
+            if not self._adopt():
+                _let_go.add(self.owner)  # if it did take effect later, this process let go
+                self.generation = None
+                raise
+            log.warning(
+                "tardigrade: taking the lease of %s failed (%s), but it had taken effect: the "
+                "lease is held",
+                self.url,
+                e,
+            )
         if reason:
             log.warning("tardigrade: took over the lease of %s: %s", self.url, reason)
         if rec:
@@ -183,13 +196,26 @@ class ObjectLease(Lease):
         )
 
     def _ours(self) -> bool:
+        """Whether the record is still this holder's (owner and generation): a takeover
+        writes another owner. A version other than the one we last wrote is adopted: one of
+        our own puts whose reply was lost."""
         rec, version = self._read()
-        return (
-            rec is not None
-            and rec.get("owner") == self.owner
-            and rec.get("generation") == self.generation
-            and version == self._version
-        )
+        if (
+            rec is None
+            or rec.get("owner") != self.owner
+            or rec.get("generation") != self.generation
+        ):
+            return False
+        self._version = version
+        return True
+
+    def _adopt(self) -> bool:
+        """After a put of ours failed: whether it took effect nonetheless (then the record is
+        ours, and its version is adopted). False also when the record cannot be read."""
+        try:
+            return self._ours()
+        except StorageError:
+            return False
 
     def check(self) -> None:
         """Raise CheckpointLockedError unless this holder still has the lease; StorageError
@@ -215,6 +241,8 @@ class ObjectLease(Lease):
                         LOCK, self._record(), mode="if_match", expect=self._version
                     )
                 except PreconditionFailed:
+                    if self._adopt():
+                        continue  # an earlier beat took effect, its reply lost: still ours
                     log.error("tardigrade: lost the lease of %s: another job took it", self.url)
                     self.held, self.generation = False, None
                     return

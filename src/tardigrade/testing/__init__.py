@@ -2,7 +2,8 @@
 
 Wrap any backend (a local directory, ``memory://``) and make its Nth operation of a kind fail
 the way storage fails in production: a full disk, an I/O error, a permission error, a transient
-error, or a write that silently keeps only part of its bytes. Every operation is logged, so a
+error, a write that silently keeps only part of its bytes, or an operation that took effect but
+whose reply was lost (a store's request that timed out after it was applied). Every operation is logged, so a
 test can run once, count the operations, then fail each one in turn::
 
     import tardigrade as tg
@@ -56,13 +57,16 @@ OPERATIONS = (
     "open_writer", "write", "close", "open_reader", "read", "put", "stat", "list", "delete",
     "move", "begin", "commit", "abort",
 )  # fmt: skip
-# What each injected error raises (short_write raises nothing: it keeps half the bytes).
+# What each injected error raises (short_write raises nothing: it keeps half the bytes;
+# lost_reply raises after the operation was done, as a store's request that timed out after
+# it took effect, or a rename whose fsync failed).
 ERRORS = {
     "ENOSPC": errno.ENOSPC,
     "EIO": errno.EIO,
     "EACCES": errno.EACCES,
     "transient": errno.EAGAIN,
     "short_write": None,
+    "lost_reply": errno.ETIMEDOUT,
 }
 
 _instances: weakref.WeakValueDictionary[str, FaultyStorage] = weakref.WeakValueDictionary()
@@ -133,6 +137,8 @@ class FaultyStorage(Storage):
             raise InvalidArgumentError(
                 "error='short_write' applies to op='write' only, and not to an outage"
             )
+        if error == "lost_reply" and outage:
+            raise InvalidArgumentError("error='lost_reply' does not apply to an outage")
         if nth < 1 or times < 1:
             raise InvalidArgumentError(f"nth and times must be >= 1, got {nth} and {times}")
         with self._lock:
@@ -144,8 +150,9 @@ class FaultyStorage(Storage):
             self._faults.clear()
             self._outage = None
 
-    def _op(self, op: str, what: str) -> str | None:
-        """Log ``op``; raise (or, for a short write, return the error) if a fault fires."""
+    def _op(self, op: str, what: str) -> str | StorageError | None:
+        """Log ``op``; raise if a fault fires. A short write returns ``"short_write"``; a lost
+        reply returns the error to raise once the operation is done (:meth:`_after`)."""
         with self._lock:
             self.count[op] += 1
             self.ops.append(op)
@@ -170,7 +177,16 @@ class FaultyStorage(Storage):
                 self.injected.append(f"{op} #{k}: {error}")
         if error == "short_write":
             return error
-        raise StorageError(ERRORS[error], f"{what}: injected {error} ({op} #{k}, FaultyStorage)")
+        err = StorageError(ERRORS[error], f"{what}: injected {error} ({op} #{k}, FaultyStorage)")
+        if error == "lost_reply":
+            return err
+        raise err
+
+    @staticmethod
+    def _after(late: str | StorageError | None) -> None:
+        """Raise a lost reply's error, now that its operation is done."""
+        if isinstance(late, StorageError):
+            raise late
 
     # -- the contract, each call logged and possibly failed -------------------------------
 
@@ -178,30 +194,45 @@ class FaultyStorage(Storage):
         return f"{self.root}/{name}"
 
     def open_writer(self, name: str, *, size_hint: int | None = None) -> Writer:
-        self._op("open_writer", self.url(name))
-        return _FaultyWriter(self, name, self.inner.open_writer(name, size_hint=size_hint))
+        late = self._op("open_writer", self.url(name))
+        writer = _FaultyWriter(self, name, self.inner.open_writer(name, size_hint=size_hint))
+        if late is not None:
+            writer.abort()
+        self._after(late)
+        return writer
 
     def open_reader(self, name: str) -> Reader:
-        self._op("open_reader", self.url(name))
-        return _FaultyReader(self, self.inner.open_reader(name))
+        late = self._op("open_reader", self.url(name))
+        reader = _FaultyReader(self, self.inner.open_reader(name))
+        if late is not None:
+            reader.close()
+        self._after(late)
+        return reader
 
     def put(
         self, name: str, data: bytes, *, mode: PutMode = "create", expect: str | None = None
     ) -> str:
-        self._op("put", self.url(name))
-        return self.inner.put(name, data, mode=mode, expect=expect)
+        late = self._op("put", self.url(name))
+        version = self.inner.put(name, data, mode=mode, expect=expect)
+        self._after(late)
+        return version
 
     def stat(self, name: str) -> Stat | None:
-        self._op("stat", self.url(name))
-        return self.inner.stat(name)
+        late = self._op("stat", self.url(name))
+        st = self.inner.stat(name)
+        self._after(late)
+        return st
 
     def list(self, name: str = "") -> list[str]:
-        self._op("list", self.url(name))
-        return self.inner.list(name)
+        late = self._op("list", self.url(name))
+        names = self.inner.list(name)
+        self._after(late)
+        return names
 
     def delete(self, name: str) -> None:
-        self._op("delete", self.url(name))
+        late = self._op("delete", self.url(name))
         self.inner.delete(name)
+        self._after(late)
 
     @property
     def _store(self) -> bool:
@@ -209,8 +240,10 @@ class FaultyStorage(Storage):
         return isinstance(self.inner, ManifestLastCommit)
 
     def begin(self, name: str, save_id: str) -> str:
-        self._op("begin", self.url(name))
-        return self.inner.begin(name, save_id)
+        late = self._op("begin", self.url(name))
+        staging = self.inner.begin(name, save_id)
+        self._after(late)
+        return staging
 
     def data_name(self, file: str, save_id: str) -> str:
         return self.inner.data_name(file, save_id)
@@ -218,20 +251,22 @@ class FaultyStorage(Storage):
     def commit(
         self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
     ) -> None:
-        self._op("commit", self.url(name))
+        late = self._op("commit", self.url(name))
         if self._store:
             ManifestLastCommit.commit(  # type: ignore[arg-type]
                 self, staging, name, manifest, save_id=save_id, replace=replace
             )
         else:
             self.inner.commit(staging, name, manifest, save_id=save_id, replace=replace)
+        self._after(late)
 
     def abort(self, staging: str, name: str, save_id: str) -> None:
-        self._op("abort", self.url(name))
+        late = self._op("abort", self.url(name))
         if self._store:
             ManifestLastCommit.abort(self, staging, name, save_id)  # type: ignore[arg-type]
         else:
             self.inner.abort(staging, name, save_id)
+        self._after(late)
 
     def abandon(self, staging: str) -> None:
         self.inner.abandon(staging)  # lets go of a resource here; no storage request
@@ -251,8 +286,9 @@ class FaultyStorage(Storage):
         return self.inner.can_move
 
     def move(self, src: str, dst: str) -> None:
-        self._op("move", self.url(src))
+        late = self._op("move", self.url(src))
         self.inner.move(src, dst)
+        self._after(late)
 
     def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
         if self._store:
@@ -273,7 +309,8 @@ class _FaultyWriter(Writer):
         self._inner = inner
 
     def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
-        if self._storage._op("write", self._storage.url(self._name)) == "short_write":
+        late = self._storage._op("write", self._storage.url(self._name))
+        if late == "short_write":
             # The storage keeps half and says nothing: the hasher sees what was asked, as a
             # writer that believes the write succeeded would.
             view = memoryview(data).cast("B")
@@ -282,14 +319,16 @@ class _FaultyWriter(Writer):
             self._inner.write(view[: view.nbytes // 2])
             return
         self._inner.write(data, hasher=hasher)
+        self._storage._after(late)
 
     def close(self) -> None:
         try:
-            self._storage._op("close", self._storage.url(self._name))
+            late = self._storage._op("close", self._storage.url(self._name))
         except BaseException:
             self._inner.abort()
             raise
         self._inner.close()
+        self._storage._after(late)
 
     def abort(self) -> None:
         self._inner.abort()
@@ -303,8 +342,9 @@ class _FaultyReader(Reader):
         self.size = inner.size
 
     def readinto(self, offset: int, buf: memoryview) -> None:
-        self._storage._op("read", self.name)
+        late = self._storage._op("read", self.name)
         self._inner.readinto(offset, buf)
+        self._storage._after(late)
 
     def close(self) -> None:
         self._inner.close()

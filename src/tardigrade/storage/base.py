@@ -17,8 +17,8 @@ Call order for a save (the commit order is the design), through the backend's st
 ``begin(name, save_id)`` -> a staging location; each data file ``open_writer(staging/
 data_name(file, save_id))``, ``write``..., ``close`` (durable) -> ``commit(staging, name,
 manifest)``. After ``commit`` returns the checkpoint exists and survives power loss; before,
-it does not. On failure ``abort(staging, name, save_id)`` removes what the save wrote; where that fails
-(or the outcome is unknown) ``abandon(staging)`` leaves it to ``tidy``. Two
+it does not. On failure ``abort(staging, name, save_id)`` removes what the save wrote; where
+that fails (or the outcome is unknown) ``abandon(staging)`` leaves it to ``tidy``. Two
 strategies: :class:`RenameCommit` (POSIX: a staging directory renamed into place, see
 ``local.py``) and :class:`ManifestLastCommit` (stores, which cannot rename: data objects under
 names unique to the save, then the manifest created only if none exists).

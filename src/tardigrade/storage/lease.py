@@ -158,7 +158,7 @@ class ObjectLease(Lease):
         if reason:
             log.warning("tardigrade: took over the lease of %s: %s", self.url, reason)
         if rec:
-            _let_go.discard(rec.get("owner"))  # type: ignore[arg-type]
+            _let_go.discard(str(rec.get("owner")))
         self.held = True
         self._stop = threading.Event()
         self._thread = threading.Thread(

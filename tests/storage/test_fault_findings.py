@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 from typing import Any
 
 import pytest
@@ -262,3 +263,19 @@ def test_a_commit_whose_reply_was_lost_says_it_committed(root_url: str) -> None:
         tg.save(faulty.url("step-1"), make_state(1.0))
     assert e.value.committed is True
     assert tg.load(faulty.url("step-1"))["step"] == 1
+
+
+def test_a_heartbeat_whose_reply_was_lost_keeps_the_lease(store: FaultyStorage) -> None:
+    lease = store.lease(lease_seconds=0.06)  # a heartbeat every 20 ms
+    lease.acquire()
+    try:
+        beats = store.count["put"]
+        store.fail("put", error="lost_reply")  # the next beat lands; its answer is lost
+        # Wait for that beat and two more: the first after it finds a record version it did
+        # not know it wrote (bounded by operations, not by time; the test's timeout guards).
+        while store.count["put"] < beats + 3 and lease.held:
+            threading.Event().wait(0.005)
+        assert lease.held
+        lease.check()
+    finally:
+        lease.release()

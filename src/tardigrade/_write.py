@@ -546,10 +546,10 @@ def _outcome_note(url: str, committed: bool | None) -> str:
         )
     if committed is None:
         return (
-            f" Whether {url} was committed is unknown (committed=None): it was not there when "
-            "this process looked, but rank 0 was lost while committing it (or storage could "
-            "not be read back). Once the job has stopped, tg.verify() on that path (or "
-            "CheckpointManager.restore()) tells."
+            f" Whether {url} was committed is unknown (committed=None): storage could not be "
+            "read back to tell, or (a collective save) it was not there when this process "
+            "looked but rank 0 was lost while committing it. Once the job has stopped, "
+            "tg.verify() on that path (or CheckpointManager.restore()) tells."
         )
     return f" Nothing was committed at {url} (committed=False); what was there is intact."
 

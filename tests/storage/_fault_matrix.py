@@ -35,6 +35,7 @@ from typing import Any
 import tardigrade as tg
 from tardigrade._catalog import Catalog
 from tardigrade.errors import TardigradeError
+from tardigrade.format.manifest import MANIFEST
 from tardigrade.storage import LocalStorage, Storage
 from tardigrade.storage.lease import LOCK
 from tardigrade.testing import ERRORS, FaultyStorage
@@ -67,6 +68,9 @@ class Family:
     check: Callable[[FaultyStorage, Outcome], None] = lambda faulty, out: None
     # Checkpoints the run may delete by design (retention), by name.
     may_retire: frozenset[str] = field(default_factory=frozenset)
+    # Checkpoints the run may replace by design (overwrite=True): the old one or the new one,
+    # complete either way.
+    may_replace: frozenset[str] = field(default_factory=frozenset)
     # What the same run goes on to do once the fault is gone (e.g. the same manager saves the
     # next step), given what ``run`` returned; its operations are not failed.
     then: Callable[[FaultyStorage, Outcome], Outcome] | None = None
@@ -144,7 +148,8 @@ def laid_down(faulty: FaultyStorage, family: Family) -> Callable[[], None]:
 
 
 def leftovers(storage: Storage) -> list[str]:
-    """What is under the root but a committed checkpoint or a released lease record."""
+    """What is under the root but a committed checkpoint (its manifest and the files it
+    lists) or a released lease record."""
     catalog = Catalog(storage)
     out = []
     for n in catalog.names():
@@ -155,6 +160,9 @@ def leftovers(storage: Storage) -> list[str]:
             continue
         if not catalog.committed(n):
             out.append(n)
+            continue
+        listed = {f["name"] for f in tg.read_manifest(storage.url(n))["files"]}
+        out.extend(f"{n}/{x}" for x in storage.list(n) if x != MANIFEST and x not in listed)
     return out
 
 
@@ -231,7 +239,9 @@ def every_fault(
                 family.check(faulty, out)
                 after = committed(inner)
                 for name, files in before.items():
-                    if name in after:
+                    if name in after and name in family.may_replace and after[name] != files:
+                        tg.verify(faulty.inner.url(name))  # replaced whole, by the new one
+                    elif name in after:
                         assert after[name] == files, f"{name} was modified"
                     else:
                         assert name in family.may_retire, f"{name} was lost"

@@ -279,3 +279,20 @@ def test_a_heartbeat_whose_reply_was_lost_keeps_the_lease(store: FaultyStorage) 
         lease.check()
     finally:
         lease.release()
+
+
+def test_gc_removes_a_failed_replace_s_data_from_a_committed_checkpoint_on_a_store(
+    store: FaultyStorage,
+) -> None:
+    tg.save(store.url("step-1"), make_state(1.0))
+    # A replace (overwrite=True) that wrote its data, then could not tell whether it committed
+    # (storage went away): it leaves its data objects under the committed name.
+    store.fail("stat", nth=2, error="EIO", outage=True)  # after its data file is written
+    with pytest.raises(tg.SaveError, match="committed=None"):
+        tg.save(store.url("step-1"), make_state(2.0), overwrite=True)
+    store.heal()
+    listed = {f["name"] for f in tg.read_manifest(store.url("step-1"))["files"]}
+    assert set(store.inner.list("step-1")) - listed - {"manifest.json"}  # the stray data
+    assert gc(store.root) == 0
+    assert set(store.inner.list("step-1")) == listed | {"manifest.json"}
+    assert tg.load(store.url("step-1"))["step"] == 1

@@ -56,6 +56,12 @@ def sync_save(faulty: FaultyStorage, attempt: int) -> Outcome:
     return outcome(lambda: tg.save(faulty.url(f"step-{step}"), make_state(step), step=step))
 
 
+def overwrite(faulty: FaultyStorage, attempt: int) -> Outcome:
+    """Replace the committed step-1 (overwrite=True): atomically, the old or the new one."""
+    value = 10.0 + attempt
+    return outcome(lambda: tg.save(faulty.url("step-1"), make_state(value), overwrite=True))
+
+
 def async_save(faulty: FaultyStorage, attempt: int) -> Outcome:
     step = 5 + attempt
 
@@ -242,6 +248,9 @@ def tidy_leftovers(faulty: FaultyStorage) -> None:
 FAMILIES = {
     "sync-save": Family("sync-save", prepare_one, sync_save, tidy_leftovers),
     "async-save": Family("async-save", prepare_one, async_save, tidy_leftovers),
+    "overwrite": Family(
+        "overwrite", prepare_one, overwrite, tidy_leftovers, may_replace=frozenset({"step-1"})
+    ),
     "async-save-bounded": Family(
         "async-save-bounded", prepare_one, bounded_async_save, tidy_leftovers
     ),

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError, TardigradeError
+from ..format import limits
 from ..format.checksum import Hasher
-from ..format.manifest import MANIFEST, MANIFEST_START
+from ..format.manifest import MANIFEST, MANIFEST_START, parse
 
 log = logging.getLogger("tardigrade")
 
@@ -341,9 +342,10 @@ class ManifestLastCommit(Storage):
 
     def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
         """Delete the data objects of saves that never committed: those under a name that
-        has no manifest (a save that died, or whose abort failed), and a preflight's probe
-        whose delete failed. Only objects named as a save's data are touched under a name,
-        never a manifest or anything else.
+        has no manifest (a save that died, or whose abort failed), those under a committed
+        checkpoint that its manifest does not list (a replace that failed), and a preflight's
+        probe whose delete failed. Only objects named as a save's data are touched under a
+        name, never a manifest, a listed file or anything else.
 
         A store cannot tell a dead save from a live one (no flock), so this is for the holder
         of the root's lease (a manager, `tardigrade gc`) with none of its own saves in flight:
@@ -358,9 +360,19 @@ class ManifestLastCommit(Storage):
                         self.delete(name)
                     done.append(Tidied(name, "removed", st.size))
                 continue
-            if name.startswith(".") or self.exists(f"{name}/{MANIFEST}"):
+            if name.startswith("."):
                 continue
-            dead = [n for n in self.list(name) if _SAVE_DATA.match(n)]
+            listed: set[str] | dict[str, int] = set()
+            if self.exists(f"{name}/{MANIFEST}"):
+                # A committed checkpoint: only data of other saves (one that failed replacing
+                # it, its outcome unknown) goes; one whose manifest does not read is left alone.
+                where = f"{name}/{MANIFEST}"
+                try:
+                    listed = parse(self.read_bytes(where, limits.MAX_MANIFEST_BYTES), where).files
+                except TardigradeError as e:
+                    log.warning("tardigrade: leaving %s as it is: %s", self.url(name), e)
+                    continue
+            dead = [n for n in self.list(name) if _SAVE_DATA.match(n) and n not in listed]
             if not dead:
                 continue
             nbytes = sum(st.size for n in dead if (st := self.stat(f"{name}/{n}")) is not None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from typing import Any
 
 import pytest
@@ -34,7 +35,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 TIMEOUT = 30.0  # seconds a rank waits for the other in one save: far above what a save takes
 
 
-def collective_matrix(rank: int, world: int, root: str, mode: str) -> dict[str, Any]:
+def collective_matrix(
+    rank: int, world: int, root: str, mode: str, sample: bool = True
+) -> dict[str, Any]:
     faulty = FaultyStorage(root)  # the first in each fresh rank process: the same URL on both
     inner = faulty.inner
 
@@ -69,7 +72,7 @@ def collective_matrix(rank: int, world: int, root: str, mode: str) -> dict[str, 
         seen: dict[str, int] = {}
         for k, op in enumerate(ops[victim]):
             seen[op] = seen.get(op, 0) + 1
-            for error, outage in errors_for(op, k, sample=True):
+            for error, outage in errors_for(op, k, sample=sample):
                 where = f"rank {victim}: {op} #{seen[op]} (operation {k + 1}), {error}"
                 where += " and an outage after it" if outage else ""
                 prepare()
@@ -118,12 +121,14 @@ def collective_matrix(rank: int, world: int, root: str, mode: str) -> dict[str, 
 def test_every_operation_of_a_collective_save_fails_in_turn(root_url: str, mode: str) -> None:
     if root_url.startswith("memory://"):
         pytest.skip("memory:// lives in one process; ranks are processes")
-    results = run_ranks(collective_matrix, 2, root_url, mode, timeout=360)
+    full = os.environ.get("FAULT_MATRIX_FULL", "") not in ("", "0")  # every error kind
+    results = run_ranks(collective_matrix, 2, root_url, mode, not full, timeout=360)
     assert not [r for r in results if "error" in r], results
     assert results[0]["root"] == results[1]["root"]
     problems = results[0]["problems"] + results[1]["problems"]
     assert not problems, "\n".join(problems)
     faults = sum(sum(r["count"].values()) for r in results)
-    assert faults == 2 * sum(r["ops"] for r in results)  # one error kind, and an outage
+    if not full:
+        assert faults == 2 * sum(r["ops"] for r in results)  # one error kind, and an outage
     INJECTED[f"collective-save-{mode}[local]"] += faults
     print(f"collective-save ({mode}): {[r['count'] for r in results]}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -34,6 +35,8 @@ from .format import safetensors as st
 from .format.checksum import Hasher, checksum
 from .format.jsonio import check_parse_cost, dumps, gc_paused, loads_strict, parse_cost
 from .format.manifest import COLUMNAR_VERSION, MANIFEST, PACKED_VERSION, seal, validate
+
+log = logging.getLogger("tardigrade")
 
 
 @dataclass(frozen=True)
@@ -489,9 +492,28 @@ def commit_staging(job: SaveJob, staging: str, manifest: bytes) -> None:
     )
 
 
-def abort_staging(job: SaveJob, staging: str) -> None:
-    """Remove what a save that will not commit wrote."""
-    job.storage.abort(staging, job.name, job.header["save_id"])
+def end_staging(job: SaveJob, staging: str, committed: bool | None) -> None:
+    """After a failed save: remove what it wrote if it did not commit; never raises, so the
+    save's own error is what the caller reports.
+
+    Past the commit point (or when that is unknown) nothing is removed: on a store the data
+    objects are the committed checkpoint's. What an abort that failed leaves behind, and the
+    staging of an unknown outcome, are let go of (``Storage.abandon``) for ``tidy`` (gc, the
+    next manager) to remove.
+    """
+    if committed is False:
+        try:
+            job.storage.abort(staging, job.name, job.header["save_id"])
+            return
+        except Exception as e:
+            log.warning(
+                "tardigrade: could not remove what the failed save of %s wrote (%s): %s; "
+                "`tardigrade gc` (or the next CheckpointManager on this location) removes it",
+                job.storage.url(job.name),
+                job.storage.url(staging),
+                e,
+            )
+    job.storage.abandon(staging)
 
 
 def committed_here(job: SaveJob) -> bool | None:
@@ -524,10 +546,10 @@ def _outcome_note(url: str, committed: bool | None) -> str:
         )
     if committed is None:
         return (
-            f" Whether {url} was committed is unknown (committed=None): it was not there when "
-            "this process looked, but rank 0 was lost while committing it (or storage could "
-            "not be read back). Once the job has stopped, tg.verify() on that path (or "
-            "CheckpointManager.restore()) tells."
+            f" Whether {url} was committed is unknown (committed=None): storage could not be "
+            "read back to tell, or (a collective save) it was not there when this process "
+            "looked but rank 0 was lost while committing it. Once the job has stopped, "
+            "tg.verify() on that path (or CheckpointManager.restore()) tells."
         )
     return f" Nothing was committed at {url} (committed=False); what was there is intact."
 
@@ -613,7 +635,7 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
         # The outcome first: past the commit point, aborting would delete the data of a
         # committed checkpoint (an object store's data objects are not in a staging dir).
         committed = committed_here(job) if staging is not None else False
-        if staging is not None and committed is False:
-            abort_staging(job, staging)
+        if staging is not None:
+            end_staging(job, staging, committed)
         raise_save_error(job, e, committed)
     return save_result(job, sum(w.size for w in written.values()) + len(manifest), len(written))

@@ -585,6 +585,11 @@ class CheckpointManager:
         except CheckpointLockedError as e:
             log.error("tardigrade: not %s in %s: %s", what, self.directory, e)
             return False
+        except OSError as e:
+            # The lease record cannot be read now: ownership is not proved, so nothing is
+            # deleted this time; the next check may succeed.
+            log.warning("tardigrade: not %s in %s now: %s", what, self.directory, e)
+            return False
         return True
 
     def _remove_leftovers(self) -> None:
@@ -657,6 +662,7 @@ class CheckpointManager:
         )
         committed, candidates = found["steps"], found["candidates"]
         damaged: str | None = None  # a candidate that failed after bytes reached the live state
+        unread: StorageError | None = None  # the last candidate storage failed to read
         for s in candidates:
             self._loading.add(s)
             loading = False
@@ -682,6 +688,8 @@ class CheckpointManager:
                 # load_state_dict(), or restore raises rather than train from a mix.
                 if loading and self._live_touched(e):
                     damaged = self.path(s)
+                if isinstance(e, StorageError):
+                    unread = e
                 if step is not None:
                     raise
                 log.warning(
@@ -722,6 +730,16 @@ class CheckpointManager:
                 "them: the live state is no longer as it was built. Rebuild it (restart the "
                 "process) and restore again, or delete the damaged checkpoints "
                 "(`tardigrade verify` names them) to start from scratch."
+            )
+        if unread is not None:
+            # Not None ("nothing to resume"): training would start from scratch and its saves
+            # would retire the checkpoints that only could not be read just now.
+            raise StorageError(
+                unread.errno,
+                f"{self.directory}: no checkpoint could be restored, and storage failed reading "
+                f"at least one of them ({unread}); committed steps: {committed}. Nothing was "
+                "restored and nothing was deleted: fix the storage (or wait for it) and restore "
+                "again.",
             )
         return None
 
@@ -909,7 +927,13 @@ class CheckpointManager:
             )
         # A committed checkpoint is replaced only when asked (force) or when it belongs to the
         # timeline abandoned by restore(step); repeating a step otherwise is a programming error.
-        replace = self.exists(step)
+        try:
+            replace = self.exists(step)
+        except (StorageError, CheckpointLockedError) as e:
+            # Storage failed before the save began (a transient error, a full disk): a failed
+            # save like any other, never an error out of step() in "warn" mode.
+            self._record_failure(step, e, time.perf_counter() - started)
+            return False
         if replace and not force and step not in self._abandoned:
             raise CheckpointExistsError(
                 f"{self.path(step)}: a checkpoint for step {step} already exists; "
@@ -1063,7 +1087,14 @@ class CheckpointManager:
         """Delete the abandoned checkpoints this run has now saved past (``step`` committed)."""
         try:
             names = self._catalog.names()
-        except OSError:
+        except OSError as e:
+            log.warning(
+                "tardigrade: could not list %s to remove the abandoned checkpoints that step %d "
+                "replaced (tried again after the next save): %s",
+                self.directory,
+                step,
+                e,
+            )
             return
         for n in names:
             m = ABANDONED_NAME.match(n)
@@ -1274,7 +1305,17 @@ class CheckpointManager:
         return keep | set(abandoned)
 
     def _retain(self) -> None:
-        steps = self._steps_here()
+        try:
+            steps = self._steps_here()
+        except OSError as e:
+            # The save is committed and counted; the old checkpoints go at the next save.
+            log.warning(
+                "tardigrade: could not list %s to apply retention (tried again after the next "
+                "save): %s",
+                self.directory,
+                e,
+            )
+            return
         keep = self.keep(steps)
         # A step being loaded, or with a save of ours in flight (a replace: force=True or an
         # abandoned step), is not deleted under that reader or writer.

@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 import tardigrade as tg
-from tardigrade.storage import local as local_storage
+from tardigrade.testing import FaultyStorage
 
 from ._harness import caught, make_state, run_ranks
 
@@ -43,6 +43,9 @@ class ReadsASecret:
 
 def error_classes(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    # The first of each fresh rank process: the same faulty:// URL on both ranks (as is the
+    # second, below). Faults are armed on rank 1's only.
+    faulty = FaultyStorage(root)
     here = os.path.join(root, "here")
     tg.save(here, make_state(rank, world, 1.0), step=1, timeout=30)
 
@@ -60,20 +63,12 @@ def error_classes(rank: int, world: int, root: str) -> dict[str, Any]:
     )
 
     # 3. ENOSPC on rank 1 while it writes its data file: a SaveError, as in one process.
-    real_write = os.write
-
-    def full_disk(fd: int, data: Any) -> int:
-        if rank == 1 and "data-r00001" in os.readlink(f"/proc/self/fd/{fd}"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
-
-    local_storage.os.write = full_disk  # type: ignore[attr-defined]
-    try:
-        out["disk_full"] = caught(
-            lambda: tg.save(os.path.join(root, "full"), make_state(rank, world, 2.0), timeout=30)
-        )
-    finally:
-        local_storage.os.write = real_write  # type: ignore[attr-defined]
+    if rank == 1:
+        faulty.fail("write", where="data-r00001", error="ENOSPC", times=1_000)
+    out["disk_full"] = caught(
+        lambda: tg.save(faulty.url("full"), make_state(rank, world, 2.0), timeout=30)
+    )
+    faulty.heal()
     dist.barrier()
     out["listing"] = sorted(os.listdir(root))
     dist.barrier()  # every rank has listed before rank 0 creates mgr/ below
@@ -85,7 +80,8 @@ def error_classes(rank: int, world: int, root: str) -> dict[str, Any]:
     handler.emit = lambda record: skipped.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("tardigrade").addHandler(handler)
     state = make_state(rank, world, 1.0)
-    mgr = tg.CheckpointManager(os.path.join(root, "mgr"), state, async_save=False, timeout=30)
+    faulty = FaultyStorage(os.path.join(root, "mgr"))
+    mgr = tg.CheckpointManager(faulty.root, state, async_save=False, timeout=30)
     for step in (1, 2, 3):
         for leaf in (state["emb"].local, state["w"]):
             leaf.fill_(float(step))
@@ -93,21 +89,15 @@ def error_classes(rank: int, world: int, root: str) -> dict[str, Any]:
         mgr.save(step)
     dist.barrier()
     if rank == 0:
-        step_2 = mgr.path(2)
+        step_2 = os.path.join(root, "mgr", "step-000000002")
         os.remove(os.path.join(step_2, next(f for f in os.listdir(step_2) if "r00001" in f)))
     dist.barrier()
-    real_preadv = os.preadv
-
-    def failing_disk(fd: int, buffers: Any, offset: int) -> int:
-        if rank == 1 and f"{os.sep}step-000000003{os.sep}" in os.readlink(f"/proc/self/fd/{fd}"):
-            raise OSError(errno.EIO, "Input/output error")
-        return real_preadv(fd, buffers, offset)
-
-    local_storage.os.preadv = failing_disk  # type: ignore[attr-defined]
+    if rank == 1:
+        faulty.fail("read", where=f"{os.sep}step-000000003{os.sep}", error="EIO", times=1_000)
     try:
         out["restored"] = mgr.restore()
     finally:
-        local_storage.os.preadv = real_preadv  # type: ignore[attr-defined]
+        faulty.heal()
     out["state"] = [float(state["emb"].local[0, 0]), float(state["w"][0, 0]), state["step"]]
     out["skipped"] = [m for m in skipped if "skipping checkpoint" in m]
     mgr.close()
@@ -141,7 +131,7 @@ def test_errors_keep_their_class_and_errno_on_every_rank(tmp_path: Path) -> None
 
     full = same_everywhere("disk_full")
     assert full["type"] == "SaveError" and full["causes"] == [1]
-    assert "No space left on device" in full["message"]
+    assert "injected ENOSPC" in full["message"] and "data-r00001" in full["message"]
 
     for out in results:
         assert out["listing"] == ["here"]  # neither failed save committed anything
@@ -154,7 +144,6 @@ def test_errors_keep_their_class_and_errno_on_every_rank(tmp_path: Path) -> None
         assert "failed on rank 1 of 2" in out["skipped"][0]
         # rank 1's read error names the file it failed on (a StorageError with the errno)
         assert re.search(
-            r"rank 1: StorageError: \[Errno 5\] reading \S*step-000000003\S* at byte \d+: "
-            "Input/output error",
+            r"rank 1: StorageError: \[Errno 5\] \S*step-000000003\S*: injected EIO",
             out["skipped"][0],
         ), out["skipped"][0]

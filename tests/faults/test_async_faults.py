@@ -6,8 +6,9 @@ cause; if nobody asked, the error surfaces once on the next ``save``, ``wait()``
 nothing is committed, no staging directory is left, earlier checkpoints stay intact. Leaving the
 interpreter waits for the save in flight; a SIGKILL mid-save leaves only the previous checkpoints.
 
-Writes are made to fail by patching ``LocalWriter.write`` (the tests run as root, so permission
-bits would not stop them) and, for real, by filling a 16 MiB tmpfs.
+Writes, closes and commits are made to fail with ``tardigrade.testing.FaultyStorage`` (the tests
+run as root, so permission bits would not stop them), the manifest's write inside the local
+commit by patching ``LocalWriter.write``, and, for real, by filling a 16 MiB tmpfs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import torch
 import tardigrade as tg
 from tardigrade import _async, _save, _write
 from tardigrade.errors import CheckpointNotFoundError, SaveError, TardigradeError
-from tardigrade.storage.local import LocalStorage, LocalWriter
+from tardigrade.storage.local import LocalWriter
+from tardigrade.testing import FaultyStorage
 
 MiB = 1024 * 1024
 
@@ -143,38 +145,43 @@ def assert_intact(committed: tuple[Path, dict[str, Any]]) -> None:
 
 FAULTS = {
     # where the background save fails -> (errno, words in the message)
-    "data-write": (errno.ENOSPC, "No space left on device"),
+    "data-write": (errno.ENOSPC, "injected ENOSPC"),
     "manifest-write": (errno.ENOSPC, "No space left on device"),
-    "fsync": (errno.EIO, "Input/output error"),
-    "commit": (errno.EIO, "Input/output error"),
+    "fsync": (errno.EIO, "injected EIO"),  # the close that fsyncs a data file
+    "commit": (errno.EIO, "injected EIO"),
 }
+# The FaultyStorage operation that fails for each, every time until healed.
+OPERATION = {"data-write": "write", "fsync": "close", "commit": "commit"}
 
 
-def inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    """Make the background save fail at ``where`` (one of FAULTS) with a raw OSError."""
+@pytest.fixture
+def faulty(tmp_path: Path) -> FaultyStorage:
+    """``tmp_path`` through a FaultyStorage: saves to ``faulty.url(name)`` land in it."""
+    return FaultyStorage(str(tmp_path))
+
+
+def inject(faulty: FaultyStorage, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Make background saves through ``faulty`` fail at ``where`` (one of FAULTS) until
+    :func:`heal`."""
     code, words = FAULTS[where]
-    write, close = LocalWriter.write, LocalWriter.close
+    if where in OPERATION:
+        faulty.fail(OPERATION[where], error=errno.errorcode[code], times=1_000_000)
+        return
+    # The manifest is written inside the local backend's commit, one storage operation, which
+    # FaultyStorage fails as a whole ("commit"): the write of the manifest itself is patched.
+    write = LocalWriter.write
 
-    def failing_write(self: LocalWriter, data: Any) -> None:
-        name = os.path.basename(self.path)
-        if (where == "data-write" and name.startswith("data-")) or (
-            where == "manifest-write" and name == "manifest.json"
-        ):
+    def failing_write(self: LocalWriter, data: Any, **kw: Any) -> None:
+        if os.path.basename(self.path) == "manifest.json":
             raise OSError(code, words)
-        write(self, data)
-
-    def failing_close(self: LocalWriter) -> None:
-        close(self)
-        raise OSError(code, words)
-
-    def failing_commit(self: LocalStorage, staging: str, name: str, *a: Any, **kw: Any) -> None:
-        raise OSError(code, words)
+        write(self, data, **kw)
 
     monkeypatch.setattr(LocalWriter, "write", failing_write)
-    if where == "fsync":
-        monkeypatch.setattr(LocalWriter, "close", failing_close)
-    if where == "commit":
-        monkeypatch.setattr(LocalStorage, "commit", failing_commit)
+
+
+def heal(faulty: FaultyStorage, monkeypatch: pytest.MonkeyPatch) -> None:
+    faulty.heal()
+    monkeypatch.undo()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,13 +259,14 @@ def test_failed_background_save_raises_on_result_and_leaves_nothing(
     tmp_path: Path,
     where: str,
     monkeypatch: pytest.MonkeyPatch,
+    faulty: FaultyStorage,
     committed: tuple[Path, dict[str, Any]],
     checkpointers: Callable[..., tg.AsyncCheckpointer],
 ) -> None:
     ckpt = checkpointers()
     state = make_state(seed=1, mib=80)  # two data files
-    path = tmp_path / "next"
-    inject(monkeypatch, where)
+    path = faulty.url("next")
+    inject(faulty, monkeypatch, where)
     fut = ckpt.save(path, state)
     assert fut is not None
     with pytest.raises(SaveError) as info:
@@ -272,7 +280,7 @@ def test_failed_background_save_raises_on_result_and_leaves_nothing(
 
     # Observed through result(): not raised a second time, and the checkpointer still works.
     assert ckpt.wait() is None
-    monkeypatch.undo()
+    heal(faulty, monkeypatch)
     fut = ckpt.save(path, state)
     assert fut is not None
     fut.result(timeout=60)
@@ -283,22 +291,23 @@ def test_failed_background_save_raises_on_result_and_leaves_nothing(
 def test_unobserved_error_surfaces_on_the_next_save(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    faulty: FaultyStorage,
     committed: tuple[Path, dict[str, Any]],
     checkpointers: Callable[..., tg.AsyncCheckpointer],
 ) -> None:
     ckpt = checkpointers()
     state = make_state(seed=2, mib=4)
-    failed = tmp_path / "failed"
-    inject(monkeypatch, "data-write")
+    failed = faulty.url("failed")
+    inject(faulty, monkeypatch, "data-write")
     fut = ckpt.save(failed, state)
     assert fut is not None
     wait_done(fut)
-    monkeypatch.undo()
+    heal(faulty, monkeypatch)
 
     other = tmp_path / "other"
     with pytest.raises(SaveError) as info:
         ckpt.save(other, state)
-    assert_save_error(info.value, failed, errno.ENOSPC, "No space left on device")
+    assert_save_error(info.value, failed, errno.ENOSPC, "injected ENOSPC")
     only_entries(tmp_path, "prev")
     assert_intact(committed)
 
@@ -315,23 +324,24 @@ def test_unobserved_error_surfaces_on_the_next_save(
 def test_unobserved_error_surfaces_on_wait(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    faulty: FaultyStorage,
     committed: tuple[Path, dict[str, Any]],
     checkpointers: Callable[..., tg.AsyncCheckpointer],
 ) -> None:
     ckpt = checkpointers()
     state = make_state(seed=3, mib=4)
-    failed = tmp_path / "failed"
-    inject(monkeypatch, "data-write")
+    failed = faulty.url("failed")
+    inject(faulty, monkeypatch, "data-write")
     fut = ckpt.save(failed, state)
     assert fut is not None
     with pytest.raises(SaveError) as info:
         ckpt.wait()
-    assert_save_error(info.value, failed, errno.ENOSPC, "No space left on device")
+    assert_save_error(info.value, failed, errno.ENOSPC, "injected ENOSPC")
     only_entries(tmp_path, "prev")
     assert_intact(committed)
 
     assert ckpt.wait() is None  # raised once
-    monkeypatch.undo()
+    heal(faulty, monkeypatch)
     fut = ckpt.save(tmp_path / "next", state)
     assert fut is not None
     fut.result(timeout=60)
@@ -342,17 +352,18 @@ def test_unobserved_error_surfaces_on_wait(
 def test_unobserved_error_surfaces_on_close(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    faulty: FaultyStorage,
     committed: tuple[Path, dict[str, Any]],
 ) -> None:
     ckpt = tg.AsyncCheckpointer()
     state = make_state(seed=4, mib=4)
-    failed = tmp_path / "failed"
-    inject(monkeypatch, "data-write")
+    failed = faulty.url("failed")
+    inject(faulty, monkeypatch, "data-write")
     fut = ckpt.save(failed, state)
     assert fut is not None
     with pytest.raises(SaveError) as info:
         ckpt.close()
-    assert_save_error(info.value, failed, errno.ENOSPC, "No space left on device")
+    assert_save_error(info.value, failed, errno.ENOSPC, "injected ENOSPC")
     only_entries(tmp_path, "prev")
     assert_intact(committed)
     ckpt.close()  # raised once; idempotent
@@ -361,18 +372,19 @@ def test_unobserved_error_surfaces_on_close(
 def test_failed_save_under_a_budget_does_not_deadlock(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    faulty: FaultyStorage,
     committed: tuple[Path, dict[str, Any]],
     checkpointers: Callable[..., tg.AsyncCheckpointer],
 ) -> None:
     """Failed writers still release their slabs, or staging would wait forever on the budget."""
     ckpt = checkpointers(max_staging_bytes=4 * MiB)
-    path = tmp_path / "next"
-    inject(monkeypatch, "data-write")
+    path = faulty.url("next")
+    inject(faulty, monkeypatch, "data-write")
     fut = ckpt.save(path, make_state(seed=5, mib=80))
     assert fut is not None
     with pytest.raises(SaveError) as info:
         fut.result(timeout=60)
-    assert_save_error(info.value, path, errno.ENOSPC, "No space left on device")
+    assert_save_error(info.value, path, errno.ENOSPC, "injected ENOSPC")
     assert ckpt.staging.allocated_bytes <= 4 * MiB
     only_entries(tmp_path, "prev")
     assert_intact(committed)
@@ -387,6 +399,7 @@ def parent_is_a_file(tmp_path: Path) -> Path:
 def test_failed_writes_return_staging_buffers_to_the_pool(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    faulty: FaultyStorage,
     checkpointers: Callable[..., tg.AsyncCheckpointer],
 ) -> None:
     ckpt = checkpointers()
@@ -396,12 +409,12 @@ def test_failed_writes_return_staging_buffers_to_the_pool(
         assert fut is not None
         fut.result(timeout=60)
     steady = ckpt.staging
-    inject(monkeypatch, "data-write")
-    fut = ckpt.save(tmp_path / "failed", state)
+    inject(faulty, monkeypatch, "data-write")
+    fut = ckpt.save(faulty.url("failed"), state)
     assert fut is not None
     with pytest.raises(SaveError):
         fut.result(timeout=60)
-    monkeypatch.undo()
+    heal(faulty, monkeypatch)
     fut = ckpt.save(tmp_path / "after", state)
     assert fut is not None
     fut.result(timeout=60)

@@ -29,6 +29,7 @@ import tardigrade as tg
 from tardigrade._catalog import Catalog
 from tardigrade.errors import CorruptCheckpointError, SaveError, StorageError
 from tardigrade.storage import local
+from tardigrade.testing import FaultyStorage
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -246,27 +247,21 @@ def test_restore_falls_back_past_a_socket_in_place_of_a_data_file(
 
 
 def test_restore_falls_back_past_a_data_file_it_may_not_read(
-    three_checkpoints: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    three_checkpoints: Path, caplog: pytest.LogCaptureFixture
 ):
     d = three_checkpoints
     data = only_data_file(d / "step-000000030")
-    # The tests run as root, for whom chmod 000 changes nothing: simulate what the kernel
-    # gives an unprivileged reader (EACCES from open) for exactly this one file.
-    real_open = os.open
-
-    def guarded_open(path: Any, flags: int, *a: Any, **kw: Any) -> int:
-        if os.fspath(path) == str(data):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
-        return real_open(path, flags, *a, **kw)
-
-    monkeypatch.setattr(os, "open", guarded_open)
+    # The tests run as root, for whom chmod 000 changes nothing: storage gives what the
+    # kernel gives an unprivileged reader (EACCES from open) for exactly this one file.
+    faulty = FaultyStorage(str(d))
+    faulty.fail("open_reader", where=f"step-000000030/{data.name}", error="EACCES", times=99)
     caplog.set_level(logging.WARNING, logger="tardigrade")
     state = make_state(seed=5)
-    with tg.CheckpointManager(d, state) as mgr:
+    with tg.CheckpointManager(faulty.root, state) as mgr:
         assert mgr.restore() == 20
         assert torch.equal(state["extra"]["hist"], torch.full((5,), 20.0))
         (msg,) = warnings_about(caplog, "step-000000030")
-        assert "Permission denied" in msg and data.name in msg
+        assert "injected EACCES" in msg and data.name in msg
     assert data.is_file()
 
 

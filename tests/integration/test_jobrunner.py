@@ -26,7 +26,7 @@ from tardigrade.errors import (
     InvalidArgumentError,
     StorageError,
 )
-from tardigrade.storage import local
+from tardigrade.testing import FaultyStorage
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -272,29 +272,23 @@ def test_failing_writes_do_not_stop_the_job(
     tmp_path: Path,
     async_save: bool,
     caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The directory is fine but the disk "fills up" while epochs 2 and 3 are written: with
     # async saves the error happens in the background writer and must still only be reported.
-    real_write = local.LocalWriter.write
-
-    def write(self: local.LocalWriter, data: Any, **kw: Any) -> None:
-        if "step-000000002" in self.path or "step-000000003" in self.path:
-            raise StorageError(errno.ENOSPC, f"writing {self.path}: No space left (injected)")
-        real_write(self, data, **kw)
-
-    monkeypatch.setattr(local.LocalWriter, "write", write)
-    caplog.set_level(logging.ERROR, logger="tardigrade")
     d = tmp_path / "ckpt"
+    faulty = FaultyStorage(str(d))
+    for step in ("step-000000002", "step-000000003"):
+        faulty.fail("write", where=step, error="ENOSPC", times=1_000)
+    caplog.set_level(logging.ERROR, logger="tardigrade")
     run = Run()
-    assert run.run(d, async_save=async_save) == EPOCHS
+    assert run.run(faulty.root, async_save=async_save) == EPOCHS  # type: ignore[arg-type]
     assert run.acc.total == expected_total(EPOCHS)
     assert run.mgr is not None
     assert sorted(s.step for s in run.mgr.stats if not s.ok) == [2, 3]
     failures = [r.getMessage() for r in caplog.records if "SAVE FAILED" in r.getMessage()]
-    assert len(failures) == 2 and "No space left" in failures[0], failures
+    assert len(failures) == 2 and "injected ENOSPC" in failures[0], failures
 
-    monkeypatch.setattr(local.LocalWriter, "write", real_write)
+    faulty.heal()
     with tg.CheckpointManager(d, {}, save_on_signals=()) as mgr:
         assert mgr.steps() == [0, 1, 4, 5, 6]
     for e in (0, 1, 4, 5, 6):

@@ -9,12 +9,32 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tardigrade.storage import Storage, open_root
 
 BACKENDS = ["local", "memory"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Also registered by tests/distributed/conftest.py, which a run of tests/storage alone
+    # does not load (the collective fault matrix lives here, beside the backends it runs on).
+    config.addinivalue_line(
+        "markers", "distributed: starts real processes joined by a torch.distributed group"
+    )
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The faults the fault matrix injected, per family (``_fault_matrix.INJECTED``)."""
+    from ._fault_matrix import INJECTED
+
+    if INJECTED:
+        terminalreporter.write_line(
+            f"fault matrix: {sum(INJECTED.values())} faults injected: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(INJECTED.items()))
+        )
 
 
 @pytest.fixture(params=BACKENDS)

@@ -42,9 +42,9 @@ from .._staging import SlabPool
 from .._tree import Flat, flatten, path_str
 from .._write import (
     WrittenFile,
-    abort_staging,
     commit_staging,
     committed_here,
+    end_staging,
     manifest_doc,
     per_rank_trees,
     raise_save_error,
@@ -366,8 +366,8 @@ class _Save:
             # The outcome first: past the commit point, aborting would delete the data of a
             # committed checkpoint (an object store's data objects are not in a staging dir).
             committed = _outcome(job, ranks, e)
-            if ranks.coordinator and committed is False:
-                abort_staging(job, staging)
+            if ranks.coordinator:
+                end_staging(job, staging, committed)
             raise_save_error(job, e, committed)
         return save_result(job, done["nbytes"], done["files"])
 

@@ -17,7 +17,8 @@ Call order for a save (the commit order is the design), through the backend's st
 ``begin(name, save_id)`` -> a staging location; each data file ``open_writer(staging/
 data_name(file, save_id))``, ``write``..., ``close`` (durable) -> ``commit(staging, name,
 manifest)``. After ``commit`` returns the checkpoint exists and survives power loss; before,
-it does not. On failure ``abort(staging, name, save_id)`` removes what the save wrote. Two
+it does not. On failure ``abort(staging, name, save_id)`` removes what the save wrote; where
+that fails (or the outcome is unknown) ``abandon(staging)`` leaves it to ``tidy``. Two
 strategies: :class:`RenameCommit` (POSIX: a staging directory renamed into place, see
 ``local.py``) and :class:`ManifestLastCommit` (stores, which cannot rename: data objects under
 names unique to the save, then the manifest created only if none exists).
@@ -27,17 +28,31 @@ from __future__ import annotations
 
 import abc
 import errno
+import logging
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError, TardigradeError
+from ..format import limits
 from ..format.checksum import Hasher
-from ..format.manifest import MANIFEST, MANIFEST_START
+from ..format.manifest import MANIFEST, MANIFEST_START, parse
+
+log = logging.getLogger("tardigrade")
 
 # Everything in flight or left behind starts with this; readers never read it.
 TMP_PREFIX = ".tmp-"
+# The empty object a preflight writes and deletes (``tidy`` removes one whose delete failed).
+PROBE_PREFIX = ".probe-"
+# Errors no amount of waiting fixes: a location that gives them can never hold a checkpoint.
+# A full store or disk, an I/O error or a transient one is not among them.
+PERMANENT_ERRNOS = frozenset(
+    {
+        errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ELOOP,
+        errno.ENAMETOOLONG,
+    }
+)  # fmt: skip
 
 PutMode = Literal["create", "if_match", "overwrite"]
 
@@ -185,6 +200,13 @@ class Storage(abc.ABC):
     def abort(self, staging: str, name: str, save_id: str) -> None:
         """Remove what a save that will not commit wrote (it never became visible)."""
 
+    def abandon(self, staging: str) -> None:
+        """Let go of ``staging`` without removing it: its save ended without committing and
+        its ``abort`` failed, or its outcome is unknown. Whatever marks it as a live save's
+        (a POSIX staging directory's flock) is dropped, so ``tidy`` takes it for a dead
+        writer's leftover. Never raises."""
+        return None
+
     # Whether move() works: POSIX directories rename; object stores cannot.
     can_move = False
 
@@ -196,10 +218,33 @@ class Storage(abc.ABC):
 
     def preflight(self) -> None:
         """Raise StorageError if checkpoints can never be written here (read-only, denied, a
-        file in the way); create the root if missing. A transient failure only warns."""
-        probe = f".probe-{uuid.uuid4().hex}"
-        self.put(probe, b"", mode="create")
-        self.delete(probe)
+        file in the way); create the root if missing. A transient failure only warns: the
+        saves report it, and may succeed once it is gone."""
+        probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+        try:
+            self.put(probe, b"", mode="create")
+        except StorageError as e:
+            if e.errno in PERMANENT_ERRNOS:
+                raise StorageError(
+                    e.errno,
+                    f"{self.root}: cannot be used as a checkpoint location, no save could ever "
+                    f"succeed there: {e}. Fix its permissions or pass another location.",
+                ) from e
+            log.warning(
+                "tardigrade: checkpoint location %s: %s; saves will fail until this is fixed "
+                "(training is not stopped for it)",
+                self.root,
+                e,
+            )
+            return
+        try:
+            self.delete(probe)
+        except StorageError as e:
+            log.warning(
+                "tardigrade: could not delete the probe %s: %s (`tardigrade gc` removes it)",
+                self.url(probe),
+                e,
+            )
 
     def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
         """Clean up after writers that died: their staging, half-done replaces and deletes.
@@ -294,6 +339,47 @@ class ManifestLastCommit(Storage):
     def abort(self, staging: str, name: str, save_id: str) -> None:
         mine = self.data_name("", save_id)
         self.delete_many([f"{name}/{n}" for n in self.list(name) if n.startswith(mine)])
+
+    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+        """Delete the data objects of saves that never committed: those under a name that
+        has no manifest (a save that died, or whose abort failed), those under a committed
+        checkpoint that its manifest does not list (a replace that failed), and a preflight's
+        probe whose delete failed. Only objects named as a save's data are touched under a
+        name, never a manifest, a listed file or anything else.
+
+        A store cannot tell a dead save from a live one (no flock), so this is for the holder
+        of the root's lease (a manager, `tardigrade gc`) with none of its own saves in flight:
+        under the one-writer rule nobody else saves into the root meanwhile.
+        """
+        done = []
+        for name in self.list():
+            if name.startswith(PROBE_PREFIX):
+                st = self.stat(name)
+                if st is not None and not st.is_dir:
+                    if not dry_run:
+                        self.delete(name)
+                    done.append(Tidied(name, "removed", st.size))
+                continue
+            if name.startswith("."):
+                continue
+            listed: set[str] | dict[str, int] = set()
+            if self.exists(f"{name}/{MANIFEST}"):
+                # A committed checkpoint: only data of other saves (one that failed replacing
+                # it, its outcome unknown) goes; one whose manifest does not read is left alone.
+                where = f"{name}/{MANIFEST}"
+                try:
+                    listed = parse(self.read_bytes(where, limits.MAX_MANIFEST_BYTES), where).files
+                except TardigradeError as e:
+                    log.warning("tardigrade: leaving %s as it is: %s", self.url(name), e)
+                    continue
+            dead = [n for n in self.list(name) if _SAVE_DATA.match(n) and n not in listed]
+            if not dead:
+                continue
+            nbytes = sum(st.size for n in dead if (st := self.stat(f"{name}/{n}")) is not None)
+            if not dry_run:
+                self.delete_many([f"{name}/{n}" for n in dead])
+            done.append(Tidied(name, "removed", nbytes))
+        return done
 
     def describe(self, name: str) -> str | None:
         """As :meth:`Storage.describe`; data a save left without committing is nothing."""

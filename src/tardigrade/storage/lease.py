@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointLockedError, StorageError
+from ..errors import CheckpointLockedError, CorruptCheckpointError, StorageError
 from .base import PreconditionFailed
 
 if TYPE_CHECKING:
@@ -35,6 +35,11 @@ log = logging.getLogger("tardigrade")
 
 LOCK = ".lock"
 _MAX_RECORD = 64 * 1024
+# Puts a release tries before leaving the record to expire.
+_RELEASE_TRIES = 3
+# Owners (of this process) whose release could not be written: their records read as held, but
+# this process knows they were let go, so its next holder need not wait for them to expire.
+_let_go: set[str] = set()
 
 
 class Lease(abc.ABC):
@@ -92,14 +97,20 @@ class ObjectLease(Lease):
         ).encode()
 
     def _read(self) -> tuple[dict[str, Any] | None, str | None]:
-        """(record, version): (None, None) when there is none, ({}, version) when unreadable."""
+        """(record, version): (None, None) when there is none, ({}, version) when its bytes
+        are not a record. A failure to read it raises StorageError: a record that could not be
+        read says nothing about its holder, who may be alive (taking the lease over on a
+        transient read error would make two writers)."""
         st = self.storage.stat(LOCK)
         if st is None:
             return None, None
         try:
             raw = self.storage.read_bytes(LOCK, _MAX_RECORD)
+        except CorruptCheckpointError:
+            return {}, st.version  # larger than any record, or gone since the stat
+        try:
             rec = json.loads(raw)
-        except (ValueError, StorageError):
+        except ValueError:
             return {}, st.version
         if not isinstance(rec, dict):
             return {}, st.version
@@ -131,8 +142,23 @@ class ObjectLease(Lease):
         except PreconditionFailed:
             self.generation = None
             raise self._locked(self.read()) from None
+        except StorageError as e:
+            # The put may have taken effect with its reply lost (a store's request that timed
+            # out): then the record is ours and so is the lease.
+            if not self._adopt():
+                _let_go.add(self.owner)  # if it did take effect later, this process let go
+                self.generation = None
+                raise
+            log.warning(
+                "tardigrade: taking the lease of %s failed (%s), but it had taken effect: the "
+                "lease is held",
+                self.url,
+                e,
+            )
         if reason:
             log.warning("tardigrade: took over the lease of %s: %s", self.url, reason)
+        if rec:
+            _let_go.discard(str(rec.get("owner")))
         self.held = True
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -146,6 +172,8 @@ class ObjectLease(Lease):
             return "its record was unreadable"
         if rec.get("released") is True:
             return ""
+        if rec.get("owner") in _let_go:
+            return "this process released it, but could not record that"
         beat, lease = rec.get("heartbeat"), rec.get("lease_seconds")
         if not isinstance(beat, (int, float)) or not isinstance(lease, (int, float)):
             return "its record had no heartbeat"
@@ -168,15 +196,30 @@ class ObjectLease(Lease):
         )
 
     def _ours(self) -> bool:
+        """Whether the record is still this holder's (owner and generation): a takeover
+        writes another owner. A version other than the one we last wrote is adopted: one of
+        our own puts whose reply was lost."""
         rec, version = self._read()
-        return (
-            rec is not None
-            and rec.get("owner") == self.owner
-            and rec.get("generation") == self.generation
-            and version == self._version
-        )
+        if (
+            rec is None
+            or rec.get("owner") != self.owner
+            or rec.get("generation") != self.generation
+        ):
+            return False
+        self._version = version
+        return True
+
+    def _adopt(self) -> bool:
+        """After a put of ours failed: whether it took effect nonetheless (then the record is
+        ours, and its version is adopted). False also when the record cannot be read."""
+        try:
+            return self._ours()
+        except StorageError:
+            return False
 
     def check(self) -> None:
+        """Raise CheckpointLockedError unless this holder still has the lease; StorageError
+        when the record cannot be read now (the lease is not proved, nor given up)."""
         with self._mutex:
             if self.held and self._ours():
                 return
@@ -198,6 +241,8 @@ class ObjectLease(Lease):
                         LOCK, self._record(), mode="if_match", expect=self._version
                     )
                 except PreconditionFailed:
+                    if self._adopt():
+                        continue  # an earlier beat took effect, its reply lost: still ours
                     log.error("tardigrade: lost the lease of %s: another job took it", self.url)
                     self.held, self.generation = False, None
                     return
@@ -214,10 +259,27 @@ class ObjectLease(Lease):
                 return
             self.held = False
             try:
-                self.storage.put(
-                    LOCK, self._record(released=True), mode="if_match", expect=self._version
-                )
-            except (PreconditionFailed, StorageError) as e:
-                log.warning("tardigrade: releasing the lease of %s: %s", self.url, e)
+                # A store's request fails now and then: the next one usually works, and a
+                # record left unreleased blocks the next job for the whole lease.
+                for attempt in range(1, _RELEASE_TRIES + 1):
+                    try:
+                        self.storage.put(
+                            LOCK, self._record(released=True), mode="if_match", expect=self._version
+                        )
+                        return
+                    except PreconditionFailed as e:
+                        log.warning("tardigrade: releasing the lease of %s: %s", self.url, e)
+                        return
+                    except StorageError as e:
+                        left = "trying again"
+                        if attempt == _RELEASE_TRIES:
+                            _let_go.add(self.owner)
+                            left = (
+                                "the next holder in this process takes it over; elsewhere it "
+                                f"expires {self.lease:.0f} s after its last heartbeat"
+                            )
+                        log.warning(
+                            "tardigrade: releasing the lease of %s: %s (%s)", self.url, e, left
+                        )
             finally:
                 self.generation = None

@@ -542,6 +542,9 @@ class LocalStorage(Storage):
     def abort(self, staging: str, name: str, save_id: str) -> None:
         self.delete(staging)
 
+    def abandon(self, staging: str) -> None:
+        self._unlock(staging)
+
     def commit(
         self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
     ) -> None:

@@ -2,7 +2,8 @@
 
 Wrap any backend (a local directory, ``memory://``) and make its Nth operation of a kind fail
 the way storage fails in production: a full disk, an I/O error, a permission error, a transient
-error, or a write that silently keeps only part of its bytes. Every operation is logged, so a
+error, a write that silently keeps only part of its bytes, or an operation that took effect but
+whose reply was lost (a store's request that timed out after it was applied). Every operation is logged, so a
 test can run once, count the operations, then fail each one in turn::
 
     import tardigrade as tg
@@ -33,7 +34,8 @@ from typing import Any
 from ..errors import InvalidArgumentError, StorageError
 from ..format.checksum import Hasher
 from ..storage import Reader, Stat, Storage, Writer, open_root, register_scheme
-from ..storage.base import PutMode
+from ..storage.base import ManifestLastCommit, PutMode, Tidied
+from ..storage.lease import ObjectLease
 from ._kill import KillResult, kill_during
 from ._resume import ResumeReport, assert_resumes_exactly, checkpoint_dir, log_loss, save_final
 
@@ -55,13 +57,16 @@ OPERATIONS = (
     "open_writer", "write", "close", "open_reader", "read", "put", "stat", "list", "delete",
     "move", "begin", "commit", "abort",
 )  # fmt: skip
-# What each injected error raises (short_write raises nothing: it keeps half the bytes).
+# What each injected error raises (short_write raises nothing: it keeps half the bytes;
+# lost_reply raises after the operation was done, as a store's request that timed out after
+# it took effect, or a rename whose fsync failed).
 ERRORS = {
     "ENOSPC": errno.ENOSPC,
     "EIO": errno.EIO,
     "EACCES": errno.EACCES,
     "transient": errno.EAGAIN,
     "short_write": None,
+    "lost_reply": errno.ETIMEDOUT,
 }
 
 _instances: weakref.WeakValueDictionary[str, FaultyStorage] = weakref.WeakValueDictionary()
@@ -71,9 +76,12 @@ _ids = itertools.count(1)
 @dataclass
 class _Fault:
     op: str
-    nth: int  # the operation of this kind that fails first (1 = the first)
+    nth: int  # the matching operation that fails first (1 = the first after fail())
     error: str
-    times: int  # how many consecutive operations of this kind fail
+    times: int  # how many consecutive matching operations fail
+    outage: bool  # once it fires, every operation fails until heal()
+    where: str | None  # only operations on a location containing this text match
+    seen: int = 0  # matching operations so far
 
 
 class FaultyStorage(Storage):
@@ -83,6 +91,13 @@ class FaultyStorage(Storage):
     ``fail(op, nth=..., error=..., times=...)`` arms a fault; ``ops`` lists every operation
     performed, in order; ``count`` counts them by kind; ``injected`` lists the faults that
     fired. Thread-safe: saves write files in parallel.
+
+    Around an object store (a backend that commits manifest-last), the commit strategy and
+    the lease run over this wrapper's own primitives, as they do over a store's requests: a
+    commit is a ``commit`` operation, then the ``stat``, ``put``, ``list`` and ``delete`` it
+    is made of, each of which can fail on its own (a store's requests fail one by one). Around
+    a POSIX directory the rename strategy and the ``flock`` lease are the backend's own
+    system calls, one ``begin``/``commit``/``abort`` operation each.
     """
 
     def __init__(self, inner: Storage | str) -> None:
@@ -93,45 +108,85 @@ class FaultyStorage(Storage):
         self.count: Counter[str] = Counter()
         self.injected: list[str] = []
         self._faults: list[_Fault] = []
+        self._outage: str | None = None  # the error every operation fails with, in an outage
         self._lock = threading.Lock()
         _instances[self.id] = self
 
-    def fail(self, op: str, *, nth: int = 1, error: str = "EIO", times: int = 1) -> None:
-        """Make the ``nth`` next operation ``op`` (counted from now) fail with ``error``."""
+    def fail(
+        self,
+        op: str,
+        *,
+        nth: int = 1,
+        error: str = "EIO",
+        times: int = 1,
+        outage: bool = False,
+        where: str | None = None,
+    ) -> None:
+        """Make the ``nth`` next operation ``op`` (counted from now) fail with ``error``.
+
+        ``times``: how many consecutive operations ``op`` fail. ``where``: only operations on
+        a location (URL or path) containing this text count, e.g. ``where="data-r00001"`` for
+        one rank's data file. ``outage=True``: from that operation on, every operation of every
+        kind fails with ``error`` until :meth:`heal` (a disk that stays full, a store that
+        stays down), so what a failed run does to clean up fails too."""
         if op not in OPERATIONS:
             raise InvalidArgumentError(f"op must be one of {list(OPERATIONS)}, got {op!r}")
         if error not in ERRORS:
             raise InvalidArgumentError(f"error must be one of {list(ERRORS)}, got {error!r}")
-        if error == "short_write" and op != "write":
-            raise InvalidArgumentError("error='short_write' applies to op='write' only")
+        if error == "short_write" and (op != "write" or outage):
+            raise InvalidArgumentError(
+                "error='short_write' applies to op='write' only, and not to an outage"
+            )
+        if error == "lost_reply" and outage:
+            raise InvalidArgumentError("error='lost_reply' does not apply to an outage")
         if nth < 1 or times < 1:
             raise InvalidArgumentError(f"nth and times must be >= 1, got {nth} and {times}")
         with self._lock:
-            self._faults.append(_Fault(op, self.count[op] + nth, error, times))
+            self._faults.append(_Fault(op, nth, error, times, outage, where))
 
     def heal(self) -> None:
         """Disarm every fault not yet fired."""
         with self._lock:
             self._faults.clear()
+            self._outage = None
 
-    def _op(self, op: str, what: str) -> str | None:
-        """Log ``op``; raise (or, for a short write, return the error) if a fault fires."""
+    def _op(self, op: str, what: str) -> str | StorageError | None:
+        """Log ``op``; raise if a fault fires. A short write returns ``"short_write"``; a lost
+        reply returns the error to raise once the operation is done (:meth:`_after`)."""
         with self._lock:
             self.count[op] += 1
             self.ops.append(op)
             k = self.count[op]
-            fault = next((f for f in self._faults if f.op == op and f.nth <= k), None)
-            if fault is None:
-                return None
-            fault.times -= 1
-            fault.nth += 1
-            if fault.times == 0:
-                self._faults.remove(fault)
-            self.injected.append(f"{op} #{k}: {fault.error}")
-        if fault.error == "short_write":
-            return fault.error
-        code = ERRORS[fault.error]
-        raise StorageError(code, f"{what}: injected {fault.error} ({op} #{k}, FaultyStorage)")
+            error = self._outage
+            if error is None:
+                fault = None
+                for f in self._faults:
+                    if f.op == op and (f.where is None or f.where in what):
+                        f.seen += 1
+                        if fault is None and f.nth <= f.seen:
+                            fault = f
+                if fault is None:
+                    return None
+                fault.times -= 1
+                fault.nth += 1
+                if fault.times == 0 or fault.outage:
+                    self._faults.remove(fault)
+                if fault.outage:
+                    self._outage = fault.error
+                error = fault.error
+                self.injected.append(f"{op} #{k}: {error}")
+        if error == "short_write":
+            return error
+        err = StorageError(ERRORS[error], f"{what}: injected {error} ({op} #{k}, FaultyStorage)")
+        if error == "lost_reply":
+            return err
+        raise err
+
+    @staticmethod
+    def _after(late: str | StorageError | None) -> None:
+        """Raise a lost reply's error, now that its operation is done."""
+        if isinstance(late, StorageError):
+            raise late
 
     # -- the contract, each call logged and possibly failed -------------------------------
 
@@ -139,34 +194,56 @@ class FaultyStorage(Storage):
         return f"{self.root}/{name}"
 
     def open_writer(self, name: str, *, size_hint: int | None = None) -> Writer:
-        self._op("open_writer", self.url(name))
-        return _FaultyWriter(self, name, self.inner.open_writer(name, size_hint=size_hint))
+        late = self._op("open_writer", self.url(name))
+        writer = _FaultyWriter(self, name, self.inner.open_writer(name, size_hint=size_hint))
+        if late is not None:
+            writer.abort()
+        self._after(late)
+        return writer
 
     def open_reader(self, name: str) -> Reader:
-        self._op("open_reader", self.url(name))
-        return _FaultyReader(self, self.inner.open_reader(name))
+        late = self._op("open_reader", self.url(name))
+        reader = _FaultyReader(self, self.inner.open_reader(name))
+        if late is not None:
+            reader.close()
+        self._after(late)
+        return reader
 
     def put(
         self, name: str, data: bytes, *, mode: PutMode = "create", expect: str | None = None
     ) -> str:
-        self._op("put", self.url(name))
-        return self.inner.put(name, data, mode=mode, expect=expect)
+        late = self._op("put", self.url(name))
+        version = self.inner.put(name, data, mode=mode, expect=expect)
+        self._after(late)
+        return version
 
     def stat(self, name: str) -> Stat | None:
-        self._op("stat", self.url(name))
-        return self.inner.stat(name)
+        late = self._op("stat", self.url(name))
+        st = self.inner.stat(name)
+        self._after(late)
+        return st
 
     def list(self, name: str = "") -> list[str]:
-        self._op("list", self.url(name))
-        return self.inner.list(name)
+        late = self._op("list", self.url(name))
+        names = self.inner.list(name)
+        self._after(late)
+        return names
 
     def delete(self, name: str) -> None:
-        self._op("delete", self.url(name))
+        late = self._op("delete", self.url(name))
         self.inner.delete(name)
+        self._after(late)
+
+    @property
+    def _store(self) -> bool:
+        """Whether the inner backend commits manifest-last (an object store)."""
+        return isinstance(self.inner, ManifestLastCommit)
 
     def begin(self, name: str, save_id: str) -> str:
-        self._op("begin", self.url(name))
-        return self.inner.begin(name, save_id)
+        late = self._op("begin", self.url(name))
+        staging = self.inner.begin(name, save_id)
+        self._after(late)
+        return staging
 
     def data_name(self, file: str, save_id: str) -> str:
         return self.inner.data_name(file, save_id)
@@ -174,32 +251,55 @@ class FaultyStorage(Storage):
     def commit(
         self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
     ) -> None:
-        self._op("commit", self.url(name))
-        self.inner.commit(staging, name, manifest, save_id=save_id, replace=replace)
+        late = self._op("commit", self.url(name))
+        if self._store:
+            ManifestLastCommit.commit(  # type: ignore[arg-type]
+                self, staging, name, manifest, save_id=save_id, replace=replace
+            )
+        else:
+            self.inner.commit(staging, name, manifest, save_id=save_id, replace=replace)
+        self._after(late)
 
     def abort(self, staging: str, name: str, save_id: str) -> None:
-        self._op("abort", self.url(name))
-        self.inner.abort(staging, name, save_id)
+        late = self._op("abort", self.url(name))
+        if self._store:
+            ManifestLastCommit.abort(self, staging, name, save_id)  # type: ignore[arg-type]
+        else:
+            self.inner.abort(staging, name, save_id)
+        self._after(late)
+
+    def abandon(self, staging: str) -> None:
+        self.inner.abandon(staging)  # lets go of a resource here; no storage request
 
     def describe(self, name: str) -> str | None:
         return self.inner.describe(name)
 
     def lease(self, *, lease_seconds: float = 30.0) -> Any:
-        return self.inner.lease(lease_seconds=lease_seconds)
+        lease = self.inner.lease(lease_seconds=lease_seconds)
+        if isinstance(lease, ObjectLease):
+            # The record is read and written with this wrapper's conditional puts.
+            return ObjectLease(self, lease_seconds=lease_seconds)
+        return lease
 
     @property  # type: ignore[override]
     def can_move(self) -> bool:  # a class attribute on backends
         return self.inner.can_move
 
     def move(self, src: str, dst: str) -> None:
-        self._op("move", self.url(src))
+        late = self._op("move", self.url(src))
         self.inner.move(src, dst)
+        self._after(late)
 
-    def tidy(self, *, dry_run: bool = False) -> Any:
+    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+        if self._store:
+            return ManifestLastCommit.tidy(self, dry_run=dry_run)  # type: ignore[arg-type]
         return self.inner.tidy(dry_run=dry_run)
 
     def preflight(self) -> None:
-        self.inner.preflight()
+        if self._store:
+            Storage.preflight(self)  # a store's probe: this wrapper's put and delete
+        else:
+            self.inner.preflight()
 
 
 class _FaultyWriter(Writer):
@@ -209,7 +309,8 @@ class _FaultyWriter(Writer):
         self._inner = inner
 
     def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
-        if self._storage._op("write", self._storage.url(self._name)) == "short_write":
+        late = self._storage._op("write", self._storage.url(self._name))
+        if late == "short_write":
             # The storage keeps half and says nothing: the hasher sees what was asked, as a
             # writer that believes the write succeeded would.
             view = memoryview(data).cast("B")
@@ -218,14 +319,16 @@ class _FaultyWriter(Writer):
             self._inner.write(view[: view.nbytes // 2])
             return
         self._inner.write(data, hasher=hasher)
+        self._storage._after(late)
 
     def close(self) -> None:
         try:
-            self._storage._op("close", self._storage.url(self._name))
+            late = self._storage._op("close", self._storage.url(self._name))
         except BaseException:
             self._inner.abort()
             raise
         self._inner.close()
+        self._storage._after(late)
 
     def abort(self) -> None:
         self._inner.abort()
@@ -239,8 +342,9 @@ class _FaultyReader(Reader):
         self.size = inner.size
 
     def readinto(self, offset: int, buf: memoryview) -> None:
-        self._storage._op("read", self.name)
+        late = self._storage._op("read", self.name)
         self._inner.readinto(offset, buf)
+        self._storage._after(late)
 
     def close(self) -> None:
         self._inner.close()

@@ -231,9 +231,14 @@ def _check_layout(src: ByteSource, entries: dict[str, HeaderEntry], data_start: 
 
 
 def read_range(src: ByteSource, begin: int, dest: memoryview, hasher: Hasher | None) -> None:
-    """Read ``dest.nbytes`` bytes at ``begin`` into ``dest``, hashing them when asked."""
-    for start in range(0, dest.nbytes, SLICE_BYTES):
-        piece = dest[start : start + SLICE_BYTES]
+    """Read ``dest.nbytes`` bytes at ``begin`` into ``dest``, hashing them when asked.
+
+    A source may ask for larger reads than ``SLICE_BYTES`` with a ``read_window`` attribute
+    (an object store, where each read is a request and a large one is split into parallel
+    ranged GETs)."""
+    step = max(SLICE_BYTES, int(getattr(src, "read_window", SLICE_BYTES)))
+    for start in range(0, dest.nbytes, step):
+        piece = dest[start : start + step]
         src.readinto(begin + start, piece)
         if hasher is not None:
             hasher.update(piece)

@@ -85,6 +85,10 @@ class S3Server:
             **extra,
         }
 
+    def reader_options(self) -> dict[str, Any]:
+        """``storage_options`` of an identity that may read and list, not write."""
+        return self.options(access_key_id=S3_READER_KEY, secret_access_key=S3_READER_SECRET)
+
     def env(self) -> dict[str, str]:
         """The same as AWS_* environment variables."""
         return {

@@ -186,8 +186,10 @@ class _Config:
         self.grace = float(opts.get("gc_grace_seconds", GRACE_SECONDS))
 
     def key(self) -> tuple[Any, ...]:
-        """What makes two roots share a client (and a probe result)."""
-        return tuple(sorted((k, str(v)) for k, v in vars(self).items()))
+        """What makes two roots share a client: the options and the AWS_* variables the
+        client reads itself (credentials changed in the environment take effect)."""
+        env = sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))
+        return (*sorted((k, str(v)) for k, v in vars(self).items()), *env)
 
 
 # One client per configuration and bucket (connection pools are reused across saves), and
@@ -510,9 +512,12 @@ class S3Storage(ManifestLastCommit):
         if isinstance(e, (exc.PermissionDeniedError, exc.UnauthenticatedError)) or any(
             s in cause for s in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied")
         ):
+            refused = any(s in cause for s in ("SignatureDoesNotMatch", "InvalidAccessKeyId"))
+            if not refused and "AccessDenied" not in cause:
+                refused = self._credentials_refused()
             what = (
                 "the credentials were refused (bad access key or secret)"
-                if any(s in cause for s in ("SignatureDoesNotMatch", "InvalidAccessKeyId"))
+                if refused
                 else "access denied"
             )
             return StorageError(
@@ -534,6 +539,16 @@ class S3Storage(ManifestLastCommit):
             errno.EIO,
             f"{url}: {op} failed after {self.config.max_retries} retries with backoff: {cause}",
         )
+
+    def _credentials_refused(self) -> bool:
+        """After a bare 403 (a HEAD has no body to say why): whether a LIST, whose error
+        names its cause, is refused for the credentials themselves."""
+        obs = _client()
+        try:
+            obs.list_with_delimiter(self._store, None)
+        except Exception as e:
+            return any(s in str(e) for s in ("SignatureDoesNotMatch", "InvalidAccessKeyId"))
+        return False
 
     def _check_bucket(self, name: str, op: str) -> None:
         """After a 404: raise if the bucket itself is missing (a HEAD cannot tell); one LIST

@@ -188,7 +188,7 @@ class S3Server:
             return
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=20)

@@ -27,7 +27,7 @@ from tardigrade.errors import (
     StorageError,
     TardigradeError,
 )
-from tardigrade.storage import open_root
+from tardigrade.storage import PreconditionFailed, open_root
 from tardigrade.storage import s3 as s3mod
 from tardigrade.storage.s3 import S3Storage
 
@@ -295,3 +295,133 @@ def test_an_unknown_storage_option_lists_the_known_ones() -> None:
         S3Storage("s3://bucket/prefix", {"part_bytes": 1024})
     with pytest.raises(InvalidArgumentError, match=r"name a bucket"):
         open_root("s3:///prefix")
+
+
+# -- single-writer mode -------------------------------------------------------------------
+
+
+def test_a_server_without_conditional_writes_runs_single_writer(
+    url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The probe finds a server that ignores If-None-Match / If-Match (simulated by a client
+    that drops the condition): a warning names the mode, creates and if-match puts still
+    refuse what they see, and saves and loads work."""
+    import obstore
+
+    real_put = obstore.put
+
+    def unconditional_put(store: Any, path: str, data: Any, **kw: Any) -> Any:
+        kw.pop("mode", None)
+        return real_put(store, path, data, **kw)
+
+    endpoint = S3Storage(url, {}).config.endpoint
+    monkeypatch.setattr(obstore, "put", unconditional_put)
+    monkeypatch.setattr(s3mod, "_probed", {})
+    storage = S3Storage(url, {})
+    with caplog.at_level("WARNING", logger="tardigrade"):
+        v1 = storage.put("rec", b"one", mode="create")
+    assert any("single-writer mode" in r.getMessage() for r in caplog.records)
+    assert s3mod._probed[(endpoint, storage.bucket)] is False
+    with pytest.raises(PreconditionFailed):
+        storage.put("rec", b"two", mode="create")
+    with pytest.raises(PreconditionFailed):
+        storage.put("rec", b"two", mode="if_match", expect='"stale"')
+    storage.put("rec", b"two", mode="if_match", expect=v1)
+    tg.save(f"{url}/ckpt", {"x": torch.ones(3)})
+    with pytest.raises(CheckpointExistsError):
+        tg.save(f"{url}/ckpt", {"x": torch.zeros(3)})
+    assert torch.equal(tg.load(f"{url}/ckpt")["x"], torch.ones(3))
+
+
+def test_conditional_writes_can_be_switched_off(url: str) -> None:
+    storage = S3Storage(url, {"conditional_writes": False})
+    storage.put("rec", b"one", mode="create")
+    with pytest.raises(PreconditionFailed):
+        storage.put("rec", b"two", mode="create")
+
+
+# -- crashes ------------------------------------------------------------------------------
+
+KILLED_SAVE = """
+import os, signal, sys
+import torch
+import tardigrade as tg
+from tardigrade.storage import s3
+
+url, when = sys.argv[1], sys.argv[2]
+if when == "mid-upload":  # the second part of a multipart data object is on its way
+    send = s3.S3Writer._send
+    sent = []
+    def _send(self, part):
+        send(self, part)
+        sent.append(1)
+        if len(sent) == 2:
+            import time
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+    s3.S3Writer._send = _send
+else:  # every data object is complete; the manifest is next
+    def commit(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+    s3.S3Storage.commit = commit
+tg.save(f"{url}/step-000000002", {"w": torch.full((6 * 1024 * 1024,), 2.0)}, step=2)
+raise SystemExit("not killed")
+"""
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("when", ["mid-upload", "before-manifest"])
+def test_a_save_killed_on_the_store_is_invisible_and_cleaned_up(
+    url: str, s3_env: Any, tmp_path: Any, when: str
+) -> None:
+    import os
+    import subprocess
+
+    state = {"w": torch.full((1000,), 1.0)}
+    with tg.CheckpointManager(url, state, async_save=False) as mgr:
+        mgr.save(1)
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_SAVE)
+    run = subprocess.run(
+        [sys.executable, str(script), url, when], env=dict(os.environ), capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == -9, run.stdout + run.stderr
+    storage = S3Storage(url, {})
+    catalog = Catalog(storage)
+    assert catalog.steps() == [1]
+    with pytest.raises(tg.CheckpointNotFoundError):
+        tg.load(f"{url}/step-000000002")
+    if when == "mid-upload":
+        assert len(pending_uploads(s3_env, storage)) == 1
+    else:
+        assert storage.list("step-000000002")  # its data objects, without a manifest
+    # gc after the grace period removes every trace; the committed checkpoint stays.
+    done = Catalog(S3Storage(url, {"gc_grace_seconds": 0.001})).tidy()
+    assert done and all(t.action == "removed" for t in done)
+    assert pending_uploads(s3_env, storage) == []
+    assert storage.list() == [".lock", "step-000000001"]
+    state = {"w": torch.zeros(1000)}
+    with tg.CheckpointManager(url, state, async_save=False) as mgr:
+        assert mgr.restore() == 1 and float(state["w"][0]) == 1.0
+        state["w"].fill_(2.0)
+        mgr.save(2)
+        assert mgr.steps() == [1, 2]
+
+
+# -- damage -------------------------------------------------------------------------------
+
+
+def test_a_truncated_or_corrupted_object_is_detected_on_load(url: str) -> None:
+    tg.save(f"{url}/ckpt", {"w": torch.arange(10_000, dtype=torch.float32)})
+    storage = open_root(url)
+    data = next(n for n in storage.list("ckpt") if n.endswith(".safetensors"))
+    raw = storage.read_bytes(f"ckpt/{data}", 1 << 20)
+    storage.put(f"ckpt/{data}", raw[:-100], mode="overwrite")
+    with pytest.raises(tg.CorruptCheckpointError, match=r"truncated or modified"):
+        tg.load(f"{url}/ckpt")
+    flipped = bytearray(raw)
+    flipped[-1] ^= 0xFF
+    storage.put(f"ckpt/{data}", bytes(flipped), mode="overwrite")
+    with pytest.raises(tg.ChecksumMismatchError, match=r"fails its checksum"):
+        tg.load(f"{url}/ckpt")

@@ -208,6 +208,18 @@ def s3_server() -> Iterator[S3Server]:
 
 
 @pytest.fixture
+def own_s3_server(tmp_path: Path) -> Iterator[S3Server]:
+    """A server of this test's own (to kill and restart), stopped at its end."""
+    (tmp_path / "weed").mkdir()
+    server = S3Server(tmp_path / "weed")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
 def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     """The server, with its endpoint and credentials in the AWS_* environment variables."""
     for k, v in s3_server.env().items():

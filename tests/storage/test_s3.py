@@ -425,3 +425,42 @@ def test_a_truncated_or_corrupted_object_is_detected_on_load(url: str) -> None:
     storage.put(f"ckpt/{data}", bytes(flipped), mode="overwrite")
     with pytest.raises(tg.ChecksumMismatchError, match=r"fails its checksum"):
         tg.load(f"{url}/ckpt")
+
+
+@pytest.mark.slow
+def test_the_server_killed_mid_upload_and_restarted(
+    own_s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server of its own, SIGKILLed while a save's multipart upload is in flight: the save
+    fails with a StorageError naming the URL, the committed checkpoint stays intact, and
+    after the server restarts (same data) the next save succeeds."""
+    server = own_s3_server
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{server.bucket}/restart"
+    tg.save(f"{url}/step-1", {"w": torch.full((1000,), 1.0)})
+
+    send = s3mod.S3Writer._send
+    killed: list[bool] = []
+
+    def kill_after_first_part(self: Any, part: Any) -> None:
+        send(self, part)
+        if not killed:
+            killed.append(True)
+            assert server.proc is not None
+            server.proc.kill()  # SIGKILL: a crashed server
+            server.proc.wait()
+            server.proc = None
+
+    monkeypatch.setattr(s3mod.S3Writer, "_send", kill_after_first_part)
+    with pytest.raises(TardigradeError, match=r"step-2") as info:
+        tg.save(f"{url}/step-2", {"w": torch.full((6 * MiB,), 2.0)})
+    assert killed and "cannot reach the S3 endpoint" in str(info.value), info.value
+    monkeypatch.setattr(s3mod.S3Writer, "_send", send)
+
+    server.start()  # the same ports and data directory
+    assert torch.equal(tg.load(f"{url}/step-1")["w"], torch.full((1000,), 1.0))
+    with pytest.raises(tg.CheckpointNotFoundError):
+        tg.load(f"{url}/step-2")
+    tg.save(f"{url}/step-2", {"w": torch.full((6 * MiB,), 2.0)})
+    assert float(tg.load(f"{url}/step-2")["w"][-1]) == 2.0

@@ -170,9 +170,9 @@ class S3Server:
             secret_access_key=S3_SECRET,
             client_options={"allow_http": True},
         )
-        try:
-            obstore.put(store, ".ready", b"")
-            return True
+        try:  # writes and reads both work (a restarted server answers 500 for a while)
+            obstore.put(store, ".ready", b"1")
+            return bytes(obstore.get(store, ".ready").bytes()) == b"1"
         except Exception:
             return False
 

@@ -89,6 +89,38 @@ def test_a_large_object_streams_as_a_multipart_upload(url: str, s3_env: Any) -> 
     assert pending_uploads(s3_env, storage) == []
 
 
+def test_parts_lent_without_a_copy_are_let_go_before_write_returns(url: str) -> None:
+    """An async save's staging slab is written unhashed in large blocks: whole parts go to
+    the client without a copy, and ``write`` returns only when the client holds none of
+    them, so the slab can be refilled at once (here: zeroed) without changing the object."""
+    storage = S3Storage(url, {"part_bytes": 5 * MiB, "parts_in_flight": 2})
+    head, block = pattern(1000, seed=1), pattern(17 * MiB + 3, seed=2)
+    w = storage.open_writer("lent.bin")
+    w.write(head)  # a part in progress: the block first completes it, then lends whole parts
+    slab = bytearray(block)
+    view = memoryview(slab)
+    w.write(view)
+    view.release()
+    slab[:] = bytes(len(slab))  # would corrupt the upload if a part were still lent
+    w.write(memoryview(slab)[:10])
+    w.close()
+    with storage.open_reader("lent.bin") as r:
+        got = bytearray(r.size)
+        r.readinto(0, memoryview(got))
+    assert got == head + block + bytes(10)
+
+
+def test_an_async_save_of_a_multipart_state_holds_the_values_at_save_time(url: str) -> None:
+    state = {"w": torch.arange(6 * MiB, dtype=torch.float32), "b": torch.ones(100)}
+    expected = {k: v.clone() for k, v in state.items()}
+    fut = tg.save(f"{url}/ckpt", state, async_=True)
+    state["w"].zero_()  # training goes on as soon as save() returns
+    fut.result(timeout=120)
+    out = tg.load(f"{url}/ckpt")
+    assert torch.equal(out["w"], expected["w"]) and torch.equal(out["b"], expected["b"])
+    assert tg.verify(f"{url}/ckpt").files == 1
+
+
 def test_an_aborted_multipart_upload_leaves_no_object_and_no_upload(url: str, s3_env: Any) -> None:
     """The s3fs #154 regression: a writer that fails mid-object never commits it."""
     storage = S3Storage(url, {"part_bytes": 5 * MiB})

@@ -32,6 +32,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -76,7 +77,7 @@ _OPTIONS = {
     "connect_timeout": "seconds to connect (default 5)",
     "read_timeout": "seconds without a byte before a request fails (default 30)",
     "request_timeout": "seconds for a whole request (default 600)",
-    "max_retries": "retries of a transient failure, with backoff (default 4)",
+    "max_retries": "retries of a transient failure, with backoff (default 5)",
     "part_bytes": f"multipart part size (default {PART_BYTES})",
     "parts_in_flight": f"parts uploading at once per object (default {PARTS_IN_FLIGHT})",
     "range_bytes": f"size of each parallel ranged GET (default {RANGE_BYTES})",
@@ -171,7 +172,7 @@ class _Config:
         self.connect_timeout = _seconds(opts.get("connect_timeout", 5), "connect_timeout")
         self.read_timeout = _seconds(opts.get("read_timeout", 30), "read_timeout")
         self.request_timeout = _seconds(opts.get("request_timeout", 600), "request_timeout")
-        self.max_retries = int(opts.get("max_retries", 4))
+        self.max_retries = int(opts.get("max_retries", 5))
         self.part_bytes = int(opts.get("part_bytes", PART_BYTES))
         if self.part_bytes < 5 * 1024 * 1024:
             raise InvalidArgumentError(
@@ -218,10 +219,13 @@ def _describe(e: BaseException) -> str:
 class S3Writer(Writer):
     """One object, uploaded as it is written.
 
-    Bytes are copied into part buffers as they arrive (the caller's memory may change after
-    ``write`` returns). An object that fits in one part goes up in a single PUT at ``close``;
-    a larger one streams its parts into a multipart upload on a background thread as they
-    fill, at most ``parts_in_flight`` uploading and one more waiting.
+    An object that fits in one part goes up in a single PUT at ``close``; a larger one
+    streams its parts into a multipart upload on a background thread, at most
+    ``parts_in_flight`` uploading and one more waiting. The caller's memory may change once
+    ``write`` returns, so bytes written with a ``hasher`` (live tensors) and the odd ends of
+    others are copied into part buffers; whole parts of a large unhashed write (an async
+    save's staging slab) are lent to the client without a copy, and ``write`` returns once the
+    client has let go of them (their upload finished).
     """
 
     def __init__(self, storage: S3Storage, name: str) -> None:
@@ -236,12 +240,44 @@ class S3Writer(Writer):
         self._error: BaseException | None = None
         self._aborted = threading.Event()
         self._open = True
+        self._sent = 0  # items handed to the upload queue
+        self._taken = 0  # items the client has taken hold of (it asked for the next one)
 
     def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
         if not self._open:
             raise StorageError(errno.EINVAL, f"{self._storage.url(self._name)}: writer closed")
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         self._size += view.nbytes
+        step = self._part_bytes
+        if hasher is None and view.nbytes >= step + (step - self._fill) % step:
+            if self._fill:  # complete the part in progress, so lent parts stay aligned
+                head = step - self._fill
+                self._copy(view[:head], None)
+                view = view[head:]
+            whole = view.nbytes - view.nbytes % step
+            self._lend([view[i : i + step] for i in range(0, whole, step)])
+            view = view[whole:]
+        self._copy(view, hasher)
+
+    def _lend(self, pieces: list[memoryview]) -> None:
+        """Upload ``pieces`` of the caller's memory without copying; return once the client
+        holds none of them (a memoryview can be released only when nothing exports it)."""
+        first = self._sent + 1
+        try:
+            for piece in pieces:
+                self._send(piece)
+        finally:
+            for seq, piece in enumerate(pieces[: self._sent - first + 1], first):
+                while True:
+                    if self._taken >= seq or self._thread is None or not self._thread.is_alive():
+                        try:
+                            piece.release()
+                            break
+                        except BufferError:
+                            pass  # its part is still uploading
+                    time.sleep(0.002)
+
+    def _copy(self, view: memoryview, hasher: Hasher | None) -> None:
         part = memoryview(self._part)
         while view.nbytes:
             n = min(view.nbytes, self._part_bytes - self._fill)
@@ -270,6 +306,7 @@ class S3Writer(Writer):
                 raise self._failed("upload")
             try:
                 self._queue.put(part, timeout=0.2)
+                self._sent += 1
                 return
             except queue.Full:
                 continue
@@ -287,6 +324,8 @@ class S3Writer(Writer):
             if item is None:
                 return
             yield item
+            # The client asks for the next item only once it holds this one.
+            self._taken += 1
 
     def _upload(self) -> None:
         store = self._storage._store
@@ -479,7 +518,7 @@ class S3Storage(ManifestLastCommit):
                     "max_retries": c.max_retries,
                     "retry_timeout": timedelta(seconds=60),
                     "backoff": {
-                        "init_backoff": timedelta(milliseconds=100),
+                        "init_backoff": timedelta(milliseconds=200),
                         "max_backoff": timedelta(seconds=5),
                         "base": 2,
                     },

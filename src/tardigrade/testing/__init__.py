@@ -36,6 +36,7 @@ from ..storage import Reader, Stat, Storage, Writer, open_root, register_scheme
 from ..storage.base import PutMode
 from ._kill import KillResult, kill_during
 from ._resume import ResumeReport, assert_resumes_exactly, checkpoint_dir, log_loss, save_final
+from ._s3server import S3Server
 
 __all__ = [
     "ERRORS",
@@ -43,6 +44,7 @@ __all__ = [
     "FaultyStorage",
     "KillResult",
     "ResumeReport",
+    "S3Server",
     "assert_resumes_exactly",
     "checkpoint_dir",
     "kill_during",

@@ -267,6 +267,23 @@ def test_gc_removes_what_crashed_saves_left_after_the_grace_period(url: str, s3_
     assert old.tidy() == []
 
 
+def test_gc_without_boto3_still_removes_data_and_says_what_it_left(
+    url: str, s3_env: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = S3Storage(url, {"gc_grace_seconds": 0.001})
+    key = crashed_save(storage, s3_env, "step-000000003")
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    with caplog.at_level("WARNING", logger="tardigrade"):
+        done = Catalog(storage).tidy()
+    assert len(done) == 1 and storage.list("step-000000003") == []  # the data object
+    assert any("incomplete multipart uploads not cleaned" in r.getMessage() for r in caplog.records)
+    assert any("tardigrade[s3]" in r.getMessage() for r in caplog.records)
+    monkeypatch.delitem(sys.modules, "boto3")
+    assert pending_uploads(s3_env, storage) == [key]
+    assert len(Catalog(storage).tidy()) == 1  # with boto3 back: the upload goes too
+    assert pending_uploads(s3_env, storage) == []
+
+
 # -- errors -------------------------------------------------------------------------------
 
 

@@ -210,6 +210,22 @@ def _ranges() -> ThreadPoolExecutor:
         return _range_pool
 
 
+# Part buffers that copies (bytes written with a hasher: live tensors) may fill, across all
+# writers of the process; whole parts of staged buffers are lent without a copy and not counted.
+COPY_PARTS = PARTS_IN_FLIGHT + 2
+_copy_parts = 0
+
+
+def _budget(delta: int, *, force: bool = False) -> bool:
+    """Take (``delta`` > 0) or give back part buffers of the process's copy budget."""
+    global _copy_parts
+    with _shared_lock:
+        if delta > 0 and not force and _copy_parts + delta > COPY_PARTS:
+            return False
+        _copy_parts += delta
+        return True
+
+
 def _describe(e: BaseException) -> str:
     """The first line of a client error (obstore appends pages of debug detail)."""
     text = str(e).strip().split("\n\nDebug source:")[0]
@@ -233,6 +249,8 @@ class S3Writer(Writer):
         self._name = name
         self._part_bytes = storage.config.part_bytes
         self._part = bytearray(self._part_bytes)
+        _budget(+1, force=True)
+        self._owned = 1  # part buffers counted in the process's budget
         self._fill = 0
         self._size = 0
         self._queue: queue.Queue[bytearray | memoryview | None] | None = None
@@ -240,6 +258,8 @@ class S3Writer(Writer):
         self._error: BaseException | None = None
         self._aborted = threading.Event()
         self._open = True
+        # Copied parts handed to the client: (sequence number, buffer, the view it holds).
+        self._held: list[tuple[int, bytearray, memoryview]] = []
         self._sent = 0  # items handed to the upload queue
         self._taken = 0  # items the client has taken hold of (it asked for the next one)
 
@@ -288,11 +308,35 @@ class S3Writer(Writer):
             view = view[n:]
             if self._fill == self._part_bytes:
                 part.release()
-                self._send(self._part)
-                self._part = bytearray(self._part_bytes)
+                sent = memoryview(self._part)
+                self._send(sent)
+                self._held.append((self._sent, self._part, sent))
+                self._part = self._spare_part()
                 self._fill = 0
                 part = memoryview(self._part)
         part.release()
+
+    def _spare_part(self) -> bytearray:
+        """A part buffer to fill: one the client has let go of, a new one while this writer
+        has fewer than ``parts_in_flight`` + 2 and the process fewer than ``COPY_PARTS``
+        (writers of one save run side by side), else the first to come back. Bounded memory,
+        and no fresh pages to fault in for every part."""
+        while True:
+            alive = self._thread is not None and self._thread.is_alive()
+            for i, (seq, buf, view) in enumerate(self._held):
+                if self._taken >= seq or not alive:
+                    try:
+                        view.release()
+                    except BufferError:
+                        continue  # still uploading
+                    del self._held[i]
+                    return buf
+            if len(self._held) < self._storage.config.parts_in_flight + 1 and _budget(+1):
+                self._owned += 1
+                return bytearray(self._part_bytes)
+            if self._error is not None:
+                raise self._failed("upload")
+            time.sleep(0.002)
 
     def _send(self, part: bytearray | memoryview) -> None:
         if self._queue is None:
@@ -353,6 +397,18 @@ class S3Writer(Writer):
         if not self._open:
             return
         self._open = False
+        try:
+            self._finish()
+        finally:
+            self._release_buffers()
+
+    def _release_buffers(self) -> None:
+        self._part = bytearray()
+        self._held = []
+        _budget(-self._owned)
+        self._owned = 0
+
+    def _finish(self) -> None:
         if self._queue is None:
             self._storage._put(self._name, memoryview(self._part)[: self._fill], "write")
             _count(bytes_written=self._fill)
@@ -379,10 +435,10 @@ class S3Writer(Writer):
 
     def abort(self) -> None:
         self._open = False
-        self._part = bytearray()
         if self._thread is not None:
             self._aborted.set()
             self._thread.join()
+        self._release_buffers()
 
 
 class _Aborted(Exception):
@@ -817,7 +873,17 @@ class S3Storage(ManifestLastCommit):
             done.append(Tidied(path, "removed", int(meta["size"])))
         if doomed and not dry_run:
             self.delete_many(doomed)
-        for key, upload_id, started in self._uploads():
+        try:
+            uploads = self._uploads()
+        except TardigradeError as e:
+            # The data objects are dealt with; an incomplete upload costs only storage (a
+            # bucket lifecycle rule can expire them), so a missing boto3 or a denied listing
+            # must not stop a manager's restore.
+            log.warning(
+                "tardigrade: %s: incomplete multipart uploads not cleaned: %s", self.root, e
+            )
+            uploads = []
+        for key, upload_id, started in uploads:
             if started > cutoff:
                 continue
             name = key[len(self.prefix) + 1 :] if self.prefix else key
@@ -836,6 +902,8 @@ class S3Storage(ManifestLastCommit):
         return self.data_name("", save_id) if isinstance(save_id, str) else "\0"
 
     def _boto(self) -> Any:
+        if getattr(self, "_boto_client", None) is not None:
+            return self._boto_client
         try:
             import boto3
             from botocore.config import Config
@@ -856,7 +924,8 @@ class S3Storage(ManifestLastCommit):
             read_timeout=c.read_timeout.total_seconds(),
             retries={"max_attempts": c.max_retries + 1, "mode": "standard"},
         )
-        return boto3.client("s3", config=cfg, **kw)
+        self._boto_client = boto3.client("s3", config=cfg, **kw)
+        return self._boto_client
 
     def _uploads(self) -> list[tuple[str, str, datetime]]:
         """(key, upload id, started) of the incomplete multipart uploads under the root."""

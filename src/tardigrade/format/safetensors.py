@@ -233,10 +233,14 @@ def _check_layout(src: ByteSource, entries: dict[str, HeaderEntry], data_start: 
 def read_range(src: ByteSource, begin: int, dest: memoryview, hasher: Hasher | None) -> None:
     """Read ``dest.nbytes`` bytes at ``begin`` into ``dest``, hashing them when asked.
 
-    A source may ask for larger reads than ``SLICE_BYTES`` with a ``read_window`` attribute
-    (an object store, where each read is a request and a large one is split into parallel
-    ranged GETs)."""
-    step = max(SLICE_BYTES, int(getattr(src, "read_window", SLICE_BYTES)))
+    A source with a ``read_hashed(begin, dest, hasher)`` method (an object store, where each
+    read is a request) is handed the whole range: it fetches pieces in parallel and hashes
+    them in order as they arrive."""
+    read_hashed = getattr(src, "read_hashed", None)
+    if read_hashed is not None:
+        read_hashed(begin, dest, hasher)
+        return
+    step = SLICE_BYTES
     for start in range(0, dest.nbytes, step):
         piece = dest[start : start + step]
         src.readinto(begin + start, piece)

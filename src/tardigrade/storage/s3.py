@@ -448,8 +448,8 @@ class _Aborted(Exception):
 class S3Reader(Reader):
     """An object read by ranged GETs into the caller's buffers."""
 
-    # Large reads are split into parallel ranged GETs here; the loader's 1 MiB slices would
-    # be a round trip each, so it reads windows of this size (format.safetensors.read_range).
+    # Verify reads chunks through a buffer of this size (1 MiB requests would be a round trip
+    # each); loads hand whole tensors to read_hashed (format.safetensors.read_range).
     read_window = 8 * RANGE_BYTES
 
     def __init__(self, storage: S3Storage, name: str, size: int) -> None:
@@ -459,6 +459,11 @@ class S3Reader(Reader):
         self.size = size
 
     def readinto(self, offset: int, buf: memoryview) -> None:
+        self.read_hashed(offset, buf, None)
+
+    def read_hashed(self, offset: int, buf: memoryview, hasher: Hasher | None) -> None:
+        """Fill ``buf`` from ``offset`` with parallel ranged GETs, updating ``hasher`` with
+        each piece in order as soon as it and those before it have arrived."""
         view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
         end = offset + view.nbytes
         if end > self.size:
@@ -471,18 +476,27 @@ class S3Reader(Reader):
         step = self._storage.config.range_bytes
         if view.nbytes <= step:
             self._get(offset, view)
+            if hasher is not None:
+                hasher.update(view)
             return
         pieces = [(pos, view[pos - offset : min(end, pos + step) - offset])
                   for pos in range(offset, end, step)]  # fmt: skip
         futures = [_ranges().submit(self._get, pos, piece) for pos, piece in pieces]
-        error: BaseException | None = None
-        for f in futures:
-            try:
+        try:
+            for f, (_, piece) in zip(futures, pieces, strict=True):
                 f.result()
-            except BaseException as e:
-                error = error or e
-        if error is not None:
-            raise error
+                if hasher is not None:
+                    hasher.update(piece)
+        except BaseException:
+            # No GET may still write into the caller's buffer once this returns.
+            for f in futures:
+                f.cancel()
+            for f in futures:
+                try:
+                    f.result()
+                except BaseException:
+                    pass
+            raise
 
     def _get(self, offset: int, view: memoryview) -> None:
         obs = _client()

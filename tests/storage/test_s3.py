@@ -513,3 +513,16 @@ def test_the_server_killed_mid_upload_and_restarted(
         tg.load(f"{url}/step-2")
     tg.save(f"{url}/step-2", {"w": torch.full((6 * MiB,), 2.0)})
     assert float(tg.load(f"{url}/step-2")["w"][-1]) == 2.0
+
+
+def test_what_is_not_a_checkpoint_is_named_as_on_a_local_disk(url: str) -> None:
+    storage = open_root(url)
+    storage.put("file.bin", b"hello", mode="overwrite")
+    storage.put("dir/x.bin", b"hello", mode="overwrite")
+    storage.put("bad/manifest.json", b'{"format":"tardigrade","junk":1}', mode="overwrite")
+    with pytest.raises(tg.CheckpointNotFoundError, match=r"file\.bin: this is a file, not a"):
+        tg.load(f"{url}/file.bin")
+    with pytest.raises(tg.CheckpointNotFoundError, match=r"dir: .*it has no manifest\.json"):
+        tg.load(f"{url}/dir")
+    with pytest.raises(tg.CorruptCheckpointError, match=r"bad/manifest\.json: .*not written by"):
+        tg.load(f"{url}/bad")

@@ -149,6 +149,7 @@ CHAINS = {
     ],
 }
 # Blocks with a test of their own above.
+S3_MARKER = "root = f\"s3://{os.environ.get('CKPT_BUCKET'"
 OWN_TESTS = [
     "FaultyStorage(",
     "tg.SeededDataset(Jitter())",
@@ -158,6 +159,7 @@ OWN_TESTS = [
     "TardigradeTrainer(model=Regressor()",
     "accelerator.register_for_checkpointing(progress)",
     "assert_resumes_exactly(",
+    S3_MARKER,
 ]
 
 
@@ -209,7 +211,7 @@ def test_s3_example_runs_on_a_real_server(tmp_path: Path, s3_server: Any) -> Non
     """The "Object stores (S3)" example, against the session's SeaweedFS, configured as a
     user would: the AWS_* variables and the bucket name. Run twice: the second run resumes
     from the first's newest checkpoint, and retention kept two."""
-    code = readme_block("root = f\"s3://{os.environ.get('CKPT_BUCKET'")
+    code = readme_block(S3_MARKER)
     env = {**os.environ, **s3_server.env(), "CKPT_BUCKET": s3_server.bucket}
     script = tmp_path / "example.py"
     script.write_text(code)

@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/python -m pytest tests
 
-# Long fuzz runs: `make fuzz FUZZ_N=20000 FUZZ_SEED=7`. `make test` runs 2,000 cases.
+# Long fuzz runs: `make fuzz FUZZ_N=20000 FUZZ_SEED=7`. `make test` runs 3,000 cases.
 FUZZ_N ?= 20000
 FUZZ_SEED ?= 1
 fuzz: $(STAMP)

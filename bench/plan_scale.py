@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from tardigrade._plan import LocalEntry, LocalPlan, global_plan_from_wire
+from tardigrade._plan import _NBYTES, LocalEntry, LocalPlan, global_plan_from_wire
 from tardigrade._sharding import Box
 from tardigrade._write import WrittenFile, manifest_doc, seal_checked
 from tardigrade.errors import SaveError
@@ -58,13 +58,16 @@ def run(world: int, tensors: int, sharded: float = 0.5) -> dict[str, float]:
     t0 = time.perf_counter()
     g = global_plan_from_wire(wire)
     t1 = time.perf_counter()
-    written = {
-        name: WrittenFile(size, "0" * 16, "0123456789abcdef" * len(rows))
-        for name, rows, size in zip(g.files, g.file_rows, g.file_nbytes(), strict=True)
+    written = {  # each file's tensor bytes, summed from the plan's table
+        name: WrittenFile(
+            int(g.table[rows, _NBYTES].sum()), "0" * 16, "0123456789abcdef" * len(rows)
+        )
+        for name, rows in zip(g.files, g.file_rows, strict=True)
     }
     header = {"format": "tardigrade", "format_version": 4, "world_size": world,
               "checksum_algorithm": ALGORITHM, "step": None, "epoch": None}  # fmt: skip
-    doc = manifest_doc(header, {"t": "dict", "v": []}, [[] for _ in range(world)], g, written)
+    tree = {"t": "dict", "v": []}
+    doc = manifest_doc(header, tree, [[] for _ in range(world)], g, written, packed=False)
     try:
         size = len(seal_checked(doc, "simulated"))
         over = False

@@ -82,3 +82,19 @@ def test_newer_contents_in_an_older_format_are_refused(
     ckpt = save(tmp_path / "ckpt", **extra)
     edit_manifest(ckpt, lambda d: d.update(format_version=version))
     assert_rejected(ckpt, CorruptCheckpointError, pattern)
+
+
+@pytest.mark.parametrize("field", ["files", "tensors"])
+def test_an_older_format_with_a_field_of_the_wrong_type_is_refused(
+    tmp_path: Path, field: str
+) -> None:
+    """The relabel check reads ``files`` and ``tensors`` before their own checks run (found by
+    the fuzzer: ``"files": 1.5`` in a format-1 manifest was a bare TypeError)."""
+    ckpt = save(tmp_path / "ckpt")
+    doc = read_manifest_doc(ckpt)
+    doc.pop("manifest_checksum")
+    for f in doc["files"]:
+        f.pop("header_checksum")
+    doc.update({"format_version": 1, field: 1.5})
+    (ckpt / MANIFEST).write_bytes(dumps(doc))
+    assert_rejected(ckpt, CorruptCheckpointError, field)

@@ -24,7 +24,10 @@ The oracle, per target:
   manifest, which carries no checksum of its own (counted apart as "silent-unchecksummed-manifest").
 
 Corpora: "fresh" is saved by the Tardigrade under test (so it has the newest format), "v1" is
-the golden format-1 checkpoint in tests/compat/v1/ckpt.
+the golden format-1 checkpoint in tests/compat/v1/ckpt, "v5" the golden distributed one (two
+ranks: chunks as columns, a row-sharded tensor, per-rank parts; tests/compat/v5/ckpt), "v6" the
+golden two-rank save with packed lists (tests/compat/v6/ckpt-2ranks). The distributed ones are
+read in one process, as rank 0, as a job restarted on one rank reads them.
 
 Cases run in a few long-lived worker processes (spawning python+torch per case would cost a
 second each), fed over a pipe; each worker limits its own address space after importing torch.
@@ -55,6 +58,12 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 V1_CKPT = REPO / "tests" / "compat" / "v1" / "ckpt"
+# Golden checkpoints of a distributed save, fuzzed like the others (read by one process).
+GOLDEN = {
+    "v5": REPO / "tests" / "compat" / "v5" / "ckpt",
+    "v6": REPO / "tests" / "compat" / "v6" / "ckpt-2ranks",
+}
+CORPORA = ("fresh", "v1", *GOLDEN)
 FIXTURES = REPO / "tests" / "faults" / "fuzz_fixtures"
 MANIFEST = "manifest.json"
 STEP_DIR = "step-000000007"  # the mutated checkpoint in a worker's manager directory
@@ -129,6 +138,32 @@ def live_state(step: int) -> dict[str, Any]:
     return state
 
 
+def v5_state(step: int) -> dict[str, Any]:
+    """A live state the golden v5 checkpoint restores into (one process: rank 0)."""
+    import torch
+
+    import tardigrade as tg
+
+    return {
+        "emb": tg.Sharded(torch.zeros(5, 3), (0, 0), (5, 3)),
+        "bias": torch.zeros(3),
+        "step": step,
+        "mine": tg.PerRank({"rank": -1, "seen": torch.zeros(2, dtype=torch.int64)}),
+    }
+
+
+def v6_state(step: int) -> dict[str, Any]:
+    """A live state the golden two-rank v6 checkpoint restores into."""
+    import torch
+
+    import tardigrade as tg
+
+    return {"perm": [], "floats": (), "short": [], "w": torch.zeros(6), "mine": tg.PerRank([])}
+
+
+STATES = {"fresh": live_state, "v1": live_state, "v5": v5_state, "v6": v6_state}
+
+
 def build_corpora(root: Path) -> dict[str, Path]:
     """Manager directories holding an older pristine checkpoint and the one to mutate."""
     import tardigrade as tg
@@ -143,6 +178,10 @@ def build_corpora(root: Path) -> dict[str, Path]:
     shutil.copytree(V1_CKPT, v1 / OLDER_DIR)
     shutil.copytree(V1_CKPT, v1 / STEP_DIR)
     out["v1"] = v1
+    for name, golden in GOLDEN.items():
+        shutil.copytree(golden, root / name / OLDER_DIR)
+        shutil.copytree(golden, root / name / STEP_DIR)
+        out[name] = root / name
     return out
 
 
@@ -361,6 +400,11 @@ def _semantic_manifest(rng: random.Random, doc: dict[str, Any]) -> str:
     tensors = doc.get("tensors") or []
     nodes = [n for p in _json_paths(doc["tree"]) if isinstance(n := _get(doc["tree"], p), dict)]
     how = rng.choice(["shape", "shape", "dtype", "dtype_leaf", "view", "ref", "name", "offsets"])
+    if isinstance(doc.get("per_rank"), list) and rng.random() < 0.3:
+        return _semantic_per_rank(rng, doc)
+    columns = [(i, t) for i, t in enumerate(tensors) if isinstance(t.get("chunks"), dict)]
+    if columns and how in ("shape", "offsets", "name"):
+        return _semantic_columns(rng, *rng.choice(columns), n_files=len(doc.get("files") or []))
     if how in ("shape", "offsets", "dtype") and tensors:
         i = rng.randrange(len(tensors))
         t = tensors[i]
@@ -409,8 +453,67 @@ def _semantic_manifest(rng: random.Random, doc: dict[str, Any]) -> str:
     return f"file name -> {new!r}"
 
 
+def _semantic_columns(rng: random.Random, i: int, t: dict[str, Any], n_files: int) -> str:
+    """An edit of a format-5 tensor's chunk columns: a column one element longer or shorter, a
+    number at an edge, a file index out of range, a checksum of another length, a name."""
+    cols = t["chunks"]
+    what = rng.choice(["offsets", "shape", "offsets", "shape", "file", "checksum", "name"])
+    if what == "name":
+        t["name"] = rng.choice([*HOSTILE_STRINGS, "emb@0.0", t.get("name", "") + "@1"])
+        return f"tensor #{i} name -> {t['name']!r}"
+    if what == "checksum":
+        cols["checksum"] = rng.choice([cols["checksum"][:-1], cols["checksum"] + "0", "", "zz"])
+        return f"tensor #{i} checksum column -> {len(cols['checksum'])} characters"
+    if what == "file":
+        cols["file"] = rng.choice([n_files, -1, 2**63, [0, n_files], [0], []])
+        return f"tensor #{i} file column -> {cols['file']}"
+    dims = cols[what]
+    if not dims:
+        cols[what] = [rng.choice([0, [0, 0], 2**63])]
+        return f"tensor #{i} {what} columns of a 0-d tensor -> {cols[what]}"
+    d = rng.randrange(len(dims))
+    col = dims[d]
+    how = rng.choice(["longer", "shorter", "edge", "to_list", "extra_dim"])
+    if how == "longer":  # one element more than there are chunks
+        dims[d] = [*col, rng.choice([0, 1, 2**62])] if isinstance(col, list) else [col, col]
+    elif how == "shorter" and isinstance(col, list):
+        dims[d] = col[:-1]
+    elif how == "to_list":
+        dims[d] = [col] if not isinstance(col, list) else col[0]
+    elif how == "extra_dim":
+        dims.append(rng.choice([0, 1, [0, 1]]))
+    else:
+        dims[d] = [_edge_dim(rng, x) for x in col] if isinstance(col, list) else _edge_dim(rng, col)
+    return f"tensor #{i} {what}[{d}] ({how}) -> {_short(dims[d] if d < len(dims) else dims)}"
+
+
+def _semantic_per_rank(rng: random.Random, doc: dict[str, Any]) -> str:
+    """An edit of the per-rank parts: a rank's part dropped, swapped, nested, or retagged."""
+    parts = doc["per_rank"]
+    how = rng.choice(["drop", "swap", "nest", "retag", "extra"])
+    if how == "drop" and parts:
+        parts.pop(rng.randrange(len(parts)))
+    elif how == "swap" and len(parts) > 1:
+        parts[0], parts[-1] = parts[-1], parts[0]
+    elif how == "nest" and parts and parts[0]:
+        node = parts[0][0]
+        for _ in range(rng.choice([1, 150, 199, 250])):
+            node = {"t": "list", "v": [node]}
+        parts[0][0] = node
+    elif how == "retag" and parts and parts[-1]:
+        parts[-1][0] = rng.choice(
+            [{"t": "per_rank", "i": 0}, {"t": "tensor", "e": 0}, {"t": "packed", "v": "AA"}, {}]
+        )
+    else:
+        parts.append(parts[0] if parts else [])
+    return f"per_rank {how}"
+
+
 def _semantic_header(rng: random.Random, header: dict[str, Any]) -> str:
     keys = [k for k in header if k != "__metadata__"]
+    if not keys:  # a rank's file that holds no tensor: give it one the manifest does not list
+        header["x"] = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+        return "header of an empty file gains a tensor"
     k = rng.choice(keys)
     e = header[k]
     how = rng.choice(["shape", "shape", "dtype", "offsets", "metadata"])
@@ -446,7 +549,7 @@ def apply_ops(ckpt: Path, ops: list[dict[str, Any]], outside: Path) -> None:
             _reseal(ckpt)
         elif kind == "sync_size":
             doc = json.loads((ckpt / MANIFEST).read_bytes())
-            for f in doc.get("files", []):
+            for f in _doc_files(doc):
                 if isinstance(f, dict) and f.get("name") == op["file"]:
                     f["size"] = path.stat().st_size
             (ckpt / MANIFEST).write_bytes(_dumps(doc))
@@ -469,6 +572,12 @@ def apply_ops(ckpt: Path, ops: list[dict[str, Any]], outside: Path) -> None:
                 raise ValueError(f"unknown op {kind}")
 
 
+def _doc_files(doc: Any) -> list[Any]:
+    """A manifest's file list, or none when a mutation made it something else."""
+    files = doc.get("files") if isinstance(doc, dict) else None
+    return files if isinstance(files, list) else []
+
+
 def _reseal(ckpt: Path) -> None:
     """Recompute every checksum that covers metadata: data files' headers, then the manifest."""
     try:
@@ -480,7 +589,7 @@ def _reseal(ckpt: Path) -> None:
     from tardigrade.format.checksum import checksum
     from tardigrade.format.manifest import seal
 
-    for f in doc.get("files") or []:
+    for f in _doc_files(doc):
         name = f.get("name") if isinstance(f, dict) else None
         if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
             continue
@@ -520,6 +629,7 @@ def snapshot(obj: Any, depth: int = 0) -> Any:
     import numpy as np
     import torch
 
+    import tardigrade as tg
     from tardigrade._tree import is_stateful
 
     if depth > 300:
@@ -537,6 +647,10 @@ def snapshot(obj: Any, depth: int = 0) -> Any:
         return (type(obj).__name__, items, snapshot(meta, depth + 1) if meta else None)
     if isinstance(obj, (list, tuple)):
         return (type(obj).__name__, [snapshot(v, depth + 1) for v in obj])
+    if isinstance(obj, tg.Sharded):
+        return ("sharded", obj.offsets, obj.global_shape, snapshot(obj.local, depth + 1))
+    if isinstance(obj, tg.PerRank):
+        return ("per_rank", snapshot(obj.value, depth + 1))
     if is_stateful(obj) and not isinstance(obj, (int, str, bytes)):
         return ("stateful", type(obj).__name__, snapshot(obj.state_dict(), depth + 1))
     return (type(obj).__name__, repr(obj))
@@ -556,17 +670,20 @@ def _classify(exc: BaseException) -> tuple[str, str]:
 class Worker:
     """Runs cases against one corpus inside this process (the worker loop and --replay)."""
 
-    def __init__(self, corpus: Path, scratch: Path) -> None:
+    def __init__(self, corpus: Path, scratch: Path, kind: str | None = None) -> None:
         import tardigrade as tg
 
         self.tg = tg
         self.corpus = corpus
+        self.kind = kind or corpus.name  # which live state restores it (a key of STATES)
         self.run = scratch / "run"
         self.outside = scratch / "outside.bin"
         shutil.rmtree(self.run, ignore_errors=True)
         shutil.copytree(corpus, self.run, symlinks=True)
         self.expect_load = snapshot(tg.load(corpus / STEP_DIR))
-        self.expect_restore = {s: self._restored(self.run, s) for s in (5, 7)}
+        # 7 first: restore(5) sets the newer 7 aside as an abandoned timeline (reset() puts
+        # the run directory back before each case).
+        self.expect_restore = {s: self._restored(self.run, s) for s in (7, 5)}
         self.pristine = {p.name: p.read_bytes() for p in (corpus / STEP_DIR).iterdir()}
         self.dirty: set[str] = set()
         raw = self.pristine[MANIFEST]
@@ -574,7 +691,7 @@ class Worker:
         assert self.expect_restore[7] is not None, "the pristine corpus must restore"
 
     def _restored(self, directory: Path, step: int | None = None) -> Any:
-        live = live_state(-1)
+        live = STATES[self.kind](-1)
         mgr = self.tg.CheckpointManager(directory, live, async_save=False, save_on_signals=())
         try:
             got = mgr.restore(step)
@@ -884,7 +1001,8 @@ def save_fixture(
 def replay_fixture(path: Path, scratch: Path) -> dict[str, Any]:
     """Run a stored case with the current code; returns the results by target."""
     case = json.loads((path / "case.json").read_text())
-    w = Worker(path / "pristine", scratch)
+    kind = case["origin"].split()[0]  # the corpus it was found in: "v5 1:2054"
+    w = Worker(path / "pristine", scratch, kind)
     return w.run_case({"ops": ops_from_json(case["ops"]), "desc": case["desc"]})
 
 
@@ -893,7 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=2000, help="number of cases")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workers", type=int, default=max(1, min(4, os.cpu_count() or 1)))
-    ap.add_argument("--corpus", action="append", choices=["fresh", "v1"])
+    ap.add_argument("--corpus", action="append", choices=list(CORPORA))
     ap.add_argument("--replay", metavar="SEED:INDEX")
     ap.add_argument("--fixture", metavar="NAME", help="with --replay: store the case")
     ap.add_argument("--json", metavar="FILE", help="write the summary as JSON")
@@ -902,7 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker_main(Path(args.worker[0]), Path(args.worker[1]), int(args.worker[2]))
         return 0
-    corpora = args.corpus or ["fresh", "v1"]
+    corpora = args.corpus or list(CORPORA)
     if args.replay:
         seed, index = (int(x) for x in args.replay.split(":"))
         out = replay(corpora[0], seed, index, args.fixture)

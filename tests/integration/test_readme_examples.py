@@ -130,7 +130,7 @@ CHAINS = {
         'tree = tg.load("ckpt/step-000000100")',
     ],
     "manager": [
-        "mgr = tg.CheckpointManager(",
+        'mgr = tg.CheckpointManager(\n    "runs/exp1",',
         'tg.CheckpointManager("runs/exp2", state)  # a second',
     ],
     "async": [

@@ -354,6 +354,12 @@ _V3_TAGS = _V2_TAGS | {
 _TAGS_UNTIL: dict[int, frozenset[str]] = {1: _V2_TAGS, 2: _V2_TAGS, 3: _V3_TAGS}
 
 
+def _listed(doc: dict[str, Any], key: str) -> list[Any]:
+    """``doc[key]`` where it is a list; this check runs before the fields' own are checked."""
+    value = doc.get(key)
+    return value if isinstance(value, list) else []
+
+
 def _check_written_as(doc: dict[str, Any], version: int, sealed: bool, where: str) -> None:
     """Refuse a manifest that claims an older format than what it holds shows.
 
@@ -365,13 +371,13 @@ def _check_written_as(doc: dict[str, Any], version: int, sealed: bool, where: st
     if version < SEALED_SINCE:
         if sealed:
             newer.append("a manifest checksum")
-        if any(isinstance(f, dict) and "header_checksum" in f for f in doc.get("files") or ()):
+        if any(isinstance(f, dict) and "header_checksum" in f for f in _listed(doc, "files")):
             newer.append("data file header checksums")
     if version < 4:
         if "per_rank" in doc or doc.get("world_size", 1) != 1:
             newer.append("parts saved by several ranks")
         if any(
-            isinstance(t, dict) and ("layout" in t or "rank" in t) for t in doc.get("tensors") or ()
+            isinstance(t, dict) and ("layout" in t or "rank" in t) for t in _listed(doc, "tensors")
         ):
             newer.append("tensor layouts")
     if newer:

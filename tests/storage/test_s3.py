@@ -344,6 +344,10 @@ def test_an_unknown_storage_option_lists_the_known_ones() -> None:
         S3Storage("s3://bucket/prefix", {"part_bytes": 1024})
     with pytest.raises(InvalidArgumentError, match=r"name a bucket"):
         open_root("s3:///prefix")
+    with pytest.raises(InvalidArgumentError, match=r"name a bucket and an optional prefix"):
+        open_root("s3://bucket/prefix?versionId=3")
+    with pytest.raises(InvalidArgumentError, match=r"connect_timeout=0: a number of seconds"):
+        S3Storage("s3://bucket/prefix", {"connect_timeout": 0})
 
 
 # -- single-writer mode -------------------------------------------------------------------

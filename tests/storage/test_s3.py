@@ -530,3 +530,43 @@ def test_what_is_not_a_checkpoint_is_named_as_on_a_local_disk(url: str) -> None:
         tg.load(f"{url}/dir")
     with pytest.raises(tg.CorruptCheckpointError, match=r"bad/manifest\.json: .*not written by"):
         tg.load(f"{url}/bad")
+
+
+FORKED = """
+import os, sys
+import torch
+import tardigrade as tg
+
+url = sys.argv[1]
+tg.save(f"{url}/a", {"x": torch.ones(3)})  # the parent uses S3: the client's threads start
+pid = os.fork()
+if pid == 0:
+    try:
+        tg.load(f"{url}/a")
+        os._exit(3)
+    except tg.StorageError as e:
+        print(e, flush=True)
+        os._exit(0)
+    except BaseException:
+        os._exit(4)
+_, status = os.waitpid(pid, 0)
+assert torch.equal(tg.load(f"{url}/a")["x"], torch.ones(3))  # the parent still works
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_process_forked_after_s3_was_used_gets_an_error_not_a_hang(
+    url: str, tmp_path: Any
+) -> None:
+    import os
+    import subprocess
+
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    run = subprocess.run(
+        [sys.executable, str(script), url], env=dict(os.environ), capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert url in run.stdout and "forked after its parent used S3" in run.stdout
+    assert "'spawn'" in run.stdout

@@ -105,8 +105,31 @@ def transferred() -> dict[str, int]:
         return dict(_counts)
 
 
-def _client() -> Any:
-    """The obstore module, imported on first use."""
+# The client's runtime (tokio threads) does not survive fork(): a child forked after this
+# process used it would hang or crash on its first request, so it gets an error instead.
+_used = False
+_forked_after_use = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_use, _range_pool
+    _forked_after_use = _used
+    _range_pool = None  # its threads are gone
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _client(where: str = "s3://") -> Any:
+    """The obstore module, imported on first use (``where``: the URL, for messages)."""
+    if _forked_after_use:
+        raise StorageError(
+            errno.EPERM,
+            f"{where}: cannot be used in a process forked after its parent used S3 (the S3 "
+            "client's runtime does not survive fork(); it would hang). Start such processes "
+            "with the 'spawn' or 'forkserver' method (multiprocessing.set_start_method, "
+            "DataLoader(multiprocessing_context='spawn')), or do the S3 I/O in the parent.",
+        )
     try:
         import obstore
         import obstore.exceptions
@@ -561,7 +584,9 @@ class S3Storage(ManifestLastCommit):
         self._store = self._open_store()
 
     def _open_store(self) -> Any:
-        obs = _client()
+        global _used
+        obs = _client(self.root)
+        _used = True
         c = self.config
         key = (self.bucket, self.prefix, c.key())
         with _shared_lock:

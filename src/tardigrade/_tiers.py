@@ -170,14 +170,21 @@ class Uploader:
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._idle = threading.Condition()
         self._busy = 0
+        self._pinned: list[str] = []  # submitted, not finished: the fast tier must keep them
         self._thread = threading.Thread(target=self._run, name="tardigrade-upload", daemon=True)
         self._thread.start()
 
     def submit(self, name: str) -> None:
         with self._idle:
             self._busy += 1
+            self._pinned.append(name)
             self.stats.pending = self._busy
         self._queue.put(name)
+
+    def pinned(self) -> set[str]:
+        """Checkpoints submitted and not uploaded (or given up) yet: not to be retired."""
+        with self._idle:
+            return set(self._pinned)
 
     def _run(self) -> None:
         while True:
@@ -189,6 +196,7 @@ class Uploader:
             finally:
                 with self._idle:
                     self._busy -= 1
+                    self._pinned.remove(name)
                     self.stats.pending = self._busy
                     self._idle.notify_all()
 

@@ -149,7 +149,8 @@ class Uploader:
     ``submit(name)`` after each commit; ``close(timeout)`` waits for what is pending. A failed
     copy is retried ``retries`` times with backoff, then given up (logged, counted); an upload
     never raises into the caller. ``keep_last_remote`` retires older remote checkpoints after
-    each upload (manifest first, then data, as everywhere).
+    each upload (manifest first, then data, as everywhere), while ``lease`` (the remote root's,
+    held by the caller) is still held.
     """
 
     def __init__(
@@ -160,9 +161,11 @@ class Uploader:
         keep_last_remote: int | None = None,
         retries: int = 3,
         backoff_seconds: float = 2.0,
+        lease: Any = None,
     ) -> None:
         self.local = local
         self.remote = remote
+        self.lease = lease  # the remote root's one-writer lease, checked before deleting
         self.keep_last_remote = keep_last_remote
         self.retries = retries
         self.backoff = backoff_seconds
@@ -235,6 +238,12 @@ class Uploader:
     def _retain(self) -> None:
         if self.keep_last_remote is None:
             return
+        if self.lease is not None:
+            try:
+                self.lease.check()  # fencing: delete nothing once another job took over
+            except TardigradeError as e:
+                log.error("tardigrade: not retiring anything in %s: %s", self.remote.root, e)
+                return
         catalog = Catalog(self.remote)
         steps = catalog.steps()
         for step in steps[: max(0, len(steps) - self.keep_last_remote)]:

@@ -333,6 +333,7 @@ class CheckpointManager:
         self._signals: list[int] = []
         self._async: AsyncCheckpointer | None = None
         self._uploader: Uploader | None = None
+        self._remote_lock: Any = None
         self.keep_last_remote = _positive("keep_last_remote", keep_last_remote)
         self.upload_timeout = _positive("upload_timeout", upload_timeout, float)
         # step() calls since construction or restore(), or None once an async save has staged
@@ -497,15 +498,21 @@ class CheckpointManager:
                     "(CheckpointManager('s3://...'))"
                 )
             remote = open_root(upload_to)
+            try:
+                remote.preflight()
+            except TardigradeError as e:
+                log.error("tardigrade: uploads to %s will fail: %s", remote.root, e)
+            # One job uploads into a remote root, as one job saves into a directory.
+            self._remote_lock = remote.lease(lease_seconds=self._lock.lease)
+            self._remote_lock.acquire()
         except BaseException:
             self._close(meet=False)
             raise
-        try:
-            remote.preflight()
-        except TardigradeError as e:
-            log.error("tardigrade: uploads to %s will fail: %s", remote.root, e)
         self._uploader = Uploader(
-            self._catalog.storage, remote, keep_last_remote=self.keep_last_remote
+            self._catalog.storage,
+            remote,
+            keep_last_remote=self.keep_last_remote,
+            lease=self._remote_lock,
         )
 
     @property
@@ -514,6 +521,14 @@ class CheckpointManager:
         return None if self._uploader is None else self._uploader.stats
 
     def _close_uploads(self) -> None:
+        try:
+            self._finish_uploads()
+        finally:
+            lock, self._remote_lock = self._remote_lock, None
+            if lock is not None:
+                lock.release()
+
+    def _finish_uploads(self) -> None:
         uploader = self._uploader
         if uploader is None:
             return

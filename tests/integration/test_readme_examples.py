@@ -150,6 +150,7 @@ CHAINS = {
 }
 # Blocks with a test of their own above.
 S3_MARKER = "root = f\"s3://{os.environ.get('CKPT_BUCKET'"
+TIER_MARKER = "remote = f\"s3://{os.environ.get('CKPT_BUCKET', 'my-bucket')}/runs/tiered\""
 OWN_TESTS = [
     "FaultyStorage(",
     "tg.SeededDataset(Jitter())",
@@ -160,6 +161,7 @@ OWN_TESTS = [
     "accelerator.register_for_checkpointing(progress)",
     "assert_resumes_exactly(",
     S3_MARKER,
+    TIER_MARKER,
 ]
 
 
@@ -226,4 +228,26 @@ def test_s3_example_runs_on_a_real_server(tmp_path: Path, s3_server: Any) -> Non
 
     storage = open_root(f"s3://{s3_server.bucket}/runs/mlp", {**s3_server.options()})
     assert [n for n in storage.list() if n != ".lock"] == ["step-000000015", "step-000000020"]
+    storage.delete("")
+
+
+def test_tiered_example_uploads_and_restores_on_a_new_machine(
+    tmp_path: Path, s3_server: Any
+) -> None:
+    """The "A remote tier" example: saves to a local directory upload to S3 in the
+    background; a new machine (empty directory) restores step 30 from the remote tier."""
+    code = readme_block(TIER_MARKER)
+    env = {**os.environ, **s3_server.env(), "CKPT_BUCKET": s3_server.bucket}
+    script = tmp_path / "example.py"
+    script.write_text(code + "print('TIERS OK')\n")
+    run = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines() == ["TIERS OK"], run.stdout
+    from tardigrade.storage import open_root
+
+    storage = open_root(f"s3://{s3_server.bucket}/runs/tiered", {**s3_server.options()})
+    assert [n for n in storage.list() if n != ".lock"] == ["step-000000020", "step-000000030"]
     storage.delete("")

@@ -131,3 +131,14 @@ def test_a_failed_upload_is_counted_retried_and_never_stops_training(
     assert any("UPLOAD FAILED for step-000000001" in r.getMessage() for r in caplog.records)
     assert tg.verify(f"{remote_url}/step-000000001").files == 1
     assert [n for n in open_root(remote_url).list() if n.startswith("step-")] == ["step-000000001"]
+
+
+def test_one_job_uploads_into_a_remote_root(tmp_path: Path, remote_url: str) -> None:
+    with tg.CheckpointManager(tmp_path / "a", state_at(0), upload_to=remote_url):
+        with pytest.raises(tg.CheckpointLockedError, match="another job is writing"):
+            tg.CheckpointManager(tmp_path / "b", state_at(0), upload_to=remote_url)
+        # The refused manager released its own local lock: its directory is free again.
+        with tg.CheckpointManager(tmp_path / "b", state_at(0)):
+            pass
+    with tg.CheckpointManager(tmp_path / "b", state_at(0), upload_to=remote_url):
+        pass  # free once the first job closed

@@ -119,10 +119,27 @@ def run(opts: StoreOptions, log: Callable[[str], None]) -> dict[str, Any]:
             fut.result()
             return {"blocking_s": blocked}
 
+        def manager_save(url: str, *, tiered: bool) -> dict[str, float]:
+            """One async save by a CheckpointManager into a local directory, with or without
+            a remote tier; what counts is the training thread's blocking time."""
+            local = tmp / f"local-{uuid.uuid4().hex[:8]}"
+            upload = {"upload_to": url} if tiered else {}
+            with tg.CheckpointManager(local, state, async_save=True, **upload) as mgr:
+                mgr.save(1)
+                mgr.wait()
+                blocked = mgr.stats[-1].blocking_seconds
+            shutil.rmtree(local, ignore_errors=True)
+            return {"blocking_s": blocked}
+
         ops: dict[str, tuple[Callable[[str], Any], Callable[[str], Any]]] = {
             "raw": (raw_put, raw_get),
             "tardigrade": (lambda u: tg.save(u, state), lambda u: tg.load(u, into=live)),
             "tardigrade_async": (tg_save_async, None),  # type: ignore[dict-item]
+            "manager_local_async": (
+                lambda u: manager_save(u, tiered=False),
+                None,  # type: ignore[dict-item]
+            ),
+            "manager_tiered": (lambda u: manager_save(u, tiered=True), None),  # type: ignore[dict-item]
         }
         if have_dcp:
             ops["dcp"] = (
@@ -182,6 +199,12 @@ def targets(summary: dict[str, Any]) -> list[Target]:
             return float(summary[a]["mb_per_s"] / summary[b]["mb_per_s"])
         return None
 
+    def blocking_ratio() -> float | None:
+        a, b = summary.get("manager_tiered.save"), summary.get("manager_local_async.save")
+        if a is None or b is None or not b["blocking_s"]:
+            return None
+        return float(a["blocking_s"] / b["blocking_s"])
+
     def peak(op: str) -> float | None:
         return float(summary[op]["peak_above_pct"]) if op in summary else None
 
@@ -191,6 +214,7 @@ def targets(summary: dict[str, Any]) -> list[Target]:
         Target("store load vs raw parallel get", ratio("tardigrade.load", "raw.load"), ">=", 0.8, "x"),
         Target("store load vs DCP fsspec reader", ratio("tardigrade.load", "dcp.load"), ">=", 2.0, "x"),
         Target("store save peak memory above the state", peak("tardigrade.save"), "<=", 10.0, "%"),
+        Target("tiered save blocking vs a local async save", blocking_ratio(), "<=", 1.1, "x"),
         Target("store load peak memory above the state", peak("tardigrade.load"), "<=", 10.0, "%"),
     ]  # fmt: skip
 

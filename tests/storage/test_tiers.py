@@ -142,3 +142,23 @@ def test_one_job_uploads_into_a_remote_root(tmp_path: Path, remote_url: str) -> 
             pass
     with tg.CheckpointManager(tmp_path / "b", state_at(0), upload_to=remote_url):
         pass  # free once the first job closed
+
+
+def test_a_memory_directory_in_front_of_a_disk_directory(tmp_path: Path) -> None:
+    """Tiers compose with any two locations: /dev/shm (here a temporary directory) as the
+    fast tier in front of a disk directory. A restart on the same node restores from the
+    fast tier; a new node (its /dev/shm empty) restores from the disk tier."""
+    shm, disk = tmp_path / "shm", tmp_path / "disk"
+    state = state_at(0)
+    with tg.CheckpointManager(shm, state, keep_last=1, upload_to=disk, async_save=False) as mgr:
+        for step in (1, 2):
+            state["w"].fill_(float(step))
+            mgr.save(step)
+    assert sorted(p.name for p in shm.iterdir() if p.name.startswith("step-")) == ["step-000000002"]
+    assert tg.verify(disk / "step-000000002").files == 1
+    same_node = state_at(0)
+    with tg.CheckpointManager(shm, same_node, upload_to=disk) as mgr:
+        assert mgr.restore() == 2 and float(same_node["w"][0]) == 2.0
+    new_node = state_at(0)
+    with tg.CheckpointManager(tmp_path / "other-shm", new_node, upload_to=disk) as mgr:
+        assert mgr.restore() == 2 and float(new_node["w"][0]) == 2.0

@@ -205,7 +205,7 @@ class Uploader:
 
     def _upload(self, name: str) -> None:
         for attempt in range(self.retries + 1):
-            if not self.local.exists(f"{name}/{MANIFEST}"):
+            if not self._exists(name):
                 log.warning(
                     "tardigrade: not uploading %s: it is gone from %s (retired meanwhile)",
                     name,
@@ -214,7 +214,7 @@ class Uploader:
                 return
             try:
                 copy_checkpoint(self.local, name, self.remote)
-            except TardigradeError as e:
+            except Exception as e:  # whatever it is, the uploads go on (and training too)
                 self.stats.failed += 1
                 self.stats.last_error = str(e)
                 last = attempt == self.retries
@@ -232,8 +232,17 @@ class Uploader:
                 time.sleep(self.backoff * 2**attempt)
                 continue
             self.stats.uploaded.append(name)
-            self._retain()
+            try:
+                self._retain()
+            except Exception as e:
+                log.warning("tardigrade: retention in %s: %s", self.remote.root, e)
             return
+
+    def _exists(self, name: str) -> bool:
+        try:
+            return self.local.exists(f"{name}/{MANIFEST}")
+        except Exception:
+            return True  # let the copy try, and report what fails
 
     def _retain(self) -> None:
         if self.keep_last_remote is None:

@@ -120,12 +120,16 @@ def run(opts: StoreOptions, log: Callable[[str], None]) -> dict[str, Any]:
             return {"blocking_s": blocked}
 
         def manager_save(url: str, *, tiered: bool) -> dict[str, float]:
-            """One async save by a CheckpointManager into a local directory, with or without
-            a remote tier; what counts is the training thread's blocking time."""
+            """Two async saves by a CheckpointManager into a local directory, with or without
+            a remote tier; what counts is the training thread's blocking time in the second
+            (staging buffers reused, as in a run; with a tier, the first save's upload runs
+            meanwhile)."""
             local = tmp / f"local-{uuid.uuid4().hex[:8]}"
             upload = {"upload_to": url} if tiered else {}
             with tg.CheckpointManager(local, state, async_save=True, **upload) as mgr:
                 mgr.save(1)
+                mgr.wait()
+                mgr.save(2)
                 mgr.wait()
                 blocked = mgr.stats[-1].blocking_seconds
             shutil.rmtree(local, ignore_errors=True)

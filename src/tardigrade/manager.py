@@ -566,7 +566,7 @@ class CheckpointManager:
         try:
             copy_checkpoint(remote.storage, name, self._catalog.storage)
             log.info("tardigrade: downloaded %s from %s", name, remote.root)
-        except TardigradeError as e:
+        except Exception as e:  # the local tier still restores what it has
             log.warning("tardigrade: downloading %s from %s failed: %s", name, remote.root, e)
 
     def close(self) -> None:

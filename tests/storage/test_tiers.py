@@ -162,3 +162,22 @@ def test_a_memory_directory_in_front_of_a_disk_directory(tmp_path: Path) -> None
     new_node = state_at(0)
     with tg.CheckpointManager(tmp_path / "other-shm", new_node, upload_to=disk) as mgr:
         assert mgr.restore() == 2 and float(new_node["w"][0]) == 2.0
+
+
+def test_a_remote_checkpoint_that_cannot_be_downloaded_leaves_the_local_restore(
+    tmp_path: Path, remote_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = state_at(0)
+    with tg.CheckpointManager(tmp_path / "run", state, async_save=False, upload_to=remote_url) as m:
+        state["w"].fill_(1.0)
+        m.save(1)
+    remote = open_root(remote_url)
+    tg.save(f"{remote_url}/step-000000002", state_at(2), step=2)  # newer, then damaged:
+    remote.put("step-000000002/manifest.json", b'{"format":"tardigrade"}', mode="overwrite")
+    restored = state_at(0)
+    with tg.CheckpointManager(tmp_path / "run", restored, upload_to=remote_url) as m:
+        assert m.restore() == 1 and float(restored["w"][0]) == 1.0
+    assert any("downloading step-000000002" in r.getMessage() for r in caplog.records)
+    assert [p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".")] == [
+        "step-000000001"
+    ]  # nothing of the failed download is left

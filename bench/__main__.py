@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import cli_start, distributed, loop
+from . import cli_start, distributed, loop, store
 from .report import Target, summarise, table, targets, targets_table
 from .run import Options, run
 from .state import DEFAULT_STATE_BYTES, parse_size
@@ -41,6 +41,11 @@ on gloo, each holding its rows of a DTensor state (MLP weights + Adam moments, S
 the same fraction as --size), save and load with Tardigrade and DCP next to a raw O_DIRECT write,
 a 2 -> 1 resharding load in one process, a replicated (DDP-style) save, the per-step agreement
 collective and the plan cache.
+
+Then the store part (--no-store skips it): checkpoints on S3, on a SeaweedFS server started on
+loopback for the run (the `weed` of the test extra): Tardigrade's save (sync and async) and load
+of a {store.DEFAULT_STORE_BYTES / 1e9:g} GB state (times the --size fraction) next to the raw parallel put/get of the same
+bytes with the same client (obstore) and DCP's fsspec writer/reader (with s3fs installed).
 
 A default run (3 GB, 3 repeats + 1 warm-up) takes about 7-9 minutes on a 2-core VM, plus a few
 minutes for the distributed part (1 GB per rank).
@@ -105,6 +110,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"{distributed.DEFAULT_RANK_BYTES / 1e9:g} GB or bytes with a unit (default: the same "
         "fraction as --size)",
     )
+    p.add_argument("--no-store", action="store_true", help="skip the S3 store part")
     which = p.add_mutually_exclusive_group()
     which.add_argument(
         "--no-distributed", action="store_true", help="skip the 2-rank distributed part"
@@ -183,6 +189,16 @@ def main(argv: list[str] | None = None) -> int:
         summary["distributed"] = distributed.summarise(results["distributed"])
         goals += distributed.targets(summary["distributed"])
         sections.append(distributed.table(results["distributed"], summary["distributed"]))
+    if not args.distributed_only and not args.no_store:
+        store_opts = store.StoreOptions(
+            nbytes=round(args.target_bytes / DEFAULT_STATE_BYTES * store.DEFAULT_STORE_BYTES),
+            repeats=args.repeats,
+            settle_s=args.settle,
+        )
+        results["store"] = store.run(store_opts, log)
+        summary["store"] = store.summarise(results["store"])
+        goals += store.targets(summary["store"])
+        sections.append(store.table(results["store"], summary["store"]))
     if not args.distributed_only:
         log("CLI start-up (commands that need no torch)")
         results["cli_start_s"] = cli_start.measure()

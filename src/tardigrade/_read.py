@@ -144,7 +144,9 @@ def _check_listed(src: Any, header: dict[str, Any], chunks: list[Chunk]) -> None
 
 def _check_chunks(src: Any, header: dict[str, Any], m: Manifest, chunks: Any) -> None:
     """Hash each chunk's bytes (read once, through a small buffer) against the manifest."""
-    buf = memoryview(bytearray(min(st.SLICE_BYTES, max(1, src.size))))
+    # A store reads in larger windows (each read is a request; see st.read_range).
+    window = max(st.SLICE_BYTES, int(getattr(src, "read_window", st.SLICE_BYTES)))
+    buf = memoryview(bytearray(min(window, max(1, src.size))))
     for i, c in chunks:
         h = header[c.key]
         if h.dtype != m.tensors[i].dtype or h.shape != c.shape:

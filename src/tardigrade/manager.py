@@ -23,12 +23,13 @@ from types import FrameType
 from typing import Any
 
 from ._async import AsyncCheckpointer, SaveFuture
-from ._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_name
+from ._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_name, step_name
 from ._job import SaveOptions, SaveResult
 from ._load import load
 from ._match import Key
 from ._open import open_manifest
 from ._save import save
+from ._tiers import Uploader, UploadStats, copy_checkpoint
 from ._tree import flatten
 from ._units import gbps
 from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
@@ -46,6 +47,7 @@ from .errors import (
     TardigradeError,
     UnsupportedTypeError,
 )
+from .storage import open_root
 
 log = logging.getLogger("tardigrade")
 
@@ -236,6 +238,15 @@ class CheckpointManager:
             whose ranks share this manager (default: the whole job); ignored otherwise.
         ``timeout``: seconds any rank waits for the others in one of the manager's collectives
             (its saves and loads included) before every rank raises ``DistributedError``.
+        ``upload_to``: a second, remote tier (e.g. ``"s3://bucket/run"``): each checkpoint
+            committed in ``directory`` is then copied there in the background, off the
+            training thread; it counts as uploaded once its remote manifest is committed. A
+            failed upload is logged, counted in ``uploads`` and retried, never raised.
+            ``restore()`` first downloads the remote tier's newest checkpoint when it is newer
+            than the newest here (a fresh machine with an empty ``directory``). Single process
+            only for now.
+        ``keep_last_remote``: retention of the remote tier (None: keep every upload).
+        ``upload_timeout``: seconds ``close()`` waits for pending uploads (default 600).
 
     In a distributed job the constructor, ``step``, ``save``, ``restore``, ``steps``,
     ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are collective: every rank of the
@@ -273,6 +284,9 @@ class CheckpointManager:
         lock_lease_seconds: float = 30.0,
         process_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
+        upload_to: str | os.PathLike[str] | None = None,
+        keep_last_remote: int | None = None,
+        upload_timeout: float = 600.0,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise InvalidArgumentError(f"directory must be a path or URL, got {directory!r}")
@@ -318,6 +332,10 @@ class CheckpointManager:
         self._signalled: int | None = None
         self._signals: list[int] = []
         self._async: AsyncCheckpointer | None = None
+        self._uploader: Uploader | None = None
+        self._remote_lock: Any = None
+        self.keep_last_remote = _positive("keep_last_remote", keep_last_remote)
+        self.upload_timeout = _positive("upload_timeout", upload_timeout, float)
         # step() calls since construction or restore(), or None once an async save has staged
         # the whole state (see ``_regrow_staging``).
         self._step_calls: int | None = 0
@@ -345,6 +363,8 @@ class CheckpointManager:
             self._lock.release()
             raise
         self._reserve_staging()
+        if upload_to is not None:
+            self._start_uploads(upload_to)
 
     def _open_collectively(self) -> None:
         """Check the directory and take its lock on rank 0; raise its error on every rank."""
@@ -469,6 +489,86 @@ class CheckpointManager:
         if self._async is not None:
             self._async.close()
 
+    def _start_uploads(self, upload_to: str | os.PathLike[str]) -> None:
+        try:
+            if self._ranks is not None:
+                raise InvalidArgumentError(
+                    "upload_to is not supported in a distributed job yet; upload from one "
+                    "process, or save to the remote location directly "
+                    "(CheckpointManager('s3://...'))"
+                )
+            remote = open_root(upload_to)
+            try:
+                remote.preflight()
+            except TardigradeError as e:
+                log.error("tardigrade: uploads to %s will fail: %s", remote.root, e)
+            # One job uploads into a remote root, as one job saves into a directory.
+            self._remote_lock = remote.lease(lease_seconds=self._lock.lease)
+            self._remote_lock.acquire()
+        except BaseException:
+            self._close(meet=False)
+            raise
+        self._uploader = Uploader(
+            self._catalog.storage,
+            remote,
+            keep_last_remote=self.keep_last_remote,
+            lease=self._remote_lock,
+        )
+
+    @property
+    def uploads(self) -> UploadStats | None:
+        """What the uploads to ``upload_to`` did so far (None without ``upload_to``)."""
+        return None if self._uploader is None else self._uploader.stats
+
+    def _close_uploads(self) -> None:
+        try:
+            self._finish_uploads()
+        finally:
+            lock, self._remote_lock = self._remote_lock, None
+            if lock is not None:
+                lock.release()
+
+    def _finish_uploads(self) -> None:
+        uploader = self._uploader
+        if uploader is None:
+            return
+        if uploader.close(self.upload_timeout):
+            self._uploader = None
+            # Retention spared what was still uploading; it catches up now.
+            if self.keep_last is not None or self.keep_every_steps or self.keep_best:
+                self._retain()
+        else:
+            self._uploader = None
+            log.error(
+                "tardigrade: %d upload(s) to %s still pending after %.0f s (upload_timeout); "
+                "abandoned: nothing half-uploaded is visible there, and the checkpoints are "
+                "intact in %s",
+                uploader.stats.pending,
+                uploader.remote.root,
+                self.upload_timeout,
+                self.directory,
+            )
+
+    def _download_newer(self) -> None:
+        """Copy the remote tier's newest checkpoint here when it is newer than ours."""
+        if self._uploader is None:
+            return
+        remote = Catalog(self._uploader.remote)
+        try:
+            theirs = remote.steps()
+        except TardigradeError as e:
+            log.warning("tardigrade: cannot list %s: %s", remote.root, e)
+            return
+        ours = self._steps_here()
+        if not theirs or (ours and ours[-1] >= theirs[-1]):
+            return
+        name = step_name(theirs[-1])
+        try:
+            copy_checkpoint(remote.storage, name, self._catalog.storage)
+            log.info("tardigrade: downloaded %s from %s", name, remote.root)
+        except Exception as e:  # the local tier still restores what it has
+            log.warning("tardigrade: downloading %s from %s failed: %s", name, remote.root, e)
+
     def close(self) -> None:
         """Wait for in-flight saves, apply retention, release the lock and signal handlers.
 
@@ -496,7 +596,12 @@ class CheckpointManager:
                 self._ranks.barrier(f"CheckpointManager({self.directory!r}).close()")
             except Exception as e:
                 errors.append(e)
-        for part in (self._close_async, self._remove_signals, self._lock.release):
+        for part in (
+            self._close_async,
+            self._close_uploads,
+            self._remove_signals,
+            self._lock.release,
+        ):
             _run_to_end(part, errors)
         if errors:
             raise errors[0]
@@ -655,6 +760,8 @@ class CheckpointManager:
         # Our own async save still in flight has a .tmp-* staging directory that the cleanup
         # below would take for a dead writer's leftover: let it commit (or fail) first.
         self._drain(wait=True)
+        if step is None:
+            self._download_newer()
         # Rank 0 cleans up and lists; every rank then tries the same candidates in order.
         found = self._agreed(
             f"CheckpointManager({self.directory!r}).restore({step!r})",
@@ -1142,6 +1249,8 @@ class CheckpointManager:
                 s.total_seconds,
                 s.throughput_gbps,
             )
+        if self._uploader is not None:
+            self._uploader.submit(step_name(step))
         if self._coordinating:
             self._drop_abandoned(step)
         if self._coordinating and (
@@ -1320,6 +1429,8 @@ class CheckpointManager:
         # A step being loaded, or with a save of ours in flight (a replace: force=True or an
         # abandoned step), is not deleted under that reader or writer.
         busy = self._loading | {s for s, _ in self._pending}
+        if self._uploader is not None:  # not retired before it reached the remote tier
+            busy |= {s for n in self._uploader.pinned() if (s := step_in_name(n)) is not None}
         doomed_steps = [s for s in steps if s not in keep and s not in busy]
         if not doomed_steps or not self._still_ours("removing old checkpoints"):
             return

@@ -74,6 +74,14 @@ def test_quick_run_measures_every_tool(tmp_path: Path) -> None:
     assert summary["loop"]["none"]["overhead_pct"] == 0
     assert "Training loop" in proc.stdout
 
+    # The store part: S3 on a SeaweedFS started for the run.
+    store = summary["store"]
+    assert {"raw.save", "raw.load", "tardigrade.save", "tardigrade.load"} <= set(store)
+    assert "tardigrade_async.save" in store and store["tardigrade_async.save"]["blocking_s"] > 0
+    for op, s in store.items():
+        assert s["mb_per_s"] > 0 and s["cpu_s_per_gb"] >= 0, op
+    assert "STORE (S3" in proc.stdout
+
     names = [t["name"] for t in results["targets"]]
     assert len(names) == len(set(names))
     for needle in ("raw fsync'd write", "DCP save", "hot read", "DCP load", "verify", "async"):

@@ -1,7 +1,9 @@
 """Every backend under the one contract: a fixture per backend, rooted in a fresh place.
 
-Tests that take ``root_url`` or ``storage`` run once per backend (local directory, memory://);
-the object-store backend joins the list when it lands.
+Tests that take ``root_url`` or ``storage`` run once per backend: a local directory,
+``memory://`` and ``s3://`` on the session's SeaweedFS server (``tests/conftest.py``; its
+endpoint and credentials reach the code under test through the AWS_* environment variables,
+as a user's would).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 
 from tardigrade.storage import Storage, open_root
 
-BACKENDS = ["local", "memory"]
+BACKENDS = ["local", "memory", "s3"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,6 +44,11 @@ def root_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh, empty root of one backend: a directory of checkpoints, by URL."""
     if request.param == "local":
         yield str(tmp_path / "root")
+    elif request.param == "s3":
+        server = request.getfixturevalue("s3_env")
+        url = f"s3://{server.bucket}/t-{uuid.uuid4().hex[:12]}/root"
+        yield url
+        open_root(url).delete("")
     else:
         url = f"memory://test-{uuid.uuid4().hex}/root"
         yield url

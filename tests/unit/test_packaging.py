@@ -29,7 +29,7 @@ def test_metadata_version_is_the_package_version() -> None:
 
 def test_no_extra_without_a_use() -> None:
     extras = importlib.metadata.metadata("tardigrade").get_all("Provides-Extra") or []
-    assert sorted(extras) == ["accelerate", "bench", "lightning", "test", "transformers"]
+    assert sorted(extras) == ["accelerate", "bench", "lightning", "s3", "test", "transformers"]
 
 
 def test_the_package_ships_its_typing_marker() -> None:

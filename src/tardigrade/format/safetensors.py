@@ -231,9 +231,18 @@ def _check_layout(src: ByteSource, entries: dict[str, HeaderEntry], data_start: 
 
 
 def read_range(src: ByteSource, begin: int, dest: memoryview, hasher: Hasher | None) -> None:
-    """Read ``dest.nbytes`` bytes at ``begin`` into ``dest``, hashing them when asked."""
-    for start in range(0, dest.nbytes, SLICE_BYTES):
-        piece = dest[start : start + SLICE_BYTES]
+    """Read ``dest.nbytes`` bytes at ``begin`` into ``dest``, hashing them when asked.
+
+    A source with a ``read_hashed(begin, dest, hasher)`` method (an object store, where each
+    read is a request) is handed the whole range: it fetches pieces in parallel and hashes
+    them in order as they arrive."""
+    read_hashed = getattr(src, "read_hashed", None)
+    if read_hashed is not None:
+        read_hashed(begin, dest, hasher)
+        return
+    step = SLICE_BYTES
+    for start in range(0, dest.nbytes, step):
+        piece = dest[start : start + step]
         src.readinto(begin + start, piece)
         if hasher is not None:
             hasher.update(piece)

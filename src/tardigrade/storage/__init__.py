@@ -2,7 +2,8 @@
 
 ``storage_for(location)`` maps a location to its backend: a plain path or ``file://`` URL to
 :class:`LocalStorage`, ``memory://`` to :class:`MemoryStorage` (an object store in this
-process). Any other scheme is refused with a message naming it.
+process), ``s3://bucket/prefix`` to :class:`S3Storage` (its client, from the ``s3`` extra, is
+imported on first use). Any other scheme is refused with a message naming it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ..format.manifest import check_name
 from .base import ManifestLastCommit, PreconditionFailed, Reader, Stat, Storage, Writer
 from .local import LocalStorage
 from .memory import MemoryStorage
+from .s3 import S3Storage
 
 __all__ = [
     "LocalStorage",
@@ -23,6 +25,7 @@ __all__ = [
     "MemoryStorage",
     "PreconditionFailed",
     "Reader",
+    "S3Storage",
     "Stat",
     "Storage",
     "Writer",
@@ -36,6 +39,7 @@ __all__ = [
 _BACKENDS: dict[str, Callable[[str, Mapping[str, Any]], Storage]] = {
     "file": lambda root, options: LocalStorage(root.removeprefix("file://")),
     "memory": lambda root, options: MemoryStorage(root),
+    "s3": lambda root, options: S3Storage(root, options),
 }
 
 
@@ -61,7 +65,7 @@ def _location(location: Any) -> str:
     if scheme not in _BACKENDS:
         raise InvalidArgumentError(
             f"{location}: unknown storage scheme {scheme}://; this build stores checkpoints "
-            f"in local directories (a path or file://) and in memory:// "
+            f"in local directories (a path or file://), in S3 buckets (s3://) and in memory:// "
             f"(known: {', '.join(sorted(f'{s}://' for s in _BACKENDS))})."
         )
     if scheme == "file":

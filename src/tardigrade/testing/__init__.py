@@ -38,6 +38,7 @@ from ..storage.base import ManifestLastCommit, PutMode, Tidied
 from ..storage.lease import ObjectLease
 from ._kill import KillResult, kill_during
 from ._resume import ResumeReport, assert_resumes_exactly, checkpoint_dir, log_loss, save_final
+from ._s3server import S3Server
 
 __all__ = [
     "ERRORS",
@@ -45,6 +46,7 @@ __all__ = [
     "FaultyStorage",
     "KillResult",
     "ResumeReport",
+    "S3Server",
     "assert_resumes_exactly",
     "checkpoint_dir",
     "kill_during",

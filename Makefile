@@ -19,10 +19,13 @@ $(STAMP): $(BIN)/python pyproject.toml
 demo: $(STAMP)
 	$(BIN)/tardigrade demo
 
+# Two pytest workers (pytest-xdist): most of the suite's time is spent waiting on the ranks and
+# training scripts it starts, so two workers on two cores finish sooner. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests
 
 # Long fuzz runs: `make fuzz FUZZ_N=20000 FUZZ_SEED=7`. `make test` runs 3,000 cases.
 FUZZ_N ?= 20000

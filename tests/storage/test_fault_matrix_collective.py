@@ -104,7 +104,7 @@ def collective_matrix(
                         contextlib.redirect_stdout(io.StringIO()),
                         contextlib.redirect_stderr(io.StringIO()),
                     ):
-                        if cli(["gc", inner.root]) != 0:
+                        if cli(["gc", faulty.root]) != 0:  # as the single-process matrix
                             problems.append(f"{where}: gc failed once the fault was gone")
                     left = leftovers(inner)
                     if left:

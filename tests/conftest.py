@@ -12,12 +12,30 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tardigrade.testing import S3Server
+
+# The fault matrix's counts from each pytest-xdist worker (tests/storage/conftest.py).
+_WORKER_FAULTS: Counter[str] = Counter()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    _WORKER_FAULTS.update(getattr(node, "workeroutput", {}).get("fault_matrix", {}))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _WORKER_FAULTS:
+        terminalreporter.write_line(
+            f"fault matrix: {sum(_WORKER_FAULTS.values())} faults injected: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(_WORKER_FAULTS.items()))
+        )
 
 
 @pytest.fixture(scope="session")

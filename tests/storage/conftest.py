@@ -28,8 +28,18 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands its counts to the controller (``tests/conftest.py``)."""
+    from ._fault_matrix import INJECTED
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["fault_matrix"] = dict(INJECTED)
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The faults the fault matrix injected, per family (``_fault_matrix.INJECTED``)."""
+    """The faults the fault matrix injected, per family (``_fault_matrix.INJECTED``); run
+    by one process (with pytest-xdist workers, the controller prints their sum)."""
     from ._fault_matrix import INJECTED
 
     if INJECTED:

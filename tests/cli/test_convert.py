@@ -1,0 +1,255 @@
+"""``tardigrade convert``: a torch.save file, a DCP directory or a safetensors folder imported
+bit for bit; what it detects, refuses and reports."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import tardigrade as tg
+from tardigrade.cli import main
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def dest() -> str:
+    return f"memory://convert-{uuid.uuid4().hex[:12]}/ckpt"
+
+
+def state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {
+            "fc.weight": torch.randn(8, 4, generator=g),
+            "fc.bias": torch.randn(8, generator=g).to(torch.bfloat16),
+            "embed": {"table": torch.randint(-100, 100, (5, 3), generator=g, dtype=torch.int64)},
+        },
+        "optim": {"state": {0: {"exp_avg": torch.randn(8, 4, generator=g)}}, "lr": 0.25},
+        "step": 42,
+        "name": "run-1",
+        "history": [torch.arange(3), 7],
+    }
+
+
+def assert_same(a: Any, b: Any, where: str = "state") -> None:
+    """Equal trees, tensors bit for bit (dtype, shape and bytes)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        raw_a, raw_b = (t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
+        assert torch.equal(raw_a, raw_b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+def test_torch_save_file_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "model.pt"
+    original = state()
+    torch.save(original, src)
+    out = dest()
+    rc, text, err = cli(capsys, "convert", src, out, "--step", 42)
+    assert rc == 0, err
+    assert text.startswith(f"converted {src} (torch) to {out}: 5 tensors")
+    assert_same(original, tg.load(out))
+    m = tg.read_manifest(out)
+    assert m["step"] == 42
+    assert m["metadata"]["converted_from"] == {"kind": "torch", "source": str(src)}
+
+
+def test_an_ordered_dict_state_dict_round_trips(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    src = tmp_path / "sd.pth"
+    torch.save(module.state_dict(), src)
+    out = dest()
+    assert cli(capsys, "convert", src, out, "--from", "torch")[0] == 0
+    loaded = tg.load(out)
+    assert list(loaded) == list(module.state_dict())
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    fresh.load_state_dict(loaded)
+    assert_same(dict(module.state_dict()), dict(fresh.state_dict()))
+
+
+def test_dcp_directory_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    original = state()
+    del original["optim"]  # DCP flattens int keys to strings; compared below without them
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(original, checkpoint_id=str(src), no_dist=True)
+    out = dest()
+    rc, text, err = cli(capsys, "convert", src, out, "--json")
+    assert rc == 0, err
+    report = json.loads(text)
+    assert report["kind"] == "dcp" and report["tensors"] == 4 and report["other_values"] == 3
+    assert report["nbytes"] == 8 * 4 * 4 + 8 * 2 + 5 * 3 * 8 + 3 * 8
+    loaded = tg.load(out)
+    assert_same({k: original[k] for k in sorted(original)}, {k: loaded[k] for k in sorted(loaded)})
+
+
+def test_dcp_refuses_a_pickled_object(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"w": torch.ones(2), "odd": argparse.Namespace(lr=0.1)},
+            checkpoint_id=str(src),
+            no_dist=True,
+        )
+    rc, _, err = cli(capsys, "convert", src, dest())
+    assert rc == 1
+    assert "the value at key 'odd' is a pickled Python object" in err
+    assert "argparse.Namespace" in err
+    assert "never unpickles arbitrary objects" in err
+
+
+def test_safetensors_folder_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "hf"
+    src.mkdir()
+    tensors = {k: v for k, v in state()["model"].items() if isinstance(v, torch.Tensor)}
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    (src / "config.json").write_text("{}")
+    out = dest()
+    rc, text, err = cli(capsys, "convert", src, out)
+    assert rc == 0, err
+    assert "(safetensors)" in text and "2 tensors" in text
+    assert_same(dict(sorted(tensors.items())), dict(sorted(tg.load(out).items())))
+    meta = tg.read_manifest(out)["metadata"]
+    assert meta["safetensors_metadata"] == {"format": "pt"}
+
+
+def test_sharded_safetensors_folder_round_trips(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "hf"
+    src.mkdir()
+    g = torch.Generator().manual_seed(1)
+    shards = {
+        "model-00001-of-00002.safetensors": {
+            "model.layers.0.weight": torch.randn(4, 4, generator=g),
+            "model.embed.weight": torch.randn(10, 4, generator=g).half(),
+        },
+        "model-00002-of-00002.safetensors": {"lm_head.weight": torch.randn(10, 4, generator=g)},
+    }
+    for name, tensors in shards.items():
+        save_file(tensors, src / name)
+    weight_map = {k: name for name, tensors in shards.items() for k in tensors}
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map})
+    )
+    out = dest()
+    rc, text, err = cli(capsys, "convert", src, out, "--json")
+    assert rc == 0, err
+    assert json.loads(text)["tensors"] == 3
+    loaded = tg.load(out)
+    assert sorted(loaded) == sorted(weight_map)
+    for tensors in shards.values():
+        for k, v in tensors.items():
+            assert_same(v, loaded[k], k)
+
+    # A shard the index names but the folder lacks: named, with what to do.
+    (src / "model-00002-of-00002.safetensors").unlink()
+    rc, _, err = cli(capsys, "convert", src, dest())
+    assert rc == 1
+    assert "model-00002-of-00002.safetensors" in err and "download every shard" in err
+
+
+def test_detection(tmp_path: Path) -> None:
+    from tardigrade.cli.convert import detect
+
+    torch.save({"a": torch.ones(1)}, tmp_path / "a.bin")
+    assert detect(str(tmp_path / "a.bin")) == "torch"
+    save_file({"a": torch.ones(1)}, tmp_path / "a.safetensors")
+    assert detect(str(tmp_path / "a.safetensors")) == "safetensors"
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(tg.InvalidArgumentError, match=r"notes.txt: cannot tell what this file"):
+        detect(str(tmp_path / "notes.txt"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(tg.InvalidArgumentError, match=r"cannot tell what this directory holds"):
+        detect(str(empty))
+    tg.save(tmp_path / "tg", {"a": torch.ones(1)})
+    with pytest.raises(tg.InvalidArgumentError, match=r"a Tardigrade checkpoint already"):
+        detect(str(tmp_path / "tg"))
+
+
+def test_a_pickle_only_torch_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "whole-model.pt"
+    torch.save({"model": torch.nn.Linear(2, 2), "args": collections.Counter("ab")}, src)
+    out = dest()
+    rc, _, err = cli(capsys, "convert", src, out)
+    assert rc == 1
+    assert f"{src}: torch.load(weights_only=True) refuses this file" in err
+    assert "never unpickles arbitrary objects" in err
+    assert "torch.load(path, weights_only=False)" in err and "tg.save(dest, state)" in err
+    assert "Unsupported global" in err
+    with pytest.raises(tg.CheckpointNotFoundError):
+        tg.load(out)
+
+
+def test_a_missing_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = cli(capsys, "convert", tmp_path / "nope.pt", dest())
+    assert rc == 1
+    assert f"{tmp_path / 'nope.pt'}: no such file or directory" in err
+    rc, _, err = cli(capsys, "convert", tmp_path / "nope", dest(), "--from", "dcp")
+    assert rc == 1 and "no such file or directory" in err
+
+
+def test_an_existing_dest_needs_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "a.pt"
+    torch.save({"w": torch.ones(3)}, src)
+    out = tmp_path / "ckpt"
+    tg.save(out, {"w": torch.zeros(3)})
+    rc, _, err = cli(capsys, "convert", src, out)
+    assert rc == 1
+    assert "already exists" in err and "--overwrite" in err
+    assert torch.equal(tg.load(out)["w"], torch.zeros(3))
+    assert cli(capsys, "convert", src, out, "--overwrite")[0] == 0
+    assert torch.equal(tg.load(out)["w"], torch.ones(3))
+
+
+def test_json_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "a.pt"
+    torch.save({"w": torch.ones(3, dtype=torch.float64), "step": 3}, src)
+    out = dest()
+    rc, text, _ = cli(capsys, "convert", src, out, "--json", "--step", "3")
+    assert rc == 0
+    assert json.loads(text) == {
+        "source": str(src),
+        "kind": "torch",
+        "dest": out,
+        "tensors": 1,
+        "nbytes": 24,
+        "other_values": 1,
+        "step": 3,
+    }

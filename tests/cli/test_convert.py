@@ -18,6 +18,8 @@ from safetensors.torch import save_file
 import tardigrade as tg
 from tardigrade.cli import main
 
+from ..distributed._harness import run_ranks
+
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
     rc = main([str(a) for a in argv])
@@ -109,6 +111,44 @@ def test_dcp_directory_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture
     assert report["nbytes"] == 8 * 4 * 4 + 8 * 2 + 5 * 3 * 8 + 3 * 8
     loaded = tg.load(out)
     assert_same({k: original[k] for k in sorted(original)}, {k: loaded[k] for k in sorted(loaded)})
+
+
+EMB = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3) * 0.5 - 2
+
+
+def save_dcp_from_ranks(rank: int, world_size: int, path: str) -> bool:
+    """Each rank saves its rows of ``EMB`` as a DTensor, and a replicated bias, with DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = {
+        "model": {
+            "emb": distribute_tensor(EMB, mesh, [Shard(0)]),
+            "bias": distribute_tensor(torch.tensor([1.5, -3.0]), mesh, [Replicate()]),
+        },
+        "step": 9,
+    }
+    dcp.save(state, checkpoint_id=path)
+    return True
+
+
+@pytest.mark.slow  # two spawned ranks: ~20 s on the 2-core machine; the one sharded DCP source
+def test_dcp_saved_by_two_ranks_is_gathered_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "dcp"
+    assert run_ranks(save_dcp_from_ranks, 2, str(src)) == [True, True]
+    assert len(list(src.glob("*.distcp"))) == 2
+    out = dest()
+    rc, text, err = cli(capsys, "convert", src, out)
+    assert rc == 0, err
+    assert "(dcp)" in text and "2 tensors" in text
+    loaded = tg.load(out)
+    assert_same(loaded["model"]["emb"], EMB)
+    assert_same(loaded["model"]["bias"], torch.tensor([1.5, -3.0]))
+    assert loaded["step"] == 9
 
 
 def test_dcp_refuses_a_pickled_object(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

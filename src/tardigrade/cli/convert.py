@@ -127,8 +127,12 @@ def read_torch(source: str) -> tuple[Any, dict[str, Any]]:
     """The object in a ``torch.save`` file, loaded without unpickling arbitrary objects."""
     if not os.path.isfile(source):
         raise InvalidArgumentError(f"{source}: --from torch needs a file written by torch.save")
+    with open(source, "rb") as f:
+        zipped = f.read(4) == _TORCH_MAGIC[0]
     try:
-        state = torch.load(source, map_location="cpu", weights_only=True)
+        # A zip (the default format) is mapped, not read: tg.save then reads each tensor from
+        # the page cache, so a file as large as memory still converts.
+        state = torch.load(source, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
         reason = refusal(e)
         raise UnsupportedTypeError(

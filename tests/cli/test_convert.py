@@ -211,6 +211,21 @@ def test_dcp_metadata_is_unpickled_allowing_dcp_classes_only(
     assert f"{src}/.metadata: refusing to unpickle it (builtins.print is not a DCP" in err
 
 
+def test_dcp_missing_a_data_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(src), no_dist=True)
+    for data in src.glob("*.distcp"):
+        data.unlink()
+    rc, _, err = cli(capsys, "convert", src, dest(), "--from", "dcp")
+    assert rc == 1
+    assert f"{src}: torch.distributed.checkpoint cannot read it (FileNotFoundError" in err
+    assert "with every .distcp file its .metadata names?" in err
+
+
 def test_safetensors_folder_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "hf"
     src.mkdir()

@@ -156,8 +156,10 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
     """Unpickles a DCP ``.metadata`` file allowing only the classes DCP itself writes there."""
 
     def find_class(self, module: str, name: str) -> Any:
+        # Classes only: constructing one of these runs no code beyond filling its fields.
         allowed = (
-            (module.startswith("torch.distributed.checkpoint.") and not name.startswith("__"))
+            (module == "torch.distributed.checkpoint.metadata" and not name.startswith("__"))
+            or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
             or (
                 module == "torch"
                 and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))
@@ -167,7 +169,7 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
             or (module == "collections" and name == "OrderedDict")
         )
         value = super().find_class(module, name) if allowed else None
-        if module.startswith("torch.distributed.checkpoint.") and not isinstance(value, type):
+        if module.startswith("torch.distributed.") and not isinstance(value, type):
             allowed = False
         if not allowed:
             raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata class")
@@ -232,12 +234,14 @@ def read_dcp(source: str) -> tuple[Any, dict[str, Any]]:
         _load_state_dict(state, storage_reader=Reader(source), planner=Planner(), no_dist=True)
     except CheckpointException as e:
         # DCP wraps what failed (per rank; here the one): raise our own error as it is.
-        for failure in e.failures.values():
-            exc = failure[0] if isinstance(failure, tuple) else failure
+        errors = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        for exc in errors:
             if isinstance(exc, TardigradeError):
                 raise exc from None
+        causes = "; ".join(f"{type(x).__name__}: {x}" for x in errors)
         raise UnsupportedFormatError(
-            f"{source}: torch.distributed.checkpoint cannot read it: {e}"
+            f"{source}: torch.distributed.checkpoint cannot read it ({causes}); is it a whole "
+            "DCP checkpoint, with every .distcp file its .metadata names?"
         ) from None
     return state, {}
 

@@ -350,3 +350,18 @@ def test_json_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         "other_values": 1,
         "step": 3,
     }
+
+
+def test_a_wrong_from_names_what_it_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "a.pt"
+    torch.save({"w": torch.ones(3)}, src)
+    rc, _, err = cli(capsys, "convert", src, dest(), "--from", "safetensors")
+    assert rc == 1 and f"{src}: not a safetensors file safetensors can read" in err
+    rc, _, err = cli(capsys, "convert", tmp_path, dest(), "--from", "torch")
+    assert rc == 2 and f"{tmp_path}: --from torch needs a file written by torch.save" in err
+    rc, _, err = cli(capsys, "convert", tmp_path, dest(), "--from", "safetensors")
+    assert rc == 2 and f"{tmp_path}: no .safetensors file here" in err
+    rc, _, err = cli(capsys, "convert", src, dest(), "--from", "dcp")
+    assert rc == 2 and "--from dcp needs a DCP checkpoint directory" in err

@@ -64,6 +64,11 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
         ),
         "writes the user's OUT.safetensors, a plain local file, never checkpoint data",
     ),
+    "tardigrade.cli.convert": (
+        _names("os.path.isdir os.path.isfile os.path.exists os.path.getsize os.listdir open"),
+        "reads the user's SOURCE (a torch.save file, a DCP or safetensors folder) to import it, "
+        "never Tardigrade checkpoint data; the checkpoint it makes is written with tg.save",
+    ),
     "tardigrade.cli.demo": (
         frozenset({"tempfile.TemporaryDirectory", "tempfile.TemporaryFile"}),
         "the demo's scratch directory and its child processes' logs",

@@ -5,6 +5,7 @@
     tardigrade inspect CKPT [--json]        what a checkpoint holds (manifest only)
     tardigrade verify CKPT|DIR              full checksum pass
     tardigrade export CKPT OUT.safetensors  tensors as one safetensors file
+    tardigrade convert SRC DEST             import a torch.save file, a DCP checkpoint or safetensors
     tardigrade diff A B                     what differs between two checkpoints
     tardigrade gc DIR                       remove leftovers of interrupted saves
 
@@ -37,6 +38,7 @@ COMMANDS = {
     "verify": "check every byte of a checkpoint (or of every checkpoint in a directory)",
     "diff": "show what differs between two checkpoints",
     "export": "write a checkpoint's tensors (e.g. the model weights) to one .safetensors file",
+    "convert": "import a torch.save file, a PyTorch DCP checkpoint or a safetensors folder",
     "gc": "remove leftovers of interrupted saves from a checkpoint directory",
 }
 

@@ -33,7 +33,7 @@ test: $(STAMP)
 # The documentation site (mkdocs.yml, docs/) into site/; --strict turns a broken link or a page
 # left out of the nav into an error. `make test` builds it too (tests/integration/test_docs.py).
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # Long fuzz runs: `make fuzz FUZZ_N=20000 FUZZ_SEED=7`. `make test` runs 3,000 cases.
 FUZZ_N ?= 20000

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench fuzz soak lint format clean
+.PHONY: demo test docs bench fuzz soak lint format clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -13,6 +13,9 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
+	# The distribution was called `tardigrade` before it became tardigrade-ckpt: a venv that
+	# still holds that install would shadow the new metadata.
+	$(BIN)/pip uninstall --quiet --yes tardigrade
 	$(BIN)/pip install --quiet -e '.[test]' -c constraints.txt
 	touch $(STAMP)
 
@@ -26,6 +29,11 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict turns a broken link or a page
+# left out of the nav into an error. `make test` builds it too (tests/integration/test_docs.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 # Long fuzz runs: `make fuzz FUZZ_N=20000 FUZZ_SEED=7`. `make test` runs 3,000 cases.
 FUZZ_N ?= 20000
@@ -50,4 +58,4 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests bench
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site src/*.egg-info .pytest_cache

@@ -63,7 +63,7 @@ def run(opts: StoreOptions, log: Callable[[str], None]) -> dict[str, Any]:
     try:
         import obstore
     except ImportError:
-        log("store: skipped (no obstore: pip install 'tardigrade[s3]')")
+        log("store: skipped (no obstore: pip install 'tardigrade-ckpt[s3]')")
         return {"skipped": "obstore is not installed"}
     try:
         import s3fs  # noqa: F401  (DCP's fsspec writer needs it for s3://)

@@ -1,7 +1,11 @@
-"""README examples run as written: each is cut out of README.md and run in a fresh interpreter.
+"""README and docs examples run as written: each is cut out of README.md or a page of docs/ and
+run in a fresh interpreter.
 
-A README example is a promise to users; extracting it (rather than keeping a copy here) means
-an edit to the README that breaks it, or drops the line that checks its claim, fails a test.
+An example is a promise to users; extracting it (rather than keeping a copy here) means an edit
+to the README or a page that breaks it, or drops the line that checks its claim, fails a test.
+A block is found by a line only it holds, wherever it lives, so moving an example between the
+README and the pages needs no change here. docs/research/ holds measurement records, not
+examples, and is not searched.
 """
 
 from __future__ import annotations
@@ -15,16 +19,26 @@ from typing import Any
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+SOURCES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
+def python_blocks() -> list[str]:
+    """Every ```python block of the README and of the docs pages."""
+    return [
+        block
+        for source in SOURCES
+        for block in re.findall(r"^```python\n(.*?)^```", source.read_text(), re.M | re.S)
+    ]
+
+
 def readme_block(containing: str) -> str:
-    """The one ```python block of the README that contains ``containing``."""
-    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.M | re.S)
-    found = [b for b in blocks if containing in b]
-    assert len(found) == 1, f"{len(found)} README python blocks contain {containing!r}"
+    """The one ```python block of the README or a docs page that contains ``containing``."""
+    found = [b for b in python_blocks() if containing in b]
+    assert len(found) == 1, f"{len(found)} README/docs python blocks contain {containing!r}"
     return found[0]
 
 
@@ -135,9 +149,27 @@ def test_reader_example_prints_what_the_checkpoint_holds(tmp_path: Path) -> None
     ], run.stdout
 
 
-# Every ```python block of the README runs: alone, or after the blocks it continues (the
-# Quickstart's state, the manager's loop). Each block is named by a line only it holds; a block
-# no test names fails test_every_readme_block_is_run, so a new example cannot go untested.
+def test_tour_example_saves_retires_and_resumes(tmp_path: Path) -> None:
+    """The docs home page's tour: the first run saves steps 0, 10 and 20 and keeps two; the
+    second resumes from step 20 and saves nothing new, as the page says."""
+    script = tmp_path / "tour.py"
+    script.write_text(readme_block(TOUR_MARKER))
+    for _ in range(2):
+        run = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, env=dict(os.environ),
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert run.stdout.splitlines() == ["[10, 20]", "True", "torch.Size([4, 16])"], run.stdout
+    assert sorted(p.name for p in (tmp_path / "tour" / "run").glob("step-*")) == [
+        "step-000000010",
+        "step-000000020",
+    ]
+
+
+# Every ```python block of the README and the docs pages runs: alone, or after the blocks it
+# continues (the Quickstart's state, the manager's loop). Each block is named by a line only it
+# holds; a block no test names fails test_every_readme_block_is_run, so a new example cannot go untested.
 CHAINS = {
     "quickstart": [
         'result = tg.save("ckpt/step-000000100", state, step=100',
@@ -166,6 +198,7 @@ CHAINS = {
 # Blocks with a test of their own above.
 S3_MARKER = "root = f\"s3://{os.environ.get('CKPT_BUCKET'"
 TIER_MARKER = "remote = f\"s3://{os.environ.get('CKPT_BUCKET', 'my-bucket')}/runs/tiered\""
+TOUR_MARKER = 'with tg.CheckpointManager("tour/run", state'
 OWN_TESTS = [
     "FaultyStorage(",
     "tg.Checkpoint.open(",
@@ -178,6 +211,7 @@ OWN_TESTS = [
     "assert_resumes_exactly(",
     S3_MARKER,
     TIER_MARKER,
+    TOUR_MARKER,
 ]
 
 
@@ -190,10 +224,11 @@ def test_readme_blocks_run_in_order(tmp_path: Path, chain: str) -> None:
 
 
 def test_every_readme_block_is_run() -> None:
-    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.M | re.S)
+    blocks = python_blocks()
+    assert len(blocks) > 20, "the README and docs/*.md hold fewer examples than expected"
     markers = [m for chain in CHAINS.values() for m in chain] + OWN_TESTS
     untested = [b.splitlines()[0] for b in blocks if not any(m in b for m in markers)]
-    assert not untested, f"README python blocks no test runs: {untested}"
+    assert not untested, f"README/docs python blocks no test runs: {untested}"
 
 
 def test_kill_and_resume_example_checks_the_users_loop(tmp_path: Path) -> None:

@@ -277,7 +277,7 @@ def test_gc_without_boto3_still_removes_data_and_says_what_it_left(
         done = Catalog(storage).tidy()
     assert len(done) == 1 and storage.list("step-000000003") == []  # the data object
     assert any("incomplete multipart uploads not cleaned" in r.getMessage() for r in caplog.records)
-    assert any("tardigrade[s3]" in r.getMessage() for r in caplog.records)
+    assert any("tardigrade-ckpt[s3]" in r.getMessage() for r in caplog.records)
     monkeypatch.delitem(sys.modules, "boto3")
     assert pending_uploads(s3_env, storage) == [key]
     assert len(Catalog(storage).tidy()) == 1  # with boto3 back: the upload goes too

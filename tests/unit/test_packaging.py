@@ -12,10 +12,22 @@ from packaging.requirements import Requirement
 
 import tardigrade as tg
 
+# The distribution name on the package index (`tardigrade` there is an unrelated 2018 package);
+# the import name and the console script are `tardigrade`.
+DIST = "tardigrade-ckpt"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+def test_the_distribution_is_ours_and_imports_as_tardigrade() -> None:
+    assert DIST in importlib.metadata.packages_distributions()["tardigrade"]
+    assert re.search(rf'^name = "{DIST}"$', PYPROJECT.read_text(), re.M)
+    scripts = importlib.metadata.distribution(DIST).entry_points.select(group="console_scripts")
+    assert [(s.name, s.value) for s in scripts] == [("tardigrade", "tardigrade.cli:main")]
+
 
 def test_torch_requirement_is_a_floor_without_a_cap() -> None:
     # pip must be able to install Tardigrade next to any newer torch without touching it.
-    reqs = [Requirement(r) for r in importlib.metadata.requires("tardigrade") or []]
+    reqs = [Requirement(r) for r in importlib.metadata.requires(DIST) or []]
     (torch_req,) = [r for r in reqs if r.name == "torch" and r.marker is None]
     assert torch_req.specifier.contains("2.3.0")
     assert not torch_req.specifier.contains("2.2.2"), "the code needs torch.uint16/32/64 (2.3+)"
@@ -24,12 +36,13 @@ def test_torch_requirement_is_a_floor_without_a_cap() -> None:
 
 
 def test_metadata_version_is_the_package_version() -> None:
-    assert importlib.metadata.version("tardigrade") == tg.__version__
+    assert importlib.metadata.version(DIST) == tg.__version__
 
 
 def test_no_extra_without_a_use() -> None:
-    extras = importlib.metadata.metadata("tardigrade").get_all("Provides-Extra") or []
-    assert sorted(extras) == ["accelerate", "bench", "lightning", "s3", "test", "transformers"]
+    extras = importlib.metadata.metadata(DIST).get_all("Provides-Extra") or []
+    expected = ["accelerate", "bench", "docs", "lightning", "s3", "test", "transformers"]
+    assert sorted(extras) == expected
 
 
 def test_the_package_ships_its_typing_marker() -> None:

@@ -4,6 +4,7 @@
 * :mod:`tardigrade.integrations.transformers`: a ``TrainerCallback`` for ``transformers.Trainer``;
 * :mod:`tardigrade.integrations.accelerate`: ``Accelerator.save_state`` / ``load_state`` hooks.
 
-Each module imports its framework when imported itself (install ``tardigrade[lightning]``,
-``tardigrade[transformers]`` or ``tardigrade[accelerate]``); ``import tardigrade`` imports none.
+Each module imports its framework when imported itself (install ``tardigrade-ckpt[lightning]``,
+``tardigrade-ckpt[transformers]`` or ``tardigrade-ckpt[accelerate]``); ``import tardigrade``
+imports none.
 """

@@ -58,7 +58,7 @@ from .lease import ObjectLease
 log = logging.getLogger("tardigrade")
 
 SCHEME = "s3://"
-EXTRA = "pip install 'tardigrade[s3]'"
+EXTRA = "pip install 'tardigrade-ckpt[s3]'"
 
 # Defaults, each overridable in storage_options (see S3Storage).
 PART_BYTES = 8 * 1024 * 1024  # a multipart upload's part (S3's minimum is 5 MiB)

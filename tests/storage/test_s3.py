@@ -267,6 +267,31 @@ def test_gc_removes_what_crashed_saves_left_after_the_grace_period(url: str, s3_
     assert old.tidy() == []
 
 
+def test_gc_removes_at_once_what_a_save_this_process_saw_fail_left(url: str) -> None:
+    """A save whose abort failed too (``abandon``): its data go at the next tidy in this
+    process, without the grace period; a young leftover of another process stays."""
+    storage = S3Storage(url, {})
+    save_id = uuid.uuid4().hex
+    mine = f"step-000000001/{storage.data_name('data-0.safetensors', save_id)}"
+    storage.put(mine, b"x" * 10)
+    storage.abandon("step-000000001")
+    other = f"step-000000002/{storage.data_name('data-0.safetensors', uuid.uuid4().hex)}"
+    storage.put(other, b"y" * 10)
+    storage.put(".probe-0123", b"", mode="overwrite")  # a preflight whose delete failed
+    done = Catalog(storage).tidy()
+    assert sorted(t.name for t in done) == sorted([mine, ".probe-0123"])
+    assert storage.list() == ["step-000000002"]
+
+
+def test_gc_leaves_a_checkpoint_whose_manifest_does_not_read(url: str) -> None:
+    tg.save(f"{url}/ckpt", {"x": torch.ones(3)})
+    storage = S3Storage(url, {"gc_grace_seconds": 0.001})
+    names = storage.list("ckpt")
+    storage.put("ckpt/manifest.json", b"{damaged", mode="overwrite")
+    assert Catalog(storage).tidy() == []
+    assert storage.list("ckpt") == names  # evidence kept; restore skips it with a warning
+
+
 def test_gc_without_boto3_still_removes_data_and_says_what_it_left(
     url: str, s3_env: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -40,10 +40,12 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
+from ..format import limits
 from ..format.checksum import Hasher
-from ..format.manifest import MANIFEST
+from ..format.manifest import MANIFEST, parse
 from .base import (
     _SAVE_DATA,
+    PROBE_PREFIX,
     TMP_PREFIX,
     ManifestLastCommit,
     PreconditionFailed,
@@ -221,6 +223,9 @@ class _Config:
 _stores: dict[tuple[Any, ...], Any] = {}
 _probed: dict[tuple[str | None, str], bool] = {}
 _buckets_seen: set[tuple[str | None, str]] = set()
+# Stagings of saves this process saw fail without cleaning up: (endpoint, bucket, prefix,
+# name) -> when (see S3Storage.abandon).
+_abandoned: dict[tuple[str | None, str, str, str], float] = {}
 _shared_lock = threading.Lock()
 _range_pool: ThreadPoolExecutor | None = None
 
@@ -893,22 +898,51 @@ class S3Storage(ManifestLastCommit):
 
     # -- cleanup -------------------------------------------------------------------------
 
+    def abandon(self, staging: str) -> None:
+        """A save into ``staging`` failed and its abort did too: what it wrote there so far
+        may be removed by ``tidy`` in this process without waiting for the grace period."""
+        with _shared_lock:
+            _abandoned[(self.config.endpoint, self.bucket, self.prefix, staging)] = time.time()
+
     def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
-        """Remove what saves that never committed left, once older than the grace period
-        (``gc_grace_seconds``, default 1 h): their data objects, and their incomplete
-        multipart uploads. Objects a committed manifest names are never touched."""
-        cutoff = datetime.now(timezone.utc) - timedelta(seconds=self.config.grace)
+        """Remove what saves that never committed left: their data objects (under a name
+        without a manifest, or under a committed checkpoint whose manifest names another
+        save), a preflight's probe, and incomplete multipart uploads.
+
+        A store cannot tell a dead save from a live one (a zombie whose lease expired may
+        still upload, and then commit), so data objects and uploads are removed only once
+        older than the grace period (``gc_grace_seconds``, default 1 h), except those of a
+        save this process saw fail (``abandon``). Objects a committed manifest names, and
+        checkpoints whose manifest does not read, are never touched.
+        """
+        now = datetime.now(timezone.utc)
+        cutoff = now - timedelta(seconds=self.config.grace)
+        with _shared_lock:
+            gone = {
+                k[3]: datetime.fromtimestamp(t + 5, timezone.utc)  # 5 s of clock skew
+                for k, t in _abandoned.items()
+                if k[:3] == (self.config.endpoint, self.bucket, self.prefix)
+            }
         done: list[Tidied] = []
         doomed: list[str] = []
-        committed: dict[str, str] = {}
+        committed: dict[str, str | None] = {}
         for meta in self._walk("", "gc: list"):
             path: str = meta["path"]
             ckpt, _, base = path.rpartition("/")
-            if not _SAVE_DATA.match(base) or meta["last_modified"] > cutoff:
+            if not ckpt and base.startswith((PROBE_PREFIX, f"{TMP_PREFIX}probe-")):
+                doomed.append(path)  # a probe whose delete failed
+                done.append(Tidied(path, "removed", int(meta["size"])))
+                continue
+            if not _SAVE_DATA.match(base):
+                continue
+            if meta["last_modified"] > cutoff and not (
+                ckpt in gone and meta["last_modified"] <= gone[ckpt]
+            ):
                 continue
             if ckpt not in committed:
                 committed[ckpt] = self._committed_save(ckpt)
-            if base.startswith(committed[ckpt]):
+            mine = committed[ckpt]
+            if mine is None or base.startswith(mine):
                 continue
             doomed.append(path)
             done.append(Tidied(path, "removed", int(meta["size"])))
@@ -933,14 +967,20 @@ class S3Storage(ManifestLastCommit):
                 self._abort_upload(key, upload_id)
         return done
 
-    def _committed_save(self, ckpt: str) -> str:
-        """The data-name prefix of the save committed as ``ckpt`` (``"\\0"`` if none)."""
-        try:
-            raw = self.read_bytes(f"{ckpt}/{MANIFEST}", 64 * 1024 * 1024)
-            save_id = json.loads(raw).get("save_id")
-        except (TardigradeError, ValueError, AttributeError):
+    def _committed_save(self, ckpt: str) -> str | None:
+        """The data-name prefix of the save committed as ``ckpt``: ``"\\0"`` (matching no
+        data) if nothing committed there, None if its manifest does not read (left alone)."""
+        where = f"{ckpt}/{MANIFEST}"
+        if self._head(where, "gc: stat") is None:
             return "\0"
-        return self.data_name("", save_id) if isinstance(save_id, str) else "\0"
+        try:
+            raw = self.read_bytes(where, limits.MAX_MANIFEST_BYTES)
+            parse(raw, where)
+            save_id = json.loads(raw).get("save_id")
+        except TardigradeError as e:
+            log.warning("tardigrade: leaving %s as it is: %s", self.url(ckpt), e)
+            return None
+        return self.data_name("", save_id) if isinstance(save_id, str) and save_id else None
 
     def _boto(self) -> Any:
         if getattr(self, "_boto_client", None) is not None:

@@ -14,6 +14,10 @@ from tardigrade.integrations.accelerate import TardigradeAccelerator
 
 from ._runs import assert_same_run, run
 
+# Each test runs whole training scripts in fresh interpreters (three runs, some on two ranks):
+# minutes on a loaded 2-core machine, not the default two.
+pytestmark = pytest.mark.timeout(360)
+
 SCRIPT = "_accelerate_script.py"
 
 

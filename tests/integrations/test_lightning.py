@@ -22,6 +22,10 @@ from tardigrade.integrations.lightning import (
 
 from ._runs import assert_same_run, run, steps
 
+# Each test runs whole training scripts in fresh interpreters (three runs, some on two ranks):
+# minutes on a loaded 2-core machine, not the default two.
+pytestmark = pytest.mark.timeout(360)
+
 
 @pytest.mark.slow
 @pytest.mark.crash

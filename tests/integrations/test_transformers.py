@@ -12,6 +12,10 @@ from tardigrade.integrations.transformers import last_complete_checkpoint
 
 from ._runs import assert_same_run, run
 
+# Each test runs whole training scripts in fresh interpreters (three runs, some on two ranks):
+# minutes on a loaded 2-core machine, not the default two.
+pytestmark = pytest.mark.timeout(360)
+
 SCRIPT = "_transformers_script.py"
 
 

@@ -356,7 +356,7 @@ def test_an_unreachable_endpoint_fails_fast_with_its_address() -> None:
 
 def test_the_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "obstore", None)
-    with pytest.raises(TardigradeError, match=r"pip install 'tardigrade\[s3\]'"):
+    with pytest.raises(TardigradeError, match=r"pip install 'tardigrade-ckpt\[s3\]'"):
         open_root("s3://bucket/prefix")
 
 

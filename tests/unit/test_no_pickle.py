@@ -129,11 +129,42 @@ def test_source_tree_exists() -> None:
     assert (SRC / "__init__.py") in files and len(files) >= 10, files
 
 
+# The one importer of other tools' formats, which are pickles (a torch.save file, DCP's
+# .metadata): it reads them only through torch.load(weights_only=True) and an unpickler that
+# admits DCP's metadata classes alone (test_the_importer_unpickles_only_what_it_allows).
+IMPORTER = "tardigrade/cli/convert.py"
+
+
 def test_no_pickle_in_source() -> None:
     found: list[str] = []
     for path in sorted(SRC.rglob("*.py")):
-        found += pickle_uses(path.read_text(encoding="utf-8"), str(path.relative_to(SRC.parent)))
+        name = str(path.relative_to(SRC.parent))
+        if name != IMPORTER:
+            found += pickle_uses(path.read_text(encoding="utf-8"), name)
     assert not found, "pickling APIs in the library:\n" + "\n".join(found)
+
+
+def test_the_importer_unpickles_only_what_it_allows() -> None:
+    """Every torch.load of the importer passes weights_only=True, and its only Unpickler
+    subclass overrides find_class; it never calls pickle.load/loads itself."""
+    tree = ast.parse((SRC.parent / IMPORTER).read_text(encoding="utf-8"))
+    loads = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and _dotted(n.func) == "torch.load"
+    ]
+    assert loads, "the importer reads torch.save files with torch.load"
+    for call in loads:
+        kw = {k.arg: k.value for k in call.keywords}
+        assert isinstance(kw.get("weights_only"), ast.Constant), ast.unparse(call)
+        assert kw["weights_only"].value is True, ast.unparse(call)
+    calls = {_dotted(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert not calls & {"pickle.load", "pickle.loads", "pickle.Unpickler"}, calls
+    unpicklers = [
+        c
+        for c in ast.walk(tree)
+        if isinstance(c, ast.ClassDef) and any(_dotted(b) == "pickle.Unpickler" for b in c.bases)
+    ]
+    assert len(unpicklers) == 1
+    assert "find_class" in {f.name for f in unpicklers[0].body if isinstance(f, ast.FunctionDef)}
 
 
 @pytest.mark.parametrize(

@@ -122,6 +122,18 @@ def warn_mode(call: Any) -> None:
         raise AssertionError(f'raised under on_save_error="warn": {e!r}') from e
 
 
+def warn_manager(faulty: FaultyStorage, state: Any, async_mode: bool) -> tg.CheckpointManager:
+    """The manager of the manager runs: a save every step, two kept, failures counted."""
+    return tg.CheckpointManager(
+        faulty.root,
+        state,
+        every_steps=1,
+        keep_last=2,
+        async_save=async_mode,
+        on_save_error="warn",
+    )
+
+
 def manager_step(async_mode: bool) -> Any:
     """A manager is created (which may refuse the location), saves a step and closes."""
 
@@ -129,14 +141,7 @@ def manager_step(async_mode: bool) -> Any:
         step = 3 + attempt
         state = make_state(float(step))
         try:
-            mgr = tg.CheckpointManager(
-                faulty.root,
-                state,
-                every_steps=1,
-                keep_last=2,
-                async_save=async_mode,
-                on_save_error="warn",
-            )
+            mgr = warn_manager(faulty, state, async_mode)
         except TardigradeError as e:
             return Outcome(error=e)
         warn_mode(lambda: mgr.step(step))
@@ -154,14 +159,7 @@ def manager_opened(async_mode: bool) -> Any:
         step = 3 + 2 * attempt
         state = make_state(float(step))
         try:
-            mgr = tg.CheckpointManager(
-                faulty.root,
-                state,
-                every_steps=1,
-                keep_last=2,
-                async_save=async_mode,
-                on_save_error="warn",
-            )
+            mgr = warn_manager(faulty, state, async_mode)
         except TardigradeError as e:
             return Outcome(error=e)
         try:

@@ -123,6 +123,18 @@ class Reader(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def byte_span(self, offset: int, buf: memoryview) -> tuple[memoryview, int]:
+        """``buf`` as flat bytes and the end of the range it covers from ``offset``; a range
+        past the object's known size is refused before anything is fetched."""
+        view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+        end = offset + view.nbytes
+        if end > self.size:
+            raise CorruptCheckpointError(
+                f"{self.name}: object ended early at byte {self.size} (wanted bytes {offset} to "
+                f"{end}); delete this checkpoint or restore it from a backup."
+            )
+        return view, end
+
     def __enter__(self) -> Reader:
         return self
 

@@ -81,13 +81,7 @@ class MemoryReader(Reader):
         self._data = memoryview(data)
 
     def readinto(self, offset: int, buf: memoryview) -> None:
-        view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-        end = offset + view.nbytes
-        if end > self.size:
-            raise CorruptCheckpointError(
-                f"{self.name}: object ended early at byte {self.size} (wanted bytes {offset} to "
-                f"{end}); delete this checkpoint or restore it from a backup."
-            )
+        view, end = self.byte_span(offset, buf)
         view[:] = self._data[offset:end]
 
     def close(self) -> None:

@@ -492,13 +492,7 @@ class S3Reader(Reader):
     def read_hashed(self, offset: int, buf: memoryview, hasher: Hasher | None) -> None:
         """Fill ``buf`` from ``offset`` with parallel ranged GETs, updating ``hasher`` with
         each piece in order as soon as it and those before it have arrived."""
-        view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-        end = offset + view.nbytes
-        if end > self.size:
-            raise CorruptCheckpointError(
-                f"{self.name}: object ended early at byte {self.size} (wanted bytes {offset} to "
-                f"{end}); delete this checkpoint or restore it from a backup."
-            )
+        view, end = self.byte_span(offset, buf)
         if not view.nbytes:
             return
         # Every GET thread gets a piece, down to 1 MiB pieces: a 32 MiB tensor is 8 GETs of

@@ -86,17 +86,18 @@ def _foreign_file(storage: Storage, name: str) -> str:
     return f"this is a file, not a checkpoint directory. {end}"
 
 
-def read_manifest(path: Any) -> dict[str, Any]:
+def read_manifest(path: Any, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Read and validate a checkpoint's manifest without touching any tensor bytes.
 
-    ``path`` is the checkpoint directory. Returns the manifest as a dict (format version, step,
+    ``path`` is the checkpoint directory or its URL, with ``storage_options`` for a URL's
+    backend (see ``tg.save``). Returns the manifest as a dict (format version, step,
     epoch, files, tensors, the state tree, metrics, metadata); its checksum is verified.
     ``tg.Checkpoint.open(path)`` gives the same as typed values, and reads tensors on demand.
 
     >>> info = tg.read_manifest("ckpt/step-100")   # doctest: +SKIP
     >>> info["step"], len(info["tensors"])           # doctest: +SKIP
     """
-    return open_manifest(path)[2].raw
+    return open_manifest(path, storage_options)[2].raw
 
 
 _SCALAR_TAGS = frozenset(("none", "bool", "int", "float", "str", "bytes", "dtype"))

@@ -37,10 +37,24 @@ __all__ = [
 
 # Schemes and the backend that serves each: a root URL (or directory) -> a Storage there.
 _BACKENDS: dict[str, Callable[[str, Mapping[str, Any]], Storage]] = {
-    "file": lambda root, options: LocalStorage(root.removeprefix("file://")),
-    "memory": lambda root, options: MemoryStorage(root),
+    "file": lambda root, options: LocalStorage(_no_options(root, options)),
+    "memory": lambda root, options: MemoryStorage(_no_options(root, options)),
     "s3": lambda root, options: S3Storage(root, options),
 }
+
+
+def _no_options(root: str, options: Mapping[str, Any]) -> str:
+    """``root``, for a backend that takes no options: any given are a mistake (options meant
+    for another location, e.g. the S3 tier's credentials given to a local directory), refused
+    as pandas does rather than silently ignored."""
+    if options:
+        kind = "memory://" if root.startswith("memory://") else "local directories"
+        raise InvalidArgumentError(
+            f"{root}: storage options {sorted(options)} were given, but {kind} take none; "
+            "they are for URLs of stores such as s3://. Pass them with the location they "
+            "belong to (e.g. upload_storage_options= for CheckpointManager's upload_to)."
+        )
+    return root.removeprefix("file://")
 
 
 def register_scheme(scheme: str, backend: Callable[[str, Mapping[str, Any]], Storage]) -> None:

@@ -26,7 +26,7 @@ from .format.sizes import ITEMSIZE
 from .format.sparse import SPARSE_PARTS, sparse_problem
 from .storage import Storage, storage_for
 
-__all__ = ["open_manifest", "read_manifest"]
+__all__ = ["manifest_at", "open_manifest", "read_manifest"]
 
 
 def open_manifest(
@@ -34,6 +34,11 @@ def open_manifest(
 ) -> tuple[Storage, str, Manifest]:
     """The checkpoint's storage, its name there and its parsed, validated manifest."""
     storage, name = storage_for(path, storage_options)
+    return storage, name, manifest_at(storage, name)
+
+
+def manifest_at(storage: Storage, name: str) -> Manifest:
+    """The parsed, validated manifest of checkpoint ``name`` in ``storage``."""
     if not storage.exists(f"{name}/{MANIFEST}"):
         if storage.exists(name) and not storage.is_dir(name):
             raise CheckpointNotFoundError(f"{storage.url(name)}: {_foreign_file(storage, name)}")
@@ -49,7 +54,7 @@ def open_manifest(
     where = storage.url(f"{name}/{MANIFEST}")
     try:
         raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
-        return storage, name, parse(raw, where)
+        return parse(raw, where)
     except MemoryError as e:
         if isinstance(e, TardigradeError):
             raise

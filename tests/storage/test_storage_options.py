@@ -58,7 +58,8 @@ def test_save_load_verify_read_manifest_and_open_take_storage_options(
     assert tg.verify(ckpt, storage_options=opts).tensors == 2
     assert tg.read_manifest(ckpt, storage_options=opts)["step"] == 1
     assert tg.Checkpoint.open(ckpt, storage_options=opts).step == 1
-    assert tg.Catalog(root, storage_options=opts).steps() == []  # "step-1" is no step name
+    listed = tg.Catalog(root, storage_options=opts).listing()
+    assert [(c.name, c.status, c.step) for c in listed] == [("step-1", "committed", 1)]
 
 
 def test_async_saves_take_storage_options(root: str, s3_server: S3Server) -> None:

@@ -3,7 +3,11 @@
 ``storage_for(location)`` maps a location to its backend: a plain path or ``file://`` URL to
 :class:`LocalStorage`, ``memory://`` to :class:`MemoryStorage` (an object store in this
 process), ``s3://bucket/prefix`` to :class:`S3Storage` (its client, from the ``s3`` extra, is
-imported on first use). Any other scheme is refused with a message naming it.
+imported on first use). Any other scheme that an fsspec filesystem serves (``gs://``,
+``az://``, ...) goes to :class:`FsspecStorage` (fsspec imported on first use; a missing package
+is an error naming what to install). A scheme nobody serves is refused with a message naming
+it. ``storage_options`` go to the backend: s3 settings, an fsspec filesystem's arguments;
+local directories and ``memory://`` take none.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 from ..format.manifest import check_name
+from . import fsspec as _fsspec
 from .base import ManifestLastCommit, PreconditionFailed, Reader, Stat, Storage, Writer
+from .fsspec import FsspecStorage
 from .local import LocalStorage
 from .memory import MemoryStorage
 from .s3 import S3Storage
 
 __all__ = [
+    "FsspecStorage",
     "LocalStorage",
     "ManifestLastCommit",
     "MemoryStorage",
@@ -76,11 +83,12 @@ def _location(location: Any) -> str:
     if not isinstance(location, str):
         raise InvalidArgumentError(f"checkpoint path must be text, got {location!r}")
     scheme = _scheme(location)
-    if scheme not in _BACKENDS:
+    if scheme not in _BACKENDS and not _fsspec.serves(scheme, location):
         raise InvalidArgumentError(
             f"{location}: unknown storage scheme {scheme}://; this build stores checkpoints "
-            f"in local directories (a path or file://), in S3 buckets (s3://) and in memory:// "
-            f"(known: {', '.join(sorted(f'{s}://' for s in _BACKENDS))})."
+            f"in local directories (a path or file://), in S3 buckets (s3://), in memory:// "
+            f"(known: {', '.join(sorted(f'{s}://' for s in _BACKENDS))}) and under any URL "
+            "an fsspec filesystem serves (gs://, az://, ...), which this one is not."
         )
     if scheme == "file":
         return os.path.abspath(location.removeprefix("file://"))
@@ -90,7 +98,7 @@ def _location(location: Any) -> str:
 def open_root(location: Any, storage_options: Mapping[str, Any] | None = None) -> Storage:
     """The storage rooted at ``location`` itself (a directory of checkpoints)."""
     location = _location(location)
-    return _BACKENDS[_scheme(location)](location.rstrip("/"), storage_options or {})
+    return _backend(_scheme(location))(location.rstrip("/"), storage_options or {})
 
 
 def storage_for(
@@ -106,4 +114,8 @@ def storage_for(
         parent = head if "://" in head and not head.endswith(":/") else ""
     if not name or not parent:
         raise InvalidArgumentError(f"{location!r} does not name a checkpoint")
-    return _BACKENDS[scheme](parent, storage_options or {}), name
+    return _backend(scheme)(parent, storage_options or {}), name
+
+
+def _backend(scheme: str) -> Callable[[str, Mapping[str, Any]], Storage]:
+    return _BACKENDS.get(scheme, FsspecStorage)

@@ -21,6 +21,7 @@ import torch
 from fsspec.spec import AbstractFileSystem
 
 import tardigrade as tg
+from tardigrade.cli import main
 from tardigrade.errors import InvalidArgumentError, StorageError, TardigradeError
 from tardigrade.storage import FsspecStorage, PreconditionFailed, open_root
 
@@ -41,19 +42,21 @@ class GenericCreateFileSystem(TestFileSystem):
 
 
 class KeyedFileSystem(TestFileSystem):
-    """Refuses every call unless it was opened with ``key="right"`` (credentials)."""
+    """Refuses every call unless it was opened with ``key="right"`` (credentials) and, if
+    given, ``strict`` as a bool."""
 
     protocol = ("tgfskey",)
     store: dict[str, Any] = {}
     pseudo_dirs = [""]
 
-    def __init__(self, *args: Any, key: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, key: str | None = None, strict: bool = True, **kw: Any) -> None:
+        super().__init__(*args, **kw)
         self.key = key
+        self.strict = strict
 
     def _check(self) -> None:
-        if self.key != "right":
-            raise PermissionError(13, "the key was refused")
+        if self.key != "right" or not isinstance(self.strict, bool):
+            raise PermissionError(13, f"the key was refused ({self.key!r}, {self.strict!r})")
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         self._check()
@@ -164,3 +167,16 @@ def test_a_writer_that_fails_mid_object_leaves_nothing_even_after_collection() -
     del w
     gc.collect()  # a file object's finaliser must not complete the object either
     assert storage.stat("obj") is None and storage.list() == []
+
+
+def test_the_commands_give_fsspec_typed_options(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--storage-option`` values reach an fsspec filesystem as JSON where they read as JSON
+    (``strict=false`` is False, not the text "false"), as fsspec reads its FSSPEC_* variables."""
+    root = fresh("tgfskey")
+    tg.save(f"{root}/step-000000001", state(1.0), storage_options={"key": "right"})
+    rc = main(["ls", root, "--storage-option", "key=right", "--storage-option", "strict=false"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "step-000000001" in out and "1 committed" in out
+    rc = main(["ls", root, "--storage-option", "key=wrong"])
+    assert rc == 1 and root in capsys.readouterr().err

@@ -2,17 +2,21 @@
 
 The command-line form of the ``storage_options`` every Python entry point takes: an ``s3://``
 endpoint, region or credentials (``--storage-option endpoint=http://127.0.0.1:8333``), an fsspec
-filesystem's arguments. Values stay text; the backend converts them (s3: numbers, true/false).
-They go to each URL on the line; a local path takes none.
+filesystem's arguments. For ``s3://`` values stay text (the backend converts numbers and
+true/false itself, and a key id of digits stays a string); for an fsspec URL a value that
+reads as JSON is that value (``anon=true`` is True, ``block_size=5`` is 5), as fsspec reads its
+own ``FSSPEC_*`` variables, else text. They go to each URL on the line; a local path takes none.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..storage import through_fsspec
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 
@@ -65,4 +69,15 @@ def storage_options(args: argparse.Namespace, location: str, *others: str) -> di
             f"--storage-option is for URLs (s3://bucket/prefix, memory://...); "
             f"{', '.join((location, *others))} is a local path, which takes none"
         )
-    return options if _is_url(location) else None
+    if not _is_url(location):
+        return None
+    if through_fsspec(location):
+        return {key: _json_or_text(value) for key, value in options.items()}
+    return options
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value

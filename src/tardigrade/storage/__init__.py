@@ -40,6 +40,7 @@ __all__ = [
     "open_root",
     "register_scheme",
     "storage_for",
+    "through_fsspec",
 ]
 
 # Schemes and the backend that serves each: a root URL (or directory) -> a Storage there.
@@ -115,6 +116,12 @@ def storage_for(
     if not name or not parent:
         raise InvalidArgumentError(f"{location!r} does not name a checkpoint")
     return _backend(scheme)(parent, storage_options or {}), name
+
+
+def through_fsspec(location: str) -> bool:
+    """Whether ``location`` is a URL that the generic fsspec backend serves (a scheme with no
+    backend of its own here)."""
+    return "://" in location and _scheme(location) not in _BACKENDS
 
 
 def _backend(scheme: str) -> Callable[[str, Mapping[str, Any]], Storage]:

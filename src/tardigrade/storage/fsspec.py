@@ -43,7 +43,15 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
 from ..format.checksum import Hasher
-from .base import TMP_PREFIX, ManifestLastCommit, PreconditionFailed, PutMode, Reader, Stat, Writer
+from .base import (
+    PROBE_PREFIX,
+    ManifestLastCommit,
+    PreconditionFailed,
+    PutMode,
+    Reader,
+    Stat,
+    Writer,
+)
 from .lease import ObjectLease
 
 log = logging.getLogger("tardigrade")
@@ -357,7 +365,7 @@ class FsspecStorage(ManifestLastCommit):
             known = _transactions.get(key)
         if known is not None:
             return known
-        name = f"{TMP_PREFIX}probe-{uuid.uuid4().hex}"
+        name = f"{PROBE_PREFIX}{uuid.uuid4().hex}"  # tidy removes one left behind
         probe = self.path(name)
         works = True
         try:
@@ -397,7 +405,7 @@ class FsspecStorage(ManifestLastCommit):
             self.fs, "_pipe_file"
         )
         if works:
-            name = f"{TMP_PREFIX}probe-{uuid.uuid4().hex}"
+            name = f"{PROBE_PREFIX}{uuid.uuid4().hex}"  # tidy removes one left behind
             probe = self.path(name)
             try:
                 self.fs.pipe_file(probe, b"1", mode="create")

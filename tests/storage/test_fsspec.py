@@ -180,3 +180,17 @@ def test_the_commands_give_fsspec_typed_options(capsys: pytest.CaptureFixture[st
     assert "step-000000001" in out and "1 committed" in out
     rc = main(["ls", root, "--storage-option", "key=wrong"])
     assert rc == 1 and root in capsys.readouterr().err
+
+
+def test_faulty_storage_takes_storage_options() -> None:
+    """``tardigrade.testing.FaultyStorage`` wraps a URL with its options, and fails on cue."""
+    from tardigrade.testing import FaultyStorage
+
+    root = fresh("tgfskey")
+    faulty = FaultyStorage(root, storage_options={"key": "right"})
+    tg.save(f"{faulty.root}/a", state(1.0))
+    faulty.fail("put", error="EIO")
+    with pytest.raises(TardigradeError, match="injected EIO"):
+        tg.save(f"{faulty.root}/b", state(2.0))
+    assert tg.load(f"{root}/a", storage_options={"key": "right"})["step"] == 1
+    assert not open_root(root, {"key": "right"}).exists("b/manifest.json")

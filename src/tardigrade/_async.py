@@ -489,10 +489,25 @@ class AsyncCheckpointer:
         step: int | None = None,
         epoch: int | None = None,
         metrics: Mapping[str, float] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> SaveFuture | None:
-        """Stage ``state`` into host memory and write it in the background; see the class doc."""
+        """Stage ``state`` into host memory and write it in the background; see the class doc.
+
+        ``path`` and the other arguments are ``tg.save``'s: a local path or a URL, with
+        ``storage_options`` for its backend (e.g. an ``s3://`` endpoint and credentials).
+        Options belong to each save, as its location does: one checkpointer may save to
+        several places.
+
+        >>> ckpt.save("s3://bucket/run/step-100", state,
+        ...           storage_options={"endpoint": "http://127.0.0.1:8333"})  # doctest: +SKIP
+        """
         options = SaveOptions(
-            overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics
+            overwrite=overwrite,
+            metadata=metadata,
+            step=step,
+            epoch=epoch,
+            metrics=metrics,
+            storage_options=storage_options,
         )
         return self.submit(path, state, options)
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._open import read_manifest
+from ._open import manifest_at
 from .errors import StorageError, TardigradeError
 from .format.manifest import MANIFEST
 from .storage import Storage, open_root, storage_for
@@ -173,7 +173,8 @@ class Catalog:
         if self.storage.stat(f"{name}/{MANIFEST}") is None:
             return Listed(name, path, NO_MANIFEST, step, None, None, size)
         try:
-            m = read_manifest(path)
+            # Through this catalog's storage: a path would reopen it without its options.
+            m = manifest_at(self.storage, name).raw
         except TardigradeError as e:
             return Listed(name, path, UNREADABLE, step, None, None, size, str(e))
         created = m.get("created")

@@ -247,6 +247,11 @@ class CheckpointManager:
             only for now.
         ``keep_last_remote``: retention of the remote tier (None: keep every upload).
         ``upload_timeout``: seconds ``close()`` waits for pending uploads (default 600).
+        ``storage_options``: options for the backend of a URL ``directory`` (for ``s3://``:
+            ``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ...; for an
+            fsspec URL, its filesystem's arguments); a local directory takes none.
+        ``upload_storage_options``: the same for ``upload_to`` (each location has its own:
+            a local ``directory`` and an ``s3://`` tier is the usual pair).
 
     In a distributed job the constructor, ``step``, ``save``, ``restore``, ``steps``,
     ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are collective: every rank of the
@@ -287,11 +292,15 @@ class CheckpointManager:
         upload_to: str | os.PathLike[str] | None = None,
         keep_last_remote: int | None = None,
         upload_timeout: float = 600.0,
+        storage_options: Mapping[str, Any] | None = None,
+        upload_storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise InvalidArgumentError(f"directory must be a path or URL, got {directory!r}")
         # Every byte, listing and delete goes through the catalog over the storage contract.
-        self._catalog = Catalog(directory)
+        self._storage_options = storage_options
+        self._upload_storage_options = upload_storage_options
+        self._catalog = Catalog(directory, storage_options)
         self.directory = self._catalog.root
         self.state = state
         self.every_steps = _positive("every_steps", every_steps)
@@ -497,7 +506,7 @@ class CheckpointManager:
                     "process, or save to the remote location directly "
                     "(CheckpointManager('s3://...'))"
                 )
-            remote = open_root(upload_to)
+            remote = open_root(upload_to, self._upload_storage_options)
             try:
                 remote.preflight()
             except TardigradeError as e:
@@ -676,10 +685,15 @@ class CheckpointManager:
 
     @property
     def _collective(self) -> dict[str, Any]:
-        """The arguments that make ``save``/``load`` collective over this manager's group."""
+        """The arguments of every ``save``/``load`` of this manager: its storage options, and
+        what makes them collective over its group."""
         if self._ranks is None:
-            return {}
-        return {"process_group": self._process_group, "timeout": self._timeout}
+            return {"storage_options": self._storage_options}
+        return {
+            "process_group": self._process_group,
+            "timeout": self._timeout,
+            "storage_options": self._storage_options,
+        }
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -776,7 +790,7 @@ class CheckpointManager:
             try:
                 epoch = self._agreed(
                     f"CheckpointManager({self.directory!r}).restore(): manifest of step {s}",
-                    lambda s=s: open_manifest(self.path(s))[2].epoch,
+                    lambda s=s: open_manifest(self.path(s), self._storage_options)[2].epoch,
                 )
                 loading = True
                 # One pass: each byte is read once, into the live state, and every byte of the
@@ -1048,7 +1062,13 @@ class CheckpointManager:
             )
         try:
             self._prepare(step, replace)
-            options = SaveOptions(overwrite=replace, step=step, epoch=epoch, metrics=metrics)
+            options = SaveOptions(
+                overwrite=replace,
+                step=step,
+                epoch=epoch,
+                metrics=metrics,
+                storage_options=self._storage_options,
+            )
             if self._async is not None and not sync:
                 if self._ranks is None:
                     fut = self._async.submit(self.path(step), self.state, options)
@@ -1371,7 +1391,10 @@ class CheckpointManager:
         if step not in self._metric_cache:
             value = None
             try:
-                metrics = open_manifest(self.path(step))[2].raw.get("metrics") or {}
+                metrics = (
+                    open_manifest(self.path(step), self._storage_options)[2].raw.get("metrics")
+                    or {}
+                )
                 v = metrics.get(self.best_metric)
                 value = float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
             except TardigradeError:
@@ -1383,7 +1406,7 @@ class CheckpointManager:
         """Whether the manifest of ``step`` reads and validates (remembered per step)."""
         if step not in self._readable_cache:
             try:
-                open_manifest(self.path(step))
+                open_manifest(self.path(step), self._storage_options)
                 self._readable_cache[step] = True
             except Exception as e:
                 log.warning("tardigrade: %s cannot be restored: %s", self.path(step), e)

@@ -199,6 +199,8 @@ CHAINS = {
 S3_MARKER = "root = f\"s3://{os.environ.get('CKPT_BUCKET'"
 TIER_MARKER = "remote = f\"s3://{os.environ.get('CKPT_BUCKET', 'my-bucket')}/runs/tiered\""
 TOUR_MARKER = 'with tg.CheckpointManager("tour/run", state'
+OPTIONS_MARKER = "/runs/options/step-000000001"
+FSSPEC_MARKER = 'fsspec.register_implementation("scratch", Scratch)'
 OWN_TESTS = [
     "FaultyStorage(",
     "tg.Checkpoint.open(",
@@ -212,6 +214,8 @@ OWN_TESTS = [
     S3_MARKER,
     TIER_MARKER,
     TOUR_MARKER,
+    OPTIONS_MARKER,
+    FSSPEC_MARKER,
 ]
 
 
@@ -302,3 +306,36 @@ def test_tiered_example_uploads_and_restores_on_a_new_machine(
     storage = open_root(f"s3://{s3_server.bucket}/runs/tiered", {**s3_server.options()})
     assert [n for n in storage.list() if n != ".lock"] == ["step-000000020", "step-000000030"]
     storage.delete("")
+
+
+def test_storage_options_example_needs_no_aws_variable(tmp_path: Path, s3_server: Any) -> None:
+    """The "Storage options" example, against the session's SeaweedFS, in a process with no
+    AWS_* variable: the endpoint and credentials reach S3 only as ``storage_options``."""
+    code = readme_block(OPTIONS_MARKER)
+    opts = s3_server.options()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        CKPT_ENDPOINT=opts["endpoint"],
+        CKPT_KEY_ID=opts["access_key_id"],
+        CKPT_SECRET=opts["secret_access_key"],
+        CKPT_BUCKET=s3_server.bucket,
+    )
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    run = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines() == ["1 1"], run.stdout
+    from tardigrade.storage import open_root
+
+    open_root(f"s3://{s3_server.bucket}/runs/options", opts).delete("")
+
+
+def test_fsspec_example_saves_through_a_registered_filesystem(tmp_path: Path) -> None:
+    """The "Other stores through fsspec" example: a manager on a scheme that only fsspec
+    serves keeps the newest checkpoint and loads it back."""
+    run = run_example(readme_block(FSSPEC_MARKER), tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines() == ["[2] [2.0, 2.0, 2.0, 2.0]"], run.stdout

@@ -13,6 +13,8 @@ import json
 from .. import Catalog
 from ..errors import CheckpointNotFoundError
 from ._output import human_bytes
+from ._storage_options import add_argument as add_storage_option
+from ._storage_options import storage_options
 
 HELP = "remove leftovers of interrupted saves from a checkpoint directory"
 
@@ -28,14 +30,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "touched."
         ),
     )
-    p.add_argument("dir", metavar="DIR", help="directory holding checkpoint directories")
+    p.add_argument(
+        "dir", metavar="DIR", help="directory holding checkpoint directories, or its URL"
+    )
     p.add_argument("-n", "--dry-run", action="store_true", help="only print what would be done")
     p.add_argument("--json", action="store_true", help="print what was done as JSON")
+    add_storage_option(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    catalog = Catalog(args.dir)
+    catalog = Catalog(args.dir, storage_options(args, args.dir))
     here = catalog.storage.stat("")
     if here is None or not here.is_dir:
         what = "is not a directory" if here is not None else "does not exist"

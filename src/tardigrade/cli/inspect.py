@@ -17,8 +17,10 @@ from .. import Checkpoint
 from ..errors import CorruptCheckpointError, InvalidArgumentError, TardigradeError
 from ..format.dtypes import COMPLEX_DTYPES, ITEMSIZE
 from ..format.manifest import MANIFEST
-from ._listing import location_text, require_single
+from ._listing import require_single
 from ._output import human_bytes, table
+from ._storage_options import add_argument as add_storage_option
+from ._storage_options import storage_options
 
 HELP = "show what a checkpoint holds (reads the manifest only)"
 
@@ -51,7 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "dtype and shape and the value of each small leaf."
         ),
     )
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory (holds manifest.json)")
+    p.add_argument(
+        "ckpt", metavar="CKPT", help="checkpoint directory (holds manifest.json), or its URL"
+    )
     p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     p.add_argument(
         "--depth", type=int, default=None, metavar="N", help="expand the tree N levels deep"
@@ -63,21 +67,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="R",
         help="of a distributed checkpoint's tg.PerRank values, show only rank R's",
     )
+    add_storage_option(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.depth is not None and args.depth < 1:
         raise InvalidArgumentError(f"--depth {args.depth}: must be at least 1")
-    require_single(args.ckpt)
-    ckpt = Checkpoint.open(args.ckpt)
+    options = storage_options(args, args.ckpt)
+    require_single(args.ckpt, options)
+    ckpt = Checkpoint.open(args.ckpt, options)
     manifest = ckpt.manifest
     m = manifest.raw
-    ranks = _shown_ranks(m, args.rank, args.ckpt)
+    where = ckpt.url  # an absolute path, or the URL
+    ranks = _shown_ranks(m, args.rank, where)
     if args.json:
         print(json.dumps(m, indent=2))
         return 0
-    where = location_text(args.ckpt)
     # The manifest's tree is untrusted input: validate it whole before walking it. Each
     # tg.PerRank part is checked in rank 0's view of the tree and then on its own.
     Checkpoint.decode_node(manifest.tree_for(0, "rank0", where), where)
@@ -91,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         for part in parts:
             Checkpoint.decode_node(part, where)
     try:
-        head = summary(args.ckpt, m, ckpt.manifest_nbytes())
+        head = summary(where, m, ckpt.manifest_nbytes())
         tree = render_tree(m, depth=args.depth)
         per_rank = render_per_rank(m, ranks, depth=args.depth)
     except (KeyError, TypeError, ValueError, RecursionError) as e:
@@ -117,8 +123,7 @@ def _shown_ranks(m: dict[str, Any], rank: int | None, ckpt: str) -> list[int]:
     world = m.get("world_size", 1)
     if not 0 <= rank < world:
         raise InvalidArgumentError(
-            f"--rank {rank}: {location_text(ckpt)} was saved by {world} rank(s); give a rank "
-            f"from 0 to {world - 1}"
+            f"--rank {rank}: {ckpt} was saved by {world} rank(s); give a rank from 0 to {world - 1}"
         )
     return [rank] if saved else []
 
@@ -133,7 +138,7 @@ def summary(path: str, m: dict[str, Any], manifest_bytes: int) -> list[str]:
     tensors = m.get("tensors") or []
     file_bytes = sum(f["size"] for f in files)
     lines = [
-        f"{location_text(path)}",
+        path,
         f"  format        tardigrade v{m.get('format_version')}",
         "  written by    " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         f"  step          {_or_dash(m.get('step'))}",

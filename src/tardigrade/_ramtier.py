@@ -31,8 +31,6 @@ import hashlib
 import logging
 import os
 import queue
-import shutil
-import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -46,7 +44,8 @@ from .errors import InvalidArgumentError, SaveError, StorageError
 from .format import limits
 from .format.jsonio import loads_strict
 from .format.manifest import MANIFEST
-from .storage import LocalStorage, Storage
+from .storage import LocalStorage, PreconditionFailed, Storage
+from .storage.local import free_bytes, private_directory
 
 log = logging.getLogger("tardigrade")
 
@@ -107,45 +106,27 @@ class RamTier:
 
     def _make_root(self, base: str) -> None:
         what = f"ram_tier={base!r}"
-        if not os.path.isdir(base):
-            raise StorageError(
-                errno.ENOENT,
-                f"{what}: no such directory; pass ram_tier= a directory on a memory "
-                "filesystem (tmpfs), or ram_tier=False",
-            )
         try:
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
-            st = os.lstat(self.root)
-        except OSError as e:
+            # In an existing directory only: a mistyped path is not silently made on disk.
+            private_directory(self.root)
+            storage = LocalStorage(self.root)
+            try:
+                storage.put(_SOURCE, self.directory.encode(), mode="create")
+            except PreconditionFailed:
+                there = storage.read_bytes(_SOURCE, 64 * 1024).decode(errors="replace")
+                if there != self.directory:
+                    raise StorageError(
+                        errno.EEXIST,
+                        f"{self.root} belongs to checkpoint directory {there!r}, not "
+                        f"{self.directory!r}",
+                    ) from None
+        except StorageError as e:
             raise StorageError(
                 e.errno,
-                f"{what}: cannot create {self.root}: {e.strerror}; pass ram_tier= a writable "
-                "directory on a memory filesystem, or ram_tier=False",
+                f"{what}: cannot keep checkpoints there: {e.strerror or e}. Pass ram_tier= a "
+                "writable directory on a memory filesystem (tmpfs) that you own, or "
+                "ram_tier=False",
             ) from e
-        # /dev/shm is shared by every user of the node: a directory someone else made (or a
-        # link planted in its place) is not ours to write into or restore from.
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise StorageError(
-                errno.EPERM,
-                f"{what}: {self.root} is not a private directory of this user (a link, another "
-                "user's, or writable by others); remove it, or pass ram_tier= another directory",
-            )
-        source = os.path.join(self.root, _SOURCE)
-        try:
-            with open(source, "a+", encoding="utf-8") as f:
-                f.seek(0)
-                there = f.read()
-                if not there:
-                    f.write(self.directory)
-        except OSError as e:
-            raise StorageError(e.errno, f"{what}: cannot write {source}: {e.strerror}") from e
-        if there and there != self.directory:
-            raise StorageError(
-                errno.EEXIST,
-                f"{what}: {self.root} belongs to checkpoint directory {there!r}, not "
-                f"{self.directory!r} (a hash collision); remove it, or pass ram_tier= another "
-                "directory",
-            )
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -167,8 +148,7 @@ class RamTier:
         return Catalog(storage).size(name)
 
     def _free_bytes(self) -> int:
-        st = os.statvfs(self.root)
-        return st.f_bavail * st.f_frsize
+        return free_bytes(self.root)
 
     def _make_room(self, need: int, keep: str | None) -> None:
         """Raise StorageError (ENOSPC) unless ``need`` more bytes fit with headroom left;
@@ -251,7 +231,11 @@ class RamTier:
     def close(self, *, clean: bool) -> None:
         """``clean``: remove everything here (the job ended normally)."""
         if clean:
-            shutil.rmtree(self.root, ignore_errors=True)
+            try:
+                self.storage.delete("")
+            except OSError as e:
+                log.warning("tardigrade: could not remove the RAM tier %s: %s", self.root, e)
+                return
             log.info("tardigrade: removed the RAM tier %s", self.root)
 
 

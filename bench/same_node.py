@@ -3,9 +3,10 @@
 A job saves, is killed (SIGKILL), and restarts on the same node. Three ways back, each on the
 same state (fp32 tensors), side by side in one run:
 
-- ``ram_tier``: a child process runs ``CheckpointManager(dir, state, ram_tier=True)``, saves
-  (async), waits for the commit and is killed; this process then measures ``restore()`` of a new
-  manager on the same directory, which reads the copy in ``/dev/shm`` (checked: ``restored_from``).
+- ``ram_tier``: a job runs ``CheckpointManager(dir, state, ram_tier=True)``, saves (async),
+  waits for the commit and crashes (leaves its ``with`` block by an exception: the RAM tier stays,
+  as after a SIGKILL, which tests/storage/test_ram_tier.py does for real); ``restore()`` of a new
+  manager on the same directory is measured, and must read ``/dev/shm`` (``restored_from``).
 - ``disk``: the same without the RAM tier. The save wrote its data with O_DIRECT, so nothing is
   in the page cache: the restore reads the disk cold (today's same-node restart).
 - ``dcp``: ``torch.distributed.checkpoint.save`` (buffered writes, left in the page cache), then
@@ -20,11 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +38,6 @@ from .report import Target, _grid
 
 TENSORS = 16
 KINDS = ("ram_tier", "disk", "dcp")
-CHILD_TIMEOUT_S = 600
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
@@ -66,31 +62,21 @@ def make_state(nbytes: int, *, fill: bool = True) -> dict[str, torch.Tensor]:
     return out
 
 
-def _child(directory: str, nbytes: int, ram_tier: bool) -> None:
-    """Save once through a manager, say so, and wait to be killed."""
-    state = make_state(nbytes)
-    mgr = tg.CheckpointManager(directory, state, ram_tier=ram_tier, save_on_signals=())
-    mgr.save(1)
-    mgr.wait()
-    print("committed", flush=True)
-    time.sleep(CHILD_TIMEOUT_S)
+class _Crash(Exception):
+    """The saving job dies right after its save committed."""
 
 
-def _save_and_die(directory: Path, nbytes: int, ram_tier: bool) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.same_node", str(directory), str(nbytes), str(int(ram_tier))],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=Path(__file__).resolve().parents[1],
-    )
+def _save_and_crash(directory: Path, state: dict[str, torch.Tensor], ram_tier: bool) -> None:
+    """Save once through a manager, then leave its ``with`` block by an exception: what a
+    crash leaves (the directory lock released, the RAM tier kept), without the minutes that
+    starting a fresh interpreter per sample costs on this machine."""
     try:
-        assert proc.stdout is not None and proc.stderr is not None
-        line = proc.stdout.readline()
-        if line != b"committed\n":
-            raise RuntimeError(f"the saving child failed: {proc.stderr.read().decode()[-2000:]}")
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        with tg.CheckpointManager(directory, state, ram_tier=ram_tier, save_on_signals=()) as mgr:
+            mgr.save(1)
+            mgr.wait()
+            raise _Crash
+    except _Crash:
+        pass
 
 
 def _blocking(directory: Path, state: dict[str, torch.Tensor], ram_tier: bool) -> float:
@@ -137,12 +123,12 @@ def run(opts: SameNodeOptions, log: Callable[[str], None]) -> dict[str, Any]:
             order = KINDS[rnd % len(KINDS) :] + KINDS[: rnd % len(KINDS)]
             for kind in order:
                 where = work / f"{kind}-{rnd}"
+                saved = make_state(opts.nbytes)
                 if kind == "dcp":
-                    saved = make_state(opts.nbytes)
                     dcp.save(saved, checkpoint_id=where)
-                    del saved
                 else:
-                    _save_and_die(where, opts.nbytes, ram_tier=kind == "ram_tier")
+                    _save_and_crash(where, saved, ram_tier=kind == "ram_tier")
+                del saved
                 live = make_state(opts.nbytes, fill=False)
                 for t in live.values():
                     t.zero_()  # faulted in, as a live model is, and poisoned
@@ -150,7 +136,11 @@ def run(opts: SameNodeOptions, log: Callable[[str], None]) -> dict[str, Any]:
                 if kind == "dcp":
                     s = measure(lambda live=live, where=where: dcp.load(live, checkpoint_id=where))
                 else:
-                    mgr = tg.CheckpointManager(where, live, ram_tier=kind == "ram_tier")
+                    # Synchronous saves: no staging memory reserved after the restore (that
+                    # is the next save's, not the restore's).
+                    mgr = tg.CheckpointManager(
+                        where, live, ram_tier=kind == "ram_tier", async_save=False
+                    )
                     try:
                         s = measure(lambda mgr=mgr: {"step": float(mgr.restore() or -1)})
                         from_ram = (mgr.restored_from or "").startswith("/dev/shm/")
@@ -225,7 +215,3 @@ def table(results: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{block.get('with_ram_tier', float('nan')) * 1000:.1f} ms with it"
     )
     return "\n".join([head, _grid(["restore", "s", "GB/s", "peak above state %"], rows), foot])
-
-
-if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1")

@@ -191,17 +191,26 @@ class RamTier:
                     log.warning("tardigrade: removing %s from the RAM tier: %s", n, e)
 
     def _failed(self, name: str, e: BaseException) -> None:
+        error = str(e)
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) and "ram_tier=" not in error:
+            # Out of space while writing (the check before it passed: another user of the
+            # memory filesystem took the room meanwhile).
+            base = os.path.dirname(self.root)
+            error += (
+                f". The RAM tier's memory filesystem ({base}) is full: free space there, "
+                "enlarge it, or pass ram_tier= a larger tmpfs, or ram_tier=False"
+            )
         with self._lock:
             self.stats.failed += 1
-            self.stats.last_error = str(e)
+            self.stats.last_error = error
             failed = self.stats.failed
         log.error(
-            "tardigrade: RAM TIER COPY FAILED for %s in %s (%d failed so far); the checkpoint on "
-            "disk is committed and training continues. Cause: %s",
+            "tardigrade: RAM TIER COPY FAILED for %s in %s (%d failed so far); the checkpoint in "
+            "the directory is committed and training continues. Cause: %s",
             name,
             self.root,
             failed,
-            e,
+            error,
         )
 
     # -- reading ---------------------------------------------------------------------------

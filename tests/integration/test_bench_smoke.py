@@ -84,6 +84,15 @@ def test_quick_run_measures_every_tool(tmp_path: Path) -> None:
 
     names = [t["name"] for t in results["targets"]]
     assert len(names) == len(set(names))
+    # Restore right after a save on the same node: the RAM tier, cold disk, DCP's page cache.
+    assert {"ram_tier", "disk", "dcp"} <= set(summary["same_node"])
+    assert set(summary["same_node"]["blocking_s"]) == {"without", "with_ram_tier"}
+    for needle in (
+        "RAM-tier restore vs DCP page-cache restore (same node)",
+        "RAM-tier restore vs cold-disk restore (same node)",
+    ):
+        assert needle in names, (needle, names)
+    assert "SAME-NODE RESTORE" in proc.stdout
     for needle in ("raw fsync'd write", "DCP save", "hot read", "DCP load", "verify", "async"):
         assert any(needle in n for n in names), (needle, names)
     # The async targets: steady blocking and the first save of a process, both against a

@@ -271,10 +271,40 @@ def test_running_out_of_memory_mid_copy_leaves_nothing_and_releases_the_staging(
         stats = mgr.ram_tier_stats
         assert stats is not None and stats.failed == 2
         assert "No space left" in (stats.last_error or "")
+        assert "ram_tier=" in (stats.last_error or "")  # and what to do about it
         root = Path(stats.root)
         assert [p.name for p in root.iterdir()] == [".source"]  # nothing half-written left
         assert mgr.steps() == [1, 2] and mgr.stats.failed == 0
     assert tg.verify(tmp_path / "ckpt" / "step-000000002").files == 1
+
+
+def test_a_save_that_fails_in_the_directory_commits_nothing_in_the_ram_tier(
+    tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The RAM copy is committed only after the directory's: it never holds a step the
+    directory does not."""
+    import tardigrade._write as write
+
+    state = state_at(1)
+    with tg.CheckpointManager(tmp_path / "ckpt", state, ram_tier=shm) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        root = Path(mgr.ram_tier_stats.root)  # type: ignore[union-attr]
+
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise OSError(5, "injected: the disk failed at the commit")
+
+        monkeypatch.setattr(write, "commit_staging", refuse)
+        mgr.save(2)
+        mgr.wait()
+        assert mgr.stats.failed == 1 and mgr.steps() == [1]
+        assert sorted(p.name for p in root.iterdir()) == [".source", "step-000000001"]
+        stats = mgr.ram_tier_stats
+        assert stats is not None and stats.stored == ["step-000000001"] and stats.failed == 0
+        monkeypatch.undo()
+        mgr.save(3)  # the staging slabs came back from both writers
+        mgr.wait()
+        assert sorted(p.name for p in root.iterdir()) == [".source", "step-000000003"]
 
 
 def test_a_ram_tier_location_that_cannot_work_is_refused_when_the_manager_is_created(

@@ -560,6 +560,7 @@ class CheckpointManager:
         Returns where it was read."""
         name = step_name(s)
         ram = self._ram.copy_of(name, self._catalog.storage) if self._ram is not None else None
+        touched = False  # whether a failed read of the RAM copy left bytes in the live state
         if ram is not None:
             assert self._ram is not None
             try:
@@ -569,13 +570,19 @@ class CheckpointManager:
             except StateMismatchError:
                 raise
             except Exception as e:
+                touched = bool(getattr(e, "live_overwritten", not isinstance(e, TardigradeError)))
                 log.warning(
                     "tardigrade: restoring %s from the RAM tier failed (%s); reading %s instead",
                     name,
                     e,
                     self.path(s),
                 )
-        load(self.path(s), into=self.state, verify="all", **self._collective)
+        try:
+            load(self.path(s), into=self.state, verify="all", **self._collective)
+        except TardigradeError as e:
+            if touched:
+                e.live_overwritten = True  # type: ignore[attr-defined]  # restore() reads this
+            raise
         return self.path(s)
 
     @property

@@ -295,6 +295,7 @@ class RamMirror:
     def __init__(self, tier: RamTier) -> None:
         self.tier = tier
         self.queues: list[queue.SimpleQueue[Any]] = []
+        self._reading = 0  # the queue the writer reads now: the ones from here are not drained
 
     def tee(self, streams: list[queue.SimpleQueue[Any]]) -> list[Any]:
         self.queues = [queue.SimpleQueue() for _ in streams]
@@ -308,6 +309,9 @@ class RamMirror:
                 out[:] = self._write(job)
             except BaseException as e:  # never lost: reported as this copy's failure
                 out[:] = [None, e]
+                # Every slab must still come back to the pool (a staging budget waits for it).
+                for q in self.queues[self._reading :]:
+                    _drain(q)
 
         thread = threading.Thread(target=write, name="tardigrade-ram-tier", daemon=True)
         thread.start()
@@ -353,7 +357,8 @@ class RamMirror:
             staging = storage.begin(job.name, job.header["save_id"])
         except BaseException as e:
             failure = e
-        for fp, q in zip(job.plan.files, self.queues, strict=True):
+        for i, (fp, q) in enumerate(zip(job.plan.files, self.queues, strict=True)):
+            self._reading = i
             writer = None
             if failure is None:
                 try:
@@ -376,6 +381,7 @@ class RamMirror:
                 finally:
                     if block.done is not None:
                         block.done()
+            self._reading = i + 1
             if writer is not None:
                 try:
                     if failure is None:
@@ -385,6 +391,16 @@ class RamMirror:
                 except BaseException as e:
                     failure = failure or e
         return staging, failure
+
+
+def _drain(q: queue.SimpleQueue[Any]) -> None:
+    """Release every block left in ``q``, up to its end."""
+    while True:
+        block = q.get()
+        if block is END or block is ABORT:
+            return
+        if block.done is not None:
+            block.done()
 
 
 def open_ram_tier(directory: str, ram_tier: Any) -> RamTier | None:

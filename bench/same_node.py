@@ -155,7 +155,8 @@ def run(opts: SameNodeOptions, log: Callable[[str], None]) -> dict[str, Any]:
                 shutil.rmtree(where, ignore_errors=True)
                 samples.setdefault(kind, []).append(s.to_json())
             state = make_state(opts.nbytes)
-            for key, ram in (("without", False), ("with_ram_tier", True)):
+            pair = [("without", False), ("with_ram_tier", True)]
+            for key, ram in pair if rnd % 2 else pair[::-1]:  # alternate which goes first
                 settle(opts.settle_s)
                 b = _blocking(work / f"blocking-{key}-{rnd}", state, ram)
                 shutil.rmtree(work / f"blocking-{key}-{rnd}", ignore_errors=True)

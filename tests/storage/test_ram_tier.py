@@ -211,6 +211,23 @@ def test_a_damaged_ram_copy_falls_back_to_the_directory_copy_of_the_same_step(
     assert any("from the RAM tier failed" in r.getMessage() for r in caplog.records)
 
 
+def test_a_ram_tier_in_front_of_an_object_store(shm: Path) -> None:
+    """The directory is a store (``memory://``, whose data objects carry save-unique names):
+    the RAM copy keeps the store's names, so the store's manifest fits it as it is."""
+    url = f"memory://ram-{uuid.uuid4().hex[:12]}/run"
+    state = state_at(3)
+    with tg.CheckpointManager(url, state, ram_tier=shm) as mgr:
+        mgr.save(3)
+        mgr.wait()
+        root = Path(mgr.ram_tier_stats.root)  # type: ignore[union-attr]
+        assert [p.name[16] for p in (root / "step-000000003").glob("*.data-*")] == ["."]
+        mgr._ram_keep = True  # as after a crash
+    restored = state_at(0)
+    with tg.CheckpointManager(url, restored, ram_tier=shm) as mgr:
+        assert mgr.restore() == 3 and mgr.restored_from == str(root / "step-000000003")
+    assert torch.equal(restored["w"], state_at(3)["w"])
+
+
 def test_two_jobs_on_one_node_do_not_share_a_ram_tier(tmp_path: Path, shm: Path) -> None:
     a, b = state_at(1), state_at(2)
     with (

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 import tardigrade as tg
+from tardigrade._ramtier import namespace
 
 from .measure import measure, settle
 from .report import Target, _grid
@@ -164,6 +165,9 @@ def run(opts: SameNodeOptions, log: Callable[[str], None]) -> dict[str, Any]:
             del state
             log(f"same node: round {rnd} of {opts.repeats} done")
     finally:
+        # A run that failed between a "crash" and the restore that removes it leaves RAM tiers.
+        for where in work.iterdir():
+            shutil.rmtree(Path("/dev/shm") / namespace(str(where.resolve())), ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return {"nbytes": nbytes, "samples": samples, "blocking_s": blocking}
 

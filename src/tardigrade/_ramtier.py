@@ -409,7 +409,14 @@ def open_ram_tier(directory: str, ram_tier: Any) -> RamTier | None:
         return None
     if ram_tier is True:
         return RamTier(directory)
-    if isinstance(ram_tier, (str, os.PathLike)) and not isinstance(ram_tier, bool):
+    if isinstance(ram_tier, (str, os.PathLike)):
+        base = os.path.abspath(os.fspath(ram_tier))
+        if base == directory or base.startswith(directory.rstrip(os.sep) + os.sep):
+            raise InvalidArgumentError(
+                f"ram_tier={os.fspath(ram_tier)!r} is inside the checkpoint directory "
+                f"{directory}; pass a directory on a memory filesystem elsewhere (such as "
+                "/dev/shm, the default with ram_tier=True)"
+            )
         return RamTier(directory, ram_tier)
     raise InvalidArgumentError(
         f"ram_tier must be True, False or a directory on a memory filesystem, got {ram_tier!r}"

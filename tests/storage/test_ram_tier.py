@@ -357,10 +357,12 @@ def test_a_ram_tier_location_that_cannot_work_is_refused_when_the_manager_is_cre
     os.symlink(tmp_path / "elsewhere", ram_root(tmp_path / "b", str(shm)))
     with pytest.raises(StorageError, match="not a private directory"):
         tg.CheckpointManager(tmp_path / "b", state_at(0), ram_tier=shm)
+    with pytest.raises(InvalidArgumentError, match="inside the checkpoint directory"):
+        tg.CheckpointManager(tmp_path / "d", state_at(0), ram_tier=tmp_path / "d" / "shm")
     with pytest.raises(InvalidArgumentError, match="ram_tier must be"):
         tg.CheckpointManager(tmp_path / "c", state_at(0), ram_tier=3)  # type: ignore[arg-type]
     # Each refused manager released the directory's lock.
-    for name in ("a", "b", "c"):
+    for name in ("a", "b", "c", "d"):
         with tg.CheckpointManager(tmp_path / name, state_at(0)):
             pass
 

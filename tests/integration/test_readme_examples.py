@@ -189,6 +189,9 @@ CHAINS = {
         'result = tg.save("ckpt/step-000000100", state, step=100',
         "dataset = TensorDataset(torch.randn(1000, 16))",
     ],
+    "ram tier": [
+        'raise RuntimeError("the node hiccups at step 25")  # a crash: the RAM tier stays',
+    ],
     "job runner": [
         'result = tg.save("ckpt/step-000000100", state, step=100',
         'state = {"model": model, "optim": optim, "epoch": 0}',

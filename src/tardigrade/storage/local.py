@@ -737,3 +737,37 @@ def preflight_directory(directory: str) -> None:
             directory,
             fs.f_bavail * fs.f_frsize,
         )
+
+
+def private_directory(path: str) -> None:
+    """Create directory ``path`` (mode 0700) in an existing parent unless it is there; raise
+    StorageError unless it then is a directory of this user that nobody else can write.
+
+    For a directory in a place every user of the machine shares (``/dev/shm``): one made by
+    someone else, or a link planted in its place, is not ours to write into or read from.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot create {path}: {e.strerror}") from e
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot stat {path}: {e.strerror}") from e
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise StorageError(
+            errno.EPERM,
+            f"{path} is not a private directory of this user (a link, another user's, or "
+            "writable by others)",
+        )
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer can still store on the filesystem holding ``path``."""
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot stat the filesystem of {path}: {e.strerror}") from e
+    return st.f_bavail * st.f_frsize

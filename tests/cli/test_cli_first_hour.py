@@ -151,6 +151,54 @@ def test_verify_and_export_draw_progress_on_a_terminal_only(
     assert "[" not in capsys.readouterr().err
 
 
+def _gc_leftover(root: Path) -> None:
+    dead = root / ".tmp-step-000000003-abc"
+    dead.mkdir(exist_ok=True)
+    (dead / "data-00000-of-00001.safetensors").write_bytes(b"x" * 3000)
+
+
+def test_diff_and_gc_draw_progress_on_a_terminal(ckpts: Path, tmp_path: Path) -> None:
+    a, b = str(ckpts / "step-000000001"), str(ckpts / "step-000000002")
+    assert "diff (MiB) [" in _on_a_terminal("diff", a, b)
+    _gc_leftover(tmp_path)
+    shown = _on_a_terminal("gc", str(tmp_path))
+    assert f"gc {tmp_path} [##############################] 1/1  2.9 KiB freed" in shown
+    assert not (tmp_path / ".tmp-step-000000003-abc").exists()
+
+
+@pytest.mark.parametrize("flag", ["--quiet", "--json", None])
+def test_diff_and_gc_draw_no_bar_with_quiet_or_json_or_off_a_terminal(
+    ckpts: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flag: str | None,
+) -> None:
+    if flag is not None:  # the terminal path, in process: stderr claims to be a terminal
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    flags = [flag] if flag else []
+    _gc_leftover(tmp_path)
+    assert main(["gc", *flags, str(tmp_path)]) == 0
+    assert not (tmp_path / ".tmp-step-000000003-abc").exists()
+    assert main(["diff", *flags, str(ckpts / "step-000000001"), str(ckpts / "step-000000002")]) == 1
+    assert "[" not in capsys.readouterr().err
+
+
+def test_gc_counts_each_leftover_in_its_bar(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The terminal path in process: stderr claims to be a terminal.
+    for i in range(3):
+        dead = tmp_path / f".tmp-step-00000000{i}-abc"
+        dead.mkdir()
+        (dead / "data").write_bytes(b"x" * 1024 * (i + 1))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["gc", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "] 3/3  6.0 KiB freed" in err and "] 1/3" in err
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+
+
 def test_the_torch_free_item_sizes_are_torchs() -> None:
     from tardigrade.format.dtypes import TORCH_DTYPES
     from tardigrade.format.sizes import ITEMSIZE

@@ -27,7 +27,7 @@ from ..errors import TardigradeError
 from ..format.dtypes import TORCH_DTYPES
 from ..format.manifest import Manifest
 from ._listing import require_single
-from ._output import error
+from ._output import ReadProgress, error
 
 HELP = "show what differs between two checkpoints"
 
@@ -58,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "damaged after its save is not detected"
         ),
     )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
@@ -212,10 +213,21 @@ def compare(path_a: str, path_b: str, *, verified: bool = True) -> list[dict[str
 EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
 
+def _data_bytes(*paths: str) -> int:
+    try:
+        return sum(Checkpoint.open(p).nbytes for p in paths)
+    except TardigradeError:
+        return 0  # compare() says what is wrong
+
+
 def run(args: argparse.Namespace) -> int:
     verified = not args.checksums_only
+    # On a terminal, a bar of the bytes read while both checkpoints are verified (stderr);
+    # --checksums-only reads manifests (and rarely a tensor or two): no bar.
+    show = verified and not (args.json or args.quiet)
     try:
-        diffs = compare(args.a, args.b, verified=verified)
+        with ReadProgress(_data_bytes(args.a, args.b) if show else 0, "diff", enabled=show):
+            diffs = compare(args.a, args.b, verified=verified)
     except (TardigradeError, OSError) as e:
         # Not "different": the comparison could not be made (like cmp(1), errors exit 2).
         where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""

@@ -49,11 +49,66 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["ls", "{dir}"], ["gc", "{dir}"]])
-def test_cheap_commands_do_not_import_torch(ckpts: Path, argv: list[str]) -> None:
-    proc, modules = _imports(*(a.format(dir=ckpts) for a in argv))
+@pytest.fixture(scope="module")
+def rich(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint holding every leaf whose value is torch's: inspect shows them all."""
+    path = tmp_path_factory.mktemp("rich") / "step-000000007"
+    state = {
+        "w": torch.ones(3),
+        "dtype": torch.bfloat16,
+        "size": torch.Size([2, 3]),
+        "device": torch.device("cuda", 1),
+        "gen": torch.Generator(),
+        "keyed": {torch.float16: 1, torch.device("cpu"): 2},
+        "c": torch.ones(2, dtype=torch.complex64),
+        "sparse": torch.eye(3).to_sparse(),
+        "packed": list(range(100)),
+    }
+    tg.save(path, state, step=7)
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--version"],
+        ["--help"],
+        ["ls", "{dir}"],
+        ["gc", "{dir}"],
+        ["inspect", "{rich}"],
+        ["inspect", "--json", "{rich}"],
+    ],
+)
+def test_cheap_commands_do_not_import_torch(ckpts: Path, rich: Path, argv: list[str]) -> None:
+    proc, modules = _imports(*(a.format(dir=ckpts, rich=rich) for a in argv))
     assert proc.returncode == 0, proc.stderr
     assert "torch" not in modules
+    if argv[0] == "inspect" and "--json" not in argv:
+        # The torch values are shown as torch writes them, without torch.
+        for line in (
+            "dtype: torch.bfloat16",
+            "size: torch.Size([2, 3])",
+            "device: device(type='cuda', index=1)",
+            "gen: torch.Generator(cpu)",
+            "torch.float16: 1",
+            "device(type='cpu'): 2",
+            "c: C64[2]  16 B",
+            "sparse: sparse coo F32[3, 3]  nnz=3  60 B",
+            "packed: list[100] of int: [0, 1, 2, ..., 99]",
+        ):
+            assert line in proc.stdout, proc.stdout
+
+
+def test_inspect_shows_torch_values_as_the_library_decodes_them(rich: Path) -> None:
+    # The torch-free stand-ins print as the values tg.load returns do.
+    from tardigrade.format.tree import decode
+
+    ckpt = tg.Checkpoint.open(rich)
+    real = ckpt.read()
+    shown = decode(ckpt.manifest.raw["tree"], lambda n, p: None, "t", stand_ins=True)
+    for key in ("dtype", "size", "device"):
+        assert repr(shown[key]) == repr(real[key])
+    assert [repr(k) for k in shown["keyed"]] == [repr(k) for k in real["keyed"]]
 
 
 def test_a_command_still_runs_with_only_its_own_module_imported(ckpts: Path) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,8 +16,9 @@ from tardigrade.cli import _demo_ranks, main
 @pytest.mark.crash
 @pytest.mark.timeout(240)  # three interpreters importing torch on a busy machine
 def test_demo_json_carries_the_verdict_kill_point_restore_and_saves(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: still no bar
     d = tmp_path / "ckpt"
     rc = main(["demo", "--json", "--dir", str(d), "--steps", "40", "--every", "10"])
     out, err = capsys.readouterr()
@@ -57,7 +60,7 @@ def test_demo_json_carries_the_verdict_kill_point_restore_and_saves(
     ]
     assert (report["stats"]["succeeded"], report["stats"]["failed"]) == (3, 0)
     assert [c["step"] for c in report["checkpoints"]] == [10, 20, 30, 40]
-    assert "[" not in err  # no progress bar with --json
+    assert "[" not in err  # no progress bar with --json, even on a terminal
 
 
 @pytest.mark.slow
@@ -93,6 +96,30 @@ def test_demo_ranks_json_reports_an_inexact_resume(
     assert [r["returncodes"] for r in report["runs"]][1:] == [[0, 0], [0, 0]]
     assert [s["step"] for s in report["saves"]] == [5, 10, 15, 20]
     assert [c["step"] for c in report["checkpoints"]] == [5, 10, 15, 20]
+
+
+def test_demo_quiet_turns_its_bars_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tardigrade.cli import demo
+
+    shown = []
+
+    def child(argv: list[str], bar: Any, **kw: Any) -> Any:
+        shown.append(bar.enabled)
+        return demo.ChildRun(returncode=3)  # fails run 1: enough to see the bar's setting
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setattr(demo, "run_child", child)
+    for flags, enabled in (
+        ([], True),
+        (["--quiet"], False),
+        (["-q"], False),
+        (["--no-progress"], False),
+    ):
+        main(["demo", *flags, "--dir", str(tmp_path / "c"), "--steps", "20", "--every", "5"])
+        assert shown.pop() is enabled, flags
+    capsys.readouterr()
 
 
 def test_demo_json_failure_is_json_too(

@@ -97,7 +97,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: 1, one process with a tg.CheckpointManager)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of data, model and shuffling")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        "--no-progress",
+        dest="no_progress",
+        action="store_true",
+        help="no progress bar (as every command's --quiet; --no-progress is the old name)",
+    )
     p.add_argument(
         "--json",
         action="store_true",

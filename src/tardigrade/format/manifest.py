@@ -431,7 +431,7 @@ def _tree_depth(
 ) -> int:
     """Walk a tree node (at ``depth``) with a stack; return the nodes it visited.
 
-    Depth counts as ``_tree.decode`` counts it: the nodes inside a node's ``v`` and ``meta``
+    Depth counts as ``format.tree.decode`` counts it: the nodes inside a node's ``v`` and ``meta``
     (whatever lists hold them: a list's items, a dict's [key, value] pairs) are one level
     deeper. ``placed`` collects where ``{"t": "per_rank", "i": k}`` places sit (None: inside
     a per-rank part, where no such place exists and the node is left to ``decode``).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,6 +231,9 @@ class Catalog:
             self.storage.delete(f"{name}/{MANIFEST}")
             self.storage.delete(name)
 
-    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
-        """Clean up what dead writers left here (see ``Storage.tidy``)."""
-        return self.storage.tidy(dry_run=dry_run)
+    def tidy(
+        self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
+    ) -> list[Tidied]:
+        """Clean up what dead writers left here (see ``Storage.tidy``); ``progress`` is
+        called with each leftover once it is dealt with."""
+        return self.storage.tidy(dry_run=dry_run, progress=progress)

@@ -28,7 +28,7 @@ from ..errors import TardigradeError
 from ..format.dtypes import TORCH_DTYPES
 from ..format.manifest import Manifest
 from ._listing import require_single
-from ._output import error
+from ._output import ReadProgress, error
 from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
 
@@ -62,6 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
     )
     add_storage_option(p)  # for whichever of A and B is a URL
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
@@ -224,16 +225,26 @@ def compare(
 EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
 
+def _data_bytes(*where: tuple[str, dict[str, Any] | None]) -> int:
+    try:
+        return sum(Checkpoint.open(p, options).nbytes for p, options in where)
+    except TardigradeError:
+        return 0  # compare() says what is wrong
+
+
 def run(args: argparse.Namespace) -> int:
     verified = not args.checksums_only
+    # On a terminal, a bar of the bytes read while both checkpoints are verified (stderr);
+    # --checksums-only reads manifests (and rarely a tensor or two): no bar.
+    show = verified and not (args.json or args.quiet)
     try:
-        diffs = compare(
-            args.a,
-            args.b,
-            verified=verified,
-            options_a=storage_options(args, args.a, args.b),
-            options_b=storage_options(args, args.b, args.a),
-        )
+        options_a = storage_options(args, args.a, args.b)
+        options_b = storage_options(args, args.b, args.a)
+        nbytes = _data_bytes((args.a, options_a), (args.b, options_b)) if show else 0
+        with ReadProgress(nbytes, "diff", enabled=show):
+            diffs = compare(
+                args.a, args.b, verified=verified, options_a=options_a, options_b=options_b
+            )
     except (TardigradeError, OSError) as e:
         # Not "different": the comparison could not be made (like cmp(1), errors exit 2).
         where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""

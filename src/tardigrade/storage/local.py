@@ -11,6 +11,7 @@ import re
 import shutil
 import stat
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -379,7 +380,9 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(e.errno, f"cannot rename {a} to {b}: {e.strerror}") from e
 
-    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+    def tidy(
+        self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
+    ) -> list[Tidied]:
         """Clean up after writers that died under this root.
 
         Only ``.tmp-*`` directories are considered, and only those no live process holds:
@@ -400,9 +403,12 @@ class LocalStorage(Storage):
             if fd is None:
                 continue  # a live save holds it, or it is already gone
             try:
-                done.extend(self._tidy_one(n, dry_run))
+                now = self._tidy_one(n, dry_run)
             finally:
                 os.close(fd)
+            done.extend(now)
+            for t in now if progress is not None else ():
+                progress(t)
         return done
 
     def _tidy_one(self, n: str, dry_run: bool) -> list[Tidied]:

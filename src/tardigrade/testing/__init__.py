@@ -296,10 +296,10 @@ class FaultyStorage(Storage):
         self.inner.move(src, dst)
         self._after(late)
 
-    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+    def tidy(self, *, dry_run: bool = False, progress: Any = None) -> list[Tidied]:
         if self._store:
-            return ManifestLastCommit.tidy(self, dry_run=dry_run)  # type: ignore[arg-type]
-        return self.inner.tidy(dry_run=dry_run)
+            return ManifestLastCommit.tidy(self, dry_run=dry_run, progress=progress)  # type: ignore[arg-type]
+        return self.inner.tidy(dry_run=dry_run, progress=progress)
 
     def preflight(self) -> None:
         if self._store:

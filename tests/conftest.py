@@ -47,7 +47,7 @@ def s3_server() -> Iterator[S3Server]:
         server.start()
         yield server
     finally:
-        server.stop()
+        server.stop(grace=2)  # its data is removed next; up to 10 s at the end of a worker
         shutil.rmtree(tmp, ignore_errors=True)
 
 

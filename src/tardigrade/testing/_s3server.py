@@ -187,13 +187,15 @@ class S3Server:
         except OSError:
             return ""
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop the server: SIGTERM, then SIGKILL after ``grace`` seconds (0: at once, for a
+        server whose data is thrown away next)."""
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=20)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import tardigrade as tg
-import tardigrade.manager as manager_mod
+import tardigrade.manager._checkpoint_manager as manager_mod
 from tardigrade._catalog import Catalog
 from tardigrade.errors import (
     CheckpointExistsError,
@@ -842,7 +842,7 @@ def test_signal_saves_at_the_next_step_and_stops(tmp_path: Path, async_save: boo
             mark(mgr.state, 4)
             os.kill(os.getpid(), signal.SIGTERM)
             deadline = time.monotonic() + 5
-            while mgr._signalled is None and time.monotonic() < deadline:
+            while mgr._preemption.received is None and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert not mgr.should_stop
             assert mgr.step(4) is True
@@ -1042,7 +1042,7 @@ def wait_signalled(mgr: tg.CheckpointManager) -> None:
     # The Python-level handler runs in the main thread at the next bytecode boundary; give
     # it a few chances (a signal sent to ourselves is pending at once).
     deadline = time.monotonic() + 5
-    while mgr._signalled is None and time.monotonic() < deadline:
+    while mgr._preemption.received is None and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -1177,4 +1177,4 @@ def test_save_honours_a_pending_signal_like_step(
         # Saved synchronously: committed before save() returned, nothing left in flight.
         assert mgr.exists(2) and mgr._pending == []
         assert saved_value(mgr, 2) == 2.0
-        assert mgr._signalled is None
+        assert mgr._preemption.received is None

@@ -14,27 +14,22 @@ import logging
 import math
 import os
 import signal
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
-from ._async import AsyncCheckpointer, SaveFuture
-from ._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_name, step_name
-from ._job import SaveOptions, SaveResult
-from ._load import load
-from ._match import Key
-from ._open import open_manifest
-from ._save import save
-from ._tiers import Uploader, UploadStats, copy_checkpoint
-from ._tree import flatten
-from ._units import gbps
-from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
-from .distributed._save import stage_collective
-from .errors import (
+from .._async import AsyncCheckpointer, SaveFuture
+from .._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_name, step_name
+from .._job import SaveOptions, SaveResult
+from .._load import load
+from .._match import Key
+from .._open import open_manifest
+from .._save import save
+from .._tiers import Uploader, UploadStats, copy_checkpoint
+from .._tree import flatten
+from ..distributed._collectives import DEFAULT_TIMEOUT, Ranks
+from ..distributed._save import stage_collective
+from ..errors import (
     CheckpointExistsError,
     CheckpointLockedError,
     CheckpointNotFoundError,
@@ -47,132 +42,24 @@ from .errors import (
     TardigradeError,
     UnsupportedTypeError,
 )
-from .storage import open_root
+from ..storage import open_root
+from ._options import (
+    check_best_metric,
+    check_directory,
+    check_flag,
+    check_one_of,
+    check_positive,
+    check_signals,
+    check_step,
+)
+from ._signals import Preemption
+from ._stats import ManagerStats, SaveStats
 
 log = logging.getLogger("tardigrade")
 
 # The line saying that async_save falls back to synchronous saves in a distributed job (under
 # max_staging_bytes) is written once per process, not once per manager.
 _SYNC_FALLBACK_LOGGED = False
-
-# -- signals ---------------------------------------------------------------------------------
-# One handler per signal for the whole process, relaying it to every open manager that asked
-# for it. Each manager swapping in its own handler and putting back "the one before it" cannot
-# work: closed out of creation order, the signal stays bound to a closed manager. Here managers
-# join and leave in any order; the handler that was there before the first one joined is put
-# back when the last one leaves, unless someone installed another handler over ours meanwhile
-# (theirs then stays: it is newer than anything we could put back).
-_listeners: dict[int, list[weakref.ref[CheckpointManager]]] = {}
-_before: dict[int, Any] = {}
-
-
-def _relay(signum: int, frame: FrameType | None) -> None:
-    live = [m for r in list(_listeners.get(signum, ())) if (m := r()) is not None]
-    for mgr in live:
-        # Only a flag: saving inside a signal handler could interrupt a half-mutated state.
-        mgr._signalled = signum
-    if live:
-        return
-    # Every listener was garbage-collected without close(), or left from another thread that
-    # could not put the old handler back: behave as that handler would.
-    prev = _before.get(signum, signal.SIG_DFL)
-    if callable(prev):
-        prev(signum, frame)
-    elif prev == signal.SIG_DFL:
-        signal.signal(signum, signal.SIG_DFL)
-        _listeners.pop(signum, None)
-        _before.pop(signum, None)
-        os.kill(os.getpid(), signum)
-
-
-def _listen(mgr: CheckpointManager, sig: int) -> None:
-    """Relay ``sig`` to ``mgr`` (main thread only: ``signal.signal`` requires it)."""
-    if signal.getsignal(sig) is not _relay:
-        prev = signal.signal(sig, _relay)
-        # Either nobody listens yet, or someone replaced our relay while managers listened:
-        # in both cases the handler just displaced is the one to put back at the end.
-        _before[sig] = prev
-    _listeners.setdefault(sig, []).append(weakref.ref(mgr))
-
-
-def _unlisten(mgr: CheckpointManager, sig: int) -> None:
-    refs = [r for r in _listeners.get(sig, ()) if r() is not None and r() is not mgr]
-    if refs:
-        _listeners[sig] = refs
-        return
-    if signal.getsignal(sig) is _relay:
-        # Raises ValueError outside the main thread; the relay then forwards to _before.
-        # None: the old handler was not installed from Python and cannot be put back.
-        prev = _before[sig]
-        signal.signal(sig, signal.SIG_DFL if prev is None else prev)
-    _listeners.pop(sig, None)
-    _before.pop(sig, None)
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """One save attempt: step, bytes, seconds blocked in the caller, total seconds, outcome.
-
-    ``error`` is a failed save's error, or that of a save that failed after it committed
-    (``ok`` True: it counts as saved; its bytes are not known, 0).
-    """
-
-    step: int
-    nbytes: int
-    blocking_seconds: float
-    total_seconds: float
-    ok: bool
-    error: str | None = None
-
-    @property
-    def throughput_gbps(self) -> float:
-        return gbps(self.nbytes, self.total_seconds)
-
-
-class ManagerStats(list[SaveStats]):
-    """Every save attempt, oldest first, plus totals."""
-
-    @property
-    def failed(self) -> int:
-        return sum(not s.ok for s in self)
-
-    @property
-    def succeeded(self) -> int:
-        return sum(s.ok for s in self)
-
-    @property
-    def blocking_seconds(self) -> float:
-        return sum(s.blocking_seconds for s in self)
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(s.total_seconds for s in self)
-
-
-def _check_signals(signals: Iterable[int]) -> tuple[int, ...]:
-    try:
-        out = tuple(signals)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"save_on_signals must be a tuple of signals, got {signals!r}"
-        ) from None
-    valid = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
-    for sig in out:
-        if sig not in valid:
-            raise InvalidArgumentError(
-                f"save_on_signals: {sig!r} is not a signal that can be caught (SIGKILL and "
-                "SIGSTOP cannot be)"
-            )
-    return out
-
-
-def _positive(name: str, v: Any, kind: type = int) -> Any:
-    if v is None:
-        return None
-    ok = (type(v) is int or (kind is float and type(v) is float)) and v > 0
-    if not ok:
-        raise InvalidArgumentError(f"{name} must be a positive {kind.__name__} or None, got {v!r}")
-    return v
 
 
 def _run_to_end(part: Callable[[], None], errors: list[BaseException], tries: int = 3) -> None:
@@ -288,31 +175,20 @@ class CheckpointManager:
         keep_last_remote: int | None = None,
         upload_timeout: float = 600.0,
     ) -> None:
-        if not isinstance(directory, (str, os.PathLike)):
-            raise InvalidArgumentError(f"directory must be a path or URL, got {directory!r}")
         # Every byte, listing and delete goes through the catalog over the storage contract.
-        self._catalog = Catalog(directory)
+        self._catalog = Catalog(check_directory(directory))
         self.directory = self._catalog.root
         self.state = state
-        self.every_steps = _positive("every_steps", every_steps)
-        self.every_epochs = _positive("every_epochs", every_epochs)
-        self.every_seconds = _positive("every_seconds", every_seconds, float)
-        self.keep_last = _positive("keep_last", keep_last)
-        self.keep_every_steps = _positive("keep_every_steps", keep_every_steps)
-        self.keep_best = _positive("keep_best", keep_best)
-        if best_mode not in ("min", "max"):
-            raise InvalidArgumentError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        if keep_best is not None and not isinstance(best_metric, str):
-            raise InvalidArgumentError("keep_best needs best_metric: the metric name to rank by")
-        self.best_metric = best_metric
-        self.best_mode = best_mode
-        if on_save_error not in ("warn", "raise"):
-            raise InvalidArgumentError(
-                f"on_save_error must be 'warn' or 'raise', got {on_save_error!r}"
-            )
-        self.on_save_error = on_save_error
-        if not isinstance(async_save, bool):
-            raise InvalidArgumentError(f"async_save must be a bool, got {async_save!r}")
+        self.every_steps = check_positive("every_steps", every_steps)
+        self.every_epochs = check_positive("every_epochs", every_epochs)
+        self.every_seconds = check_positive("every_seconds", every_seconds, float)
+        self.keep_last = check_positive("keep_last", keep_last)
+        self.keep_every_steps = check_positive("keep_every_steps", keep_every_steps)
+        self.keep_best = check_positive("keep_best", keep_best)
+        self.best_mode = check_one_of("best_mode", best_mode, ("min", "max"))
+        self.best_metric = check_best_metric(keep_best, best_metric)
+        self.on_save_error = check_one_of("on_save_error", on_save_error, ("warn", "raise"))
+        check_flag("async_save", async_save)
         self.stats = ManagerStats()
         self.should_stop = False
         self._closed = False
@@ -329,17 +205,16 @@ class CheckpointManager:
         self._loading: set[int] = set()
         self._metric_cache: dict[int, float | None] = {}
         self._readable_cache: dict[int, bool] = {}
-        self._signalled: int | None = None
-        self._signals: list[int] = []
+        self._preemption = Preemption()
         self._async: AsyncCheckpointer | None = None
         self._uploader: Uploader | None = None
         self._remote_lock: Any = None
-        self.keep_last_remote = _positive("keep_last_remote", keep_last_remote)
-        self.upload_timeout = _positive("upload_timeout", upload_timeout, float)
+        self.keep_last_remote = check_positive("keep_last_remote", keep_last_remote)
+        self.upload_timeout = check_positive("upload_timeout", upload_timeout, float)
         # step() calls since construction or restore(), or None once an async save has staged
         # the whole state (see ``_regrow_staging``).
         self._step_calls: int | None = 0
-        signals = _check_signals(save_on_signals)
+        signals = check_signals(save_on_signals)
         # None in a single process; then nothing below talks to other ranks.
         self._ranks = Ranks.current(process_group, timeout)
         self._process_group = process_group
@@ -354,12 +229,12 @@ class CheckpointManager:
                 self._note_sync_fallback()
                 async_save = False
         try:
-            self._install_signals(signals)
+            self._preemption.listen(signals)
             self._async = (
                 AsyncCheckpointer(max_staging_bytes=max_staging_bytes) if async_save else None
             )
         except BaseException:
-            self._remove_signals()
+            self._preemption.stop_listening()
             self._lock.release()
             raise
         self._reserve_staging()
@@ -461,29 +336,6 @@ class CheckpointManager:
                 e,
             )
             return False
-
-    def _install_signals(self, signals: Sequence[int]) -> None:
-        if not signals:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("tardigrade: save_on_signals ignored: manager not created in main thread")
-            return
-        for sig in signals:
-            _listen(self, sig)
-            self._signals.append(sig)
-
-    def _remove_signals(self) -> None:
-        while self._signals:
-            sig = self._signals[-1]
-            try:
-                _unlisten(self, sig)
-            except ValueError:
-                log.warning(
-                    "tardigrade: close() outside the main thread cannot restore the handler of "
-                    "signal %s; it now behaves as the handler from before the manager",
-                    sig,
-                )
-            self._signals.pop()
 
     def _close_async(self) -> None:
         if self._async is not None:
@@ -599,7 +451,7 @@ class CheckpointManager:
         for part in (
             self._close_async,
             self._close_uploads,
-            self._remove_signals,
+            self._preemption.stop_listening,
             self._lock.release,
         ):
             _run_to_end(part, errors)
@@ -914,8 +766,7 @@ class CheckpointManager:
         on every rank or on none, and a signal that reached any rank stops them all here.
         """
         self._check_open("step")
-        if type(step) is not int or step < 0:
-            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        check_step(step)
         if self._last_step is not None and step <= self._last_step:
             raise InvalidArgumentError(
                 f"step {step} is not after the previous step {self._last_step}; steps must "
@@ -943,10 +794,9 @@ class CheckpointManager:
 
     def _take_signal(self, doing: str) -> bool:
         """Consume a pending preemption signal; log what the manager does about it."""
-        signum = self._signalled
+        signum = self._preemption.take()
         if signum is None:
             return False
-        self._signalled = None
         log.warning("tardigrade: signal %s received: %s and stopping", signum, doing)
         return True
 
@@ -993,8 +843,7 @@ class CheckpointManager:
         this saves synchronously and sets ``should_stop``, as ``step`` does.
         """
         self._check_open("save")
-        if type(step) is not int or step < 0:
-            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        check_step(step)
         if self._ranks is None:
             self._drain(wait=False)  # a distributed job records them in _save, agreed
         preempted = self._agree(f".save({step})", f"saving step {step}") == self._PREEMPTED

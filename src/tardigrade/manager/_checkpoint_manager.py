@@ -8,6 +8,7 @@ epoch intervals, a maximum kept, automatic restore of the latest), Caffe2's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -52,6 +53,8 @@ from ._options import (
     check_signals,
     check_step,
 )
+from ._policy import SavePolicy
+from ._retention import Retention
 from ._signals import Preemption
 from ._stats import ManagerStats, SaveStats
 
@@ -75,6 +78,26 @@ def _run_to_end(part: Callable[[], None], errors: list[BaseException], tries: in
             return
         except BaseException as e:  # re-raised by the caller, after the cleanup
             errors.append(e)
+
+
+class _Knob:
+    """A public setting of the manager kept in one of its frozen policies: setting it (as
+    ``mgr.keep_last = 1``) replaces that policy with one that differs in this field only."""
+
+    def __init__(self, policy: str) -> None:
+        self._policy = policy
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, mgr: Any, owner: type | None = None) -> Any:
+        if mgr is None:
+            return self
+        return getattr(getattr(mgr, self._policy), self._name)
+
+    def __set__(self, mgr: Any, value: Any) -> None:
+        policy = getattr(mgr, self._policy)
+        setattr(mgr, self._policy, dataclasses.replace(policy, **{self._name: value}))
 
 
 class CheckpointManager:
@@ -151,6 +174,15 @@ class CheckpointManager:
     warning).
     """
 
+    every_steps = _Knob("_policy")
+    every_epochs = _Knob("_policy")
+    every_seconds = _Knob("_policy")
+    keep_last = _Knob("_retention")
+    keep_every_steps = _Knob("_retention")
+    keep_best = _Knob("_retention")
+    best_metric = _Knob("_retention")
+    best_mode = _Knob("_retention")
+
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -179,14 +211,18 @@ class CheckpointManager:
         self._catalog = Catalog(check_directory(directory))
         self.directory = self._catalog.root
         self.state = state
-        self.every_steps = check_positive("every_steps", every_steps)
-        self.every_epochs = check_positive("every_epochs", every_epochs)
-        self.every_seconds = check_positive("every_seconds", every_seconds, float)
-        self.keep_last = check_positive("keep_last", keep_last)
-        self.keep_every_steps = check_positive("keep_every_steps", keep_every_steps)
-        self.keep_best = check_positive("keep_best", keep_best)
-        self.best_mode = check_one_of("best_mode", best_mode, ("min", "max"))
-        self.best_metric = check_best_metric(keep_best, best_metric)
+        self._policy = SavePolicy(
+            every_steps=check_positive("every_steps", every_steps),
+            every_epochs=check_positive("every_epochs", every_epochs),
+            every_seconds=check_positive("every_seconds", every_seconds, float),
+        )
+        self._retention = Retention(
+            keep_last=check_positive("keep_last", keep_last),
+            keep_every_steps=check_positive("keep_every_steps", keep_every_steps),
+            keep_best=check_positive("keep_best", keep_best),
+            best_mode=check_one_of("best_mode", best_mode, ("min", "max")),
+            best_metric=check_best_metric(keep_best, best_metric),
+        )
         self.on_save_error = check_one_of("on_save_error", on_save_error, ("warn", "raise"))
         check_flag("async_save", async_save)
         self.stats = ManagerStats()
@@ -387,7 +423,7 @@ class CheckpointManager:
         if uploader.close(self.upload_timeout):
             self._uploader = None
             # Retention spared what was still uploading; it catches up now.
-            if self.keep_last is not None or self.keep_every_steps or self.keep_best:
+            if self._retention.active:
                 self._retain()
         else:
             self._uploader = None
@@ -704,24 +740,6 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------
 
-    def _due_by_count(self, step: int, epoch: int | None) -> bool:
-        """The step and epoch policies: the same answer on every rank, given the same calls."""
-        if self.every_steps is not None and step % self.every_steps == 0:
-            return True
-        return (
-            self.every_epochs is not None
-            and epoch is not None
-            and epoch != self._last_epoch
-            and self._last_epoch is not None
-            and epoch % self.every_epochs == 0
-        )
-
-    def _due_by_time(self) -> bool:
-        return (
-            self.every_seconds is not None
-            and time.monotonic() - self._last_save_time >= self.every_seconds
-        )
-
     # What one step() agrees on, as a level: the largest any rank reports wins. A signal on any
     # rank outranks the clock, which only rank 0 reads (ranks' clocks and save times differ).
     _NOTHING, _DUE, _PREEMPTED = 0, 1, 2
@@ -774,7 +792,9 @@ class CheckpointManager:
             )
         if self._ranks is None:
             self._drain(wait=False)  # a distributed job records them in _agree, agreed
-        timed = self._coordinating and self._due_by_time()
+        timed = self._coordinating and self._policy.due_by_time(
+            time.monotonic(), self._last_save_time
+        )
         level = self._agree(
             f".step({step})", f"saving step {step}", self._DUE if timed else self._NOTHING
         )
@@ -785,7 +805,7 @@ class CheckpointManager:
                 self.should_stop = True  # even if the save raised: the signal is consumed
             self._advance(step, epoch)
             return saved
-        due = level == self._DUE or self._due_by_count(step, epoch)
+        due = level == self._DUE or self._policy.due_by_count(step, epoch, self._last_epoch)
         saved = due and self._save(step, epoch, metrics, sync=False)
         if not saved:
             self._regrow_staging()
@@ -1102,9 +1122,7 @@ class CheckpointManager:
             self._uploader.submit(step_name(step))
         if self._coordinating:
             self._drop_abandoned(step)
-        if self._coordinating and (
-            self.keep_last is not None or self.keep_every_steps or self.keep_best
-        ):
+        if self._coordinating and self._retention.active:
             self._retain()
 
     def _record_failure(self, step: int, e: BaseException, seconds: float) -> None:
@@ -1245,22 +1263,9 @@ class CheckpointManager:
         Checkpoints of an abandoned timeline (above a step restored explicitly) are neither
         ranked nor deleted here; this run replaces them as it saves those steps again.
         """
-        abandoned = [s for s in steps if s in self._abandoned]
-        steps = [s for s in steps if s not in self._abandoned]
-        if not steps:
-            return set(abandoned)
-        # The newest checkpoint a restore can read is never deleted because of newer ones that
-        # it cannot (damaged since, or written by a reader-incompatible writer).
-        keep = {steps[-1], next((s for s in reversed(steps) if self._readable(s)), steps[-1])}
-        if self.keep_last is not None:
-            keep.update(steps[-self.keep_last :])
-        if self.keep_every_steps is not None:
-            keep.update(s for s in steps if s % self.keep_every_steps == 0)
-        if self.keep_best is not None:
-            ranked = [(m, s) for s in steps if (m := self._metric(s)) is not None]
-            ranked.sort(reverse=self.best_mode == "max")
-            keep.update(s for _, s in ranked[: self.keep_best])
-        return keep | set(abandoned)
+        return self._retention.keep(
+            steps, readable=self._readable, metric=self._metric, abandoned=self._abandoned
+        )
 
     def _retain(self) -> None:
         try:
@@ -1274,13 +1279,18 @@ class CheckpointManager:
                 e,
             )
             return
-        keep = self.keep(steps)
         # A step being loaded, or with a save of ours in flight (a replace: force=True or an
         # abandoned step), is not deleted under that reader or writer.
         busy = self._loading | {s for s, _ in self._pending}
         if self._uploader is not None:  # not retired before it reached the remote tier
             busy |= {s for n in self._uploader.pinned() if (s := step_in_name(n)) is not None}
-        doomed_steps = [s for s in steps if s not in keep and s not in busy]
+        doomed_steps = self._retention.retire(
+            steps,
+            readable=self._readable,
+            metric=self._metric,
+            abandoned=self._abandoned,
+            busy=busy,
+        )
         if not doomed_steps or not self._still_ours("removing old checkpoints"):
             return
         for s in doomed_steps:

@@ -9,8 +9,6 @@ epoch intervals, a maximum kept, automatic restore of the latest), Caffe2's
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import logging
 import math
 import os
@@ -27,9 +25,7 @@ from .._match import Key
 from .._open import open_manifest
 from .._save import save
 from .._tiers import Uploader, UploadStats, copy_checkpoint
-from .._tree import flatten
-from ..distributed._collectives import DEFAULT_TIMEOUT, Ranks
-from ..distributed._save import stage_collective
+from ..distributed._collectives import DEFAULT_TIMEOUT
 from ..errors import (
     CheckpointExistsError,
     CheckpointLockedError,
@@ -44,6 +40,7 @@ from ..errors import (
     UnsupportedTypeError,
 )
 from ..storage import open_root
+from ._agreement import DUE, NOTHING, PREEMPTED, agreement
 from ._options import (
     check_best_metric,
     check_directory,
@@ -59,11 +56,6 @@ from ._signals import Preemption
 from ._stats import ManagerStats, SaveStats
 
 log = logging.getLogger("tardigrade")
-
-# The line saying that async_save falls back to synchronous saves in a distributed job (under
-# max_staging_bytes) is written once per process, not once per manager.
-_SYNC_FALLBACK_LOGGED = False
-
 
 def _run_to_end(part: Callable[[], None], errors: list[BaseException], tries: int = 3) -> None:
     """Run ``part``; on an exception, record it and run it again (each part is idempotent).
@@ -251,19 +243,11 @@ class CheckpointManager:
         # the whole state (see ``_regrow_staging``).
         self._step_calls: int | None = 0
         signals = check_signals(save_on_signals)
-        # None in a single process; then nothing below talks to other ranks.
-        self._ranks = Ranks.current(process_group, timeout)
-        self._process_group = process_group
-        self._timeout = timeout
+        # In a single process, the null agreement: nothing talks to other ranks.
+        self._ranks = agreement(f"CheckpointManager({self.directory!r})", process_group, timeout)
         self._lock = self._catalog.storage.lease(lease_seconds=lock_lease_seconds)
-        if self._ranks is None:
-            self._catalog.storage.preflight()
-            self._take_lock()
-        else:
-            self._open_collectively()
-            if async_save and max_staging_bytes is not None:
-                self._note_sync_fallback()
-                async_save = False
+        self._open()
+        async_save = self._ranks.async_saves(async_save, max_staging_bytes)
         try:
             self._preemption.listen(signals)
             self._async = (
@@ -277,39 +261,25 @@ class CheckpointManager:
         if upload_to is not None:
             self._start_uploads(upload_to)
 
-    def _open_collectively(self) -> None:
-        """Check the directory and take its lock on rank 0; raise its error on every rank."""
-        ranks = self._ranks
-        assert ranks is not None
+    def _open(self) -> None:
+        """Check the directory and take its lock (on rank 0); raise its error on every rank."""
 
-        def check_and_lock() -> bytes:
+        def check_and_lock() -> None:
             self._catalog.storage.preflight()
             self._take_lock()
-            return b""
 
         # A directory another job holds raises CheckpointLockedError on every rank; a rank
         # that passed another directory makes a different call, a DistributedError everywhere.
         try:
-            ranks.broadcast(f"CheckpointManager({self.directory!r})", check_and_lock)
+            self._ranks.on_coordinator(f"CheckpointManager({self.directory!r})", check_and_lock)
         except BaseException:
-            self._lock.release()  # taken here, but another rank failed: not ours to keep
+            self._lock.release()  # perhaps taken here, but another rank failed: not ours to keep
             raise
-
-    def _note_sync_fallback(self) -> None:
-        global _SYNC_FALLBACK_LOGGED
-        if not _SYNC_FALLBACK_LOGGED and self._coordinating:
-            _SYNC_FALLBACK_LOGGED = True
-            log.warning(
-                "tardigrade: async_save falls back to synchronous saves in this distributed "
-                "job because max_staging_bytes is set: a collective async save stages each "
-                "rank's whole state before the ranks agree on who writes what. Pass "
-                "max_staging_bytes=None for async saves"
-            )
 
     @property
     def _coordinating(self) -> bool:
         """Whether this process does the directory's housekeeping (rank 0, or the only one)."""
-        return self._ranks is None or self._ranks.coordinator
+        return self._ranks.coordinator
 
     def _reserve_staging(self) -> None:
         """Start faulting in the async staging memory for ``state``, in the background.
@@ -322,14 +292,7 @@ class CheckpointManager:
         if self._async is None:
             return
         try:
-            if self._ranks is None:
-                self._async.reserve(self.state)
-            else:
-                # A collective save stages every local tensor back to back in one run of slabs
-                # (``stage_entries``), not file by file: reserve that run.
-                flat = flatten(self.state)
-                entries = [*flat.entries, *flat.own_entries()]
-                self._async.reserve(sum(e.tensor.nbytes for e in entries))
+            self._async.reserve(self._ranks.staging_need(self.state))
         except TardigradeError as e:
             # The first save reports it (a leaf the format cannot store, ...).
             log.debug("tardigrade: not reserving staging memory: %s", e)
@@ -379,7 +342,7 @@ class CheckpointManager:
 
     def _start_uploads(self, upload_to: str | os.PathLike[str]) -> None:
         try:
-            if self._ranks is not None:
+            if not self._ranks.uploads:
                 raise InvalidArgumentError(
                     "upload_to is not supported in a distributed job yet; upload from one "
                     "process, or save to the remote location directly "
@@ -478,7 +441,7 @@ class CheckpointManager:
         # Leaving alone (meet=False), this rank records its saves as it sees them: the others
         # may never make another collective call.
         _run_to_end(lambda: self._drain(wait=True, agree=meet), errors)
-        if meet and self._ranks is not None:
+        if meet:
             try:
                 # Once, not retried as the parts below are: each try may wait the timeout.
                 self._ranks.barrier(f"CheckpointManager({self.directory!r}).close()")
@@ -520,9 +483,7 @@ class CheckpointManager:
         Ranks reading a shared directory can see it at different moments (a network file
         system's attribute cache): a decision taken from what each rank sees would differ.
         """
-        if self._ranks is None:
-            return here()
-        return json.loads(self._ranks.broadcast(what, lambda: json.dumps(here()).encode()))
+        return self._ranks.shared(what, here)
 
     def _steps_here(self) -> list[int]:
         return self._catalog.steps()
@@ -565,9 +526,7 @@ class CheckpointManager:
     @property
     def _collective(self) -> dict[str, Any]:
         """The arguments that make ``save``/``load`` collective over this manager's group."""
-        if self._ranks is None:
-            return {}
-        return {"process_group": self._process_group, "timeout": self._timeout}
+        return self._ranks.collective
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -616,15 +575,8 @@ class CheckpointManager:
         Tardigrade's own errors say whether bytes landed; any other error might have come
         after they did, so it counts as touched.
         """
-        if self._ranks is None:
-            return bool(getattr(e, "live_overwritten", not isinstance(e, TardigradeError)))
-        # The same error reaches every rank: a rank it names failed, after bytes landed only
-        # when its own error says so; a rank it does not name restored the whole candidate.
-        mine = self._ranks.rank not in getattr(e, "causes", {}) or bool(
-            getattr(e.__cause__, "live_overwritten", False)
-        )
         what = f"CheckpointManager({self.directory!r}).restore() (after a failed candidate)"
-        return bool(self._ranks.agree_max(int(mine), what))
+        return self._ranks.live_touched(e, what)
 
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest committed checkpoint that verifies into ``state``; return its step.
@@ -740,37 +692,28 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------
 
-    # What one step() agrees on, as a level: the largest any rank reports wins. A signal on any
-    # rank outranks the clock, which only rank 0 reads (ranks' clocks and save times differ).
-    _NOTHING, _DUE, _PREEMPTED = 0, 1, 2
-
     def _agree(self, call: str, doing: str, mine: int = 0) -> int:
         """Consume a pending preemption signal; the level agreed for this call on every rank.
 
         ``call`` names the public call (``".step(5)"``) in the error of a rank left waiting;
-        ``mine`` is this rank's other reason (``_DUE``). One tiny all-reduce in a distributed
+        ``mine`` is this rank's other reason (``DUE``). One tiny all-reduce in a distributed
         job, whatever the level: every rank calls it at the same point. It also tells whether
         any rank's background save is still running; when none is and nothing else happens
         here, every rank records its finished saves now (a rank cannot go by its own saves'
         state: the ranks finish a collective save moments apart).
         """
         if self._take_signal(doing):
-            mine = self._PREEMPTED
-        if self._ranks is None:
-            return mine
-        running = any(not fut.done() for _, fut in self._pending)
-        # The low bit is "a save still runs here"; its max is exact among the ranks at the
-        # agreed level, which is all of them at _NOTHING, the only level where it is used
-        # (a save or a stop waits for every save in flight anyway).
-        agreed = self._ranks.agree_max(
-            mine << 1 | running, f"CheckpointManager({self.directory!r}){call}"
+            mine = PREEMPTED
+        level, settled = self._ranks.level(
+            mine,
+            lambda: any(not fut.done() for _, fut in self._pending),
+            f"CheckpointManager({self.directory!r}){call}",
         )
-        level = agreed >> 1
-        if level == self._PREEMPTED and mine != self._PREEMPTED:
+        if level == PREEMPTED and mine != PREEMPTED:
             log.warning(
                 "tardigrade: another rank received a preemption signal: %s and stopping", doing
             )
-        if level == self._NOTHING and not agreed & 1:
+        if settled:
             self._drain(wait=True)
         return level
 
@@ -790,22 +733,19 @@ class CheckpointManager:
                 f"step {step} is not after the previous step {self._last_step}; steps must "
                 "increase (did you forget start = mgr.restore() + 1?)"
             )
-        if self._ranks is None:
-            self._drain(wait=False)  # a distributed job records them in _agree, agreed
+        self._ranks.record_finished(lambda: self._drain(wait=False))
         timed = self._coordinating and self._policy.due_by_time(
             time.monotonic(), self._last_save_time
         )
-        level = self._agree(
-            f".step({step})", f"saving step {step}", self._DUE if timed else self._NOTHING
-        )
-        if level == self._PREEMPTED:
+        level = self._agree(f".step({step})", f"saving step {step}", DUE if timed else NOTHING)
+        if level == PREEMPTED:
             try:
                 saved = self._save(step, epoch, metrics, sync=True)
             finally:
                 self.should_stop = True  # even if the save raised: the signal is consumed
             self._advance(step, epoch)
             return saved
-        due = level == self._DUE or self._policy.due_by_count(step, epoch, self._last_epoch)
+        due = level == DUE or self._policy.due_by_count(step, epoch, self._last_epoch)
         saved = due and self._save(step, epoch, metrics, sync=False)
         if not saved:
             self._regrow_staging()
@@ -831,12 +771,12 @@ class CheckpointManager:
         level = self._agree(
             ": JobRunner's check between epochs",
             "the latest state is saved already: committing any save in flight",
-            self._DUE if finished else self._NOTHING,
+            DUE if finished else NOTHING,
         )
-        if level == self._PREEMPTED:
+        if level == PREEMPTED:
             self._drain(wait=True)
             self.should_stop = True
-        return level != self._NOTHING
+        return level != NOTHING
 
     def _advance(self, step: int, epoch: int | None) -> None:
         self._last_step = step
@@ -864,9 +804,8 @@ class CheckpointManager:
         """
         self._check_open("save")
         check_step(step)
-        if self._ranks is None:
-            self._drain(wait=False)  # a distributed job records them in _save, agreed
-        preempted = self._agree(f".save({step})", f"saving step {step}") == self._PREEMPTED
+        self._ranks.record_finished(lambda: self._drain(wait=False))
+        preempted = self._agree(f".save({step})", f"saving step {step}") == PREEMPTED
         try:
             ok = self._save(step, epoch, metrics, sync=preempted, force=force)
         finally:
@@ -884,11 +823,8 @@ class CheckpointManager:
         sync: bool,
         force: bool = False,
     ) -> bool:
-        if self._ranks is not None:
-            # Every rank is here (the save was agreed): the save in flight commits and is
-            # recorded on every rank alike before this one starts, as the ranks' one fork
-            # carries one save at a time. Outside the try below: its failure is not this one's.
-            self._drain(wait=True)
+        # Outside the try below: the failure of a save in flight is not this one's.
+        self._ranks.before_save(lambda: self._drain(wait=True))
         started = time.perf_counter()
         if (
             self.best_metric is not None
@@ -919,14 +855,7 @@ class CheckpointManager:
             self._prepare(step, replace)
             options = SaveOptions(overwrite=replace, step=step, epoch=epoch, metrics=metrics)
             if self._async is not None and not sync:
-                if self._ranks is None:
-                    fut = self._async.submit(self.path(step), self.state, options)
-                else:
-                    stage = functools.partial(
-                        stage_collective, path=self.path(step), state=self.state, options=options
-                    )
-                    fut = self._async.save_collective(self._ranks, self.path(step), stage)
-                assert fut is not None
+                fut = self._ranks.submit(self._async, self.path(step), self.state, options)
                 fut.observed = True  # the manager reports the outcome itself
                 self._pending.append((step, fut))
                 # The pool now holds staging for the whole state: no more sizing in step().
@@ -971,7 +900,7 @@ class CheckpointManager:
         (an OSError there arrives as a SaveError).
         """
 
-        def prepare_here() -> bytes:
+        def prepare_here() -> None:
             if not self._lock.held and not self._take_lock():
                 raise SaveError(
                     f"{self.directory}: the checkpoint directory cannot be created or locked: "
@@ -980,22 +909,11 @@ class CheckpointManager:
             self._lock.check()
             if not replace:
                 self._set_aside(step)
-            return b""
 
-        if self._ranks is None:
-            prepare_here()
-            return
-
-        def prepare_on_coordinator() -> bytes:
-            try:
-                return prepare_here()
-            except OSError as e:
-                if isinstance(e, TardigradeError):
-                    raise
-                raise SaveError(f"{self.path(step)}: cannot prepare the save: {e}") from e
-
-        self._ranks.broadcast(
-            f"CheckpointManager({self.directory!r}): prepare step {step}", prepare_on_coordinator
+        self._ranks.on_coordinator(
+            f"CheckpointManager({self.directory!r}): prepare step {step}",
+            prepare_here,
+            lambda e: SaveError(f"{self.path(step)}: cannot prepare the save: {e}"),
         )
 
     def _set_aside(self, step: int) -> None:
@@ -1155,8 +1073,10 @@ class CheckpointManager:
             # and a failure must be reported exactly once.
             self._pending.pop(0)
             exc = fut.exception()
-            if self._ranks is not None and agree:
-                exc = self._agreed_outcome(step, exc)
+            if agree:
+                exc = self._ranks.outcome(
+                    exc, path=self.path(step), step=step, forget_forks=self._forget_forks
+                )
             if exc is None:
                 self._record_ok(step, fut.result())
             elif isinstance(exc, TardigradeError) and exc.committed is True:
@@ -1171,58 +1091,10 @@ class CheckpointManager:
             else:
                 self._record_failure(step, exc, fut.blocking_seconds)
 
-    # What a rank's background save ended with, as agreed: the largest any rank reports wins.
-    _SAVED, _FAILED, _LOST = 0, 1, 2
-
-    def _agreed_outcome(self, step: int, exc: BaseException | None) -> BaseException | None:
-        """This rank's outcome of the save of ``step``, made a failure if it failed anywhere.
-
-        The ranks learn a collective save's outcome together, so they normally agree already;
-        a rank that lost the others after rank 0 committed does not. Without this, rank 0
-        could count a save (and delete older checkpoints for it) that another rank reports
-        failed. A save that lost the ranks on the forked group (a DistributedError: a timeout,
-        a dead peer) leaves that group in an unknown state: every rank drops it, and the next
-        async save forks a new one.
-        """
-        assert self._ranks is not None and self._async is not None
-        mine = self._SAVED
-        if exc is not None:
-            mine = self._LOST if isinstance(exc, DistributedError) else self._FAILED
-        try:
-            worst = self._ranks.agree_max(
-                mine,
-                f"CheckpointManager({self.directory!r}) (agreeing a background save's outcome)",
-            )
-        except TardigradeError as e:
-            # The job's own group is gone too; the next collective call raises again.
-            return exc if exc is not None else e
-        if worst == self._LOST:
+    def _forget_forks(self) -> None:
+        """Drop the gloo groups forked for background saves (a lost save left them unusable)."""
+        if self._async is not None:
             self._async.forget_forks()
-        if worst != self._SAVED:
-            # Failed somewhere, yet perhaps after rank 0 committed: rank 0 knows, and a rank
-            # that could not tell (it lost rank 0) learns it here. A committed save counts as
-            # saved on every rank, failed or not.
-            committed = exc is None or getattr(exc, "committed", False) is True
-            try:
-                anywhere = self._ranks.agree_max(
-                    int(committed),
-                    f"CheckpointManager({self.directory!r}) (agreeing whether a failed "
-                    "background save committed)",
-                )
-            except TardigradeError:
-                anywhere = int(committed)
-            if anywhere:
-                if isinstance(exc, TardigradeError) and exc.committed is not True:
-                    exc.committed = True
-                    exc.args = (f"{exc} Another rank found it committed: it counts as saved.",)
-                return exc
-        if worst != self._SAVED and exc is None:
-            return SaveError(
-                f"{self.path(step)}: the save of step {step} failed on another rank of the "
-                "job (its log names the cause); it is not counted as saved on any rank. "
-                "Earlier checkpoints are intact."
-            )
-        return exc
 
     def wait(self) -> None:
         """Block until in-flight saves are committed (or failed and reported).

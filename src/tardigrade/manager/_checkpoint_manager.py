@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from .._async import AsyncCheckpointer, SaveFuture
+from .._async import AsyncCheckpointer
 from .._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_name, step_name
 from .._job import SaveOptions, SaveResult
 from .._load import load
@@ -40,6 +40,7 @@ from ..errors import (
     UnsupportedTypeError,
 )
 from ..storage import open_root
+from ..storage.lease import Lease
 from ._agreement import DUE, NOTHING, PREEMPTED, agreement
 from ._options import (
     check_best_metric,
@@ -50,12 +51,15 @@ from ._options import (
     check_signals,
     check_step,
 )
+from ._pending import Failure, PendingSaves, failure_of
 from ._policy import SavePolicy
+from ._preflight import DirectoryLock
 from ._retention import Retention
 from ._signals import Preemption
 from ._stats import ManagerStats, SaveStats
 
 log = logging.getLogger("tardigrade")
+
 
 def _run_to_end(part: Callable[[], None], errors: list[BaseException], tries: int = 3) -> None:
     """Run ``part``; on an exception, record it and run it again (each part is idempotent).
@@ -224,12 +228,11 @@ class CheckpointManager:
         self._last_epoch: int | None = None
         self._last_save_time = time.monotonic()
         self._restored_step: int | None = None
-        self._lock_error: OSError | None = None
         # Steps above a restored older step that could not be moved aside (restore(step) moves
         # them to step-N.abandoned-*); each is replaced (once) when this run saves that step
         # again, and none of them counts for retention.
         self._abandoned: set[int] = set()
-        self._pending: list[tuple[int, SaveFuture]] = []
+        self._pending = PendingSaves()
         self._loading: set[int] = set()
         self._metric_cache: dict[int, float | None] = {}
         self._readable_cache: dict[int, bool] = {}
@@ -245,7 +248,9 @@ class CheckpointManager:
         signals = check_signals(save_on_signals)
         # In a single process, the null agreement: nothing talks to other ranks.
         self._ranks = agreement(f"CheckpointManager({self.directory!r})", process_group, timeout)
-        self._lock = self._catalog.storage.lease(lease_seconds=lock_lease_seconds)
+        self._directory_lock = DirectoryLock(
+            self._catalog.storage, self.directory, lease_seconds=lock_lease_seconds
+        )
         self._open()
         async_save = self._ranks.async_saves(async_save, max_staging_bytes)
         try:
@@ -265,8 +270,7 @@ class CheckpointManager:
         """Check the directory and take its lock (on rank 0); raise its error on every rank."""
 
         def check_and_lock() -> None:
-            self._catalog.storage.preflight()
-            self._take_lock()
+            self._directory_lock.open(raising=self.on_save_error == "raise")
 
         # A directory another job holds raises CheckpointLockedError on every rank; a rank
         # that passed another directory makes a different call, a DistributedError everywhere.
@@ -317,24 +321,10 @@ class CheckpointManager:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def _take_lock(self) -> bool:
-        try:
-            self._lock.acquire()
-            self._lock_error = None
-            return True
-        except CheckpointLockedError:
-            raise
-        except OSError as e:
-            self._lock_error = e
-            if self.on_save_error == "raise":
-                raise SaveError(f"{self.directory}: cannot create or lock it: {e}") from e
-            log.error(
-                "tardigrade: cannot create or lock checkpoint directory %s: %s. Training "
-                "continues but checkpoints will FAIL until this is fixed.",
-                self.directory,
-                e,
-            )
-            return False
+    @property
+    def _lock(self) -> Lease:
+        """The directory's lease (one job per directory)."""
+        return self._directory_lock.lease
 
     def _close_async(self) -> None:
         if self._async is not None:
@@ -532,17 +522,7 @@ class CheckpointManager:
 
     def _still_ours(self, what: str) -> bool:
         """Fencing: delete nothing unless the directory lock is still this manager's."""
-        try:
-            self._lock.check()
-        except CheckpointLockedError as e:
-            log.error("tardigrade: not %s in %s: %s", what, self.directory, e)
-            return False
-        except OSError as e:
-            # The lease record cannot be read now: ownership is not proved, so nothing is
-            # deleted this time; the next check may succeed.
-            log.warning("tardigrade: not %s in %s now: %s", what, self.directory, e)
-            return False
-        return True
+        return self._directory_lock.still_ours(what)
 
     def _remove_leftovers(self) -> None:
         """Remove tmp dirs of dead writers; put back a checkpoint a crashed replace moved aside."""
@@ -706,7 +686,7 @@ class CheckpointManager:
             mine = PREEMPTED
         level, settled = self._ranks.level(
             mine,
-            lambda: any(not fut.done() for _, fut in self._pending),
+            self._pending.running,
             f"CheckpointManager({self.directory!r}){call}",
         )
         if level == PREEMPTED and mine != PREEMPTED:
@@ -857,7 +837,7 @@ class CheckpointManager:
             if self._async is not None and not sync:
                 fut = self._ranks.submit(self._async, self.path(step), self.state, options)
                 fut.observed = True  # the manager reports the outcome itself
-                self._pending.append((step, fut))
+                self._pending.add(step, fut)
                 # The pool now holds staging for the whole state: no more sizing in step().
                 self._step_calls = None
             else:
@@ -901,12 +881,7 @@ class CheckpointManager:
         """
 
         def prepare_here() -> None:
-            if not self._lock.held and not self._take_lock():
-                raise SaveError(
-                    f"{self.directory}: the checkpoint directory cannot be created or locked: "
-                    f"{self._lock_error}"
-                )
-            self._lock.check()
+            self._directory_lock.ready(raising=self.on_save_error == "raise")
             if not replace:
                 self._set_aside(step)
 
@@ -1065,13 +1040,7 @@ class CheckpointManager:
         pending saves are the same on every rank), and each outcome is agreed there unless
         ``agree`` is False (a rank leaving alone).
         """
-        while self._pending:
-            step, fut = self._pending[0]
-            if not wait and not fut.done():
-                return
-            # Off the list before recording: recording may raise (on_save_error="raise"),
-            # and a failure must be reported exactly once.
-            self._pending.pop(0)
+        for step, fut in self._pending.finished(wait=wait):
             exc = fut.exception()
             if agree:
                 exc = self._ranks.outcome(
@@ -1079,12 +1048,13 @@ class CheckpointManager:
                 )
             if exc is None:
                 self._record_ok(step, fut.result())
-            elif isinstance(exc, TardigradeError) and exc.committed is True:
+                continue
+            failure = failure_of(exc)
+            if failure is Failure.COMMITTED:
                 self._record_ok(step, None, fut.blocking_seconds, exc)
-            elif isinstance(exc, (InvalidArgumentError, UnsupportedTypeError)):
-                # A programming error found in the background (a collective save learns only
-                # there that a rank cannot flatten its state, or that the ranks' states
-                # differ): raised whatever on_save_error says, as a synchronous save raises it.
+            elif failure is Failure.MISUSE:
+                # A collective save learns only in the background that a rank cannot flatten
+                # its state, or that the ranks' states differ.
                 seconds = fut.blocking_seconds
                 self.stats.append(SaveStats(step, 0, seconds, seconds, False, str(exc)))
                 raise exc
@@ -1153,7 +1123,7 @@ class CheckpointManager:
             return
         # A step being loaded, or with a save of ours in flight (a replace: force=True or an
         # abandoned step), is not deleted under that reader or writer.
-        busy = self._loading | {s for s, _ in self._pending}
+        busy = self._loading | self._pending.steps()
         if self._uploader is not None:  # not retired before it reached the remote tier
             busy |= {s for n in self._uploader.pinned() if (s := step_in_name(n)) is not None}
         doomed_steps = self._retention.retire(

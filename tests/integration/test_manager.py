@@ -854,6 +854,33 @@ def test_signal_saves_at_the_next_step_and_stops(tmp_path: Path, async_save: boo
         signal.signal(signal.SIGTERM, before)
 
 
+def test_stop_at_boundary_stops_when_finished_or_preempted(tmp_path: Path):
+    # The public hook JobRunner stops with between epochs: the state is saved already, so a
+    # signal commits what is in flight and stops, without saving again.
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with tg.CheckpointManager(
+            tmp_path, make_state(), async_save=True, save_on_signals=(signal.SIGTERM,)
+        ) as mgr:
+            assert mgr.stop_at_boundary() is False
+            assert mgr.stop_at_boundary(finished=True) is True
+            assert not mgr.should_stop  # finished is the caller's own reason: no signal taken
+            assert mgr.save(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while mgr._preemption.received is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert mgr.stop_at_boundary() is True
+            assert mgr.should_stop
+            # The save in flight was committed and recorded before it returned; nothing more.
+            assert [(s.step, s.ok) for s in mgr.stats] == [(1, True)]
+            assert mgr.steps() == [1]
+        with pytest.raises(InvalidArgumentError, match="stop_at_boundary"):
+            mgr.stop_at_boundary()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 # -- 5. save errors, in process ---------------------------------------------------------------
 
 

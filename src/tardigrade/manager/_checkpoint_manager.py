@@ -154,9 +154,9 @@ class CheckpointManager:
         ``keep_last_remote``: retention of the remote tier (None: keep every upload).
         ``upload_timeout``: seconds ``close()`` waits for pending uploads (default 600).
 
-    In a distributed job the constructor, ``step``, ``save``, ``restore``, ``steps``,
-    ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are collective: every rank of the
-    group calls them, in the same order. Each decision (whether this step saves, whether to stop
+    In a distributed job the constructor, ``step``, ``save``, ``stop_at_boundary``,
+    ``restore``, ``steps``, ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are
+    collective: every rank of the group calls them, in the same order. Each decision (whether this step saves, whether to stop
     after a signal that reached any rank, which checkpoint ``restore`` picks, when a background
     save is recorded and whether it succeeded) is the same on every rank; the directory checks,
     the lock, retention and the cleanup run on the group's rank 0 only. With ``async_save``
@@ -740,16 +740,23 @@ class CheckpointManager:
         log.warning("tardigrade: signal %s received: %s and stopping", signum, doing)
         return True
 
-    def _stop_here(self, finished: bool) -> bool:
-        """At a boundary where the state is already saved (``JobRunner`` between epochs):
-        whether to stop, the same on every rank.
+    def stop_at_boundary(self, finished: bool = False) -> bool:
+        """Whether to stop at a point where the latest state is already saved (e.g. between
+        epochs, after ``save``): the same answer on every rank.
 
-        After a preemption signal on any rank: commit what is in flight, set ``should_stop``.
-        Otherwise stop when ``finished`` on any rank: a rank that stopped alone would leave
-        the others waiting in their next collective.
+        After a preemption signal on any rank it commits what is in flight, sets
+        ``should_stop`` and returns True. Otherwise it returns True when ``finished`` is true
+        on any rank (a rank that stopped alone would leave the others waiting in their next
+        collective), else False. ``JobRunner`` calls it between epochs; in a distributed job
+        every rank calls it, as ``step``.
+
+        >>> mgr.save(epoch, epoch=epoch)                                          # doctest: +SKIP
+        >>> if mgr.stop_at_boundary(finished=epoch >= epochs):                    # doctest: +SKIP
+        ...     break
         """
+        self._check_open("stop_at_boundary")
         level = self._agree(
-            ": JobRunner's check between epochs",
+            f".stop_at_boundary(finished={bool(finished)})",
             "the latest state is saved already: committing any save in flight",
             DUE if finished else NOTHING,
         )

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._async import AsyncCheckpointer, SaveFuture
-from .._job import SaveOptions
+from .._save_job import SaveOptions
 from .._tree import flatten
 from ..distributed._collectives import Ranks
 from ..distributed._save import stage_collective

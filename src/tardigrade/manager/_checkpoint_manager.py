@@ -19,11 +19,11 @@ from typing import Any
 
 from .._async import AsyncCheckpointer
 from .._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_name, step_name
-from .._job import SaveOptions, SaveResult
 from .._load import load
 from .._match import Key
 from .._open import open_manifest
 from .._save import save
+from .._save_job import SaveOptions, SaveResult
 from .._tiers import Uploader, UploadStats, copy_checkpoint
 from ..distributed._collectives import DEFAULT_TIMEOUT
 from ..errors import (

@@ -756,7 +756,7 @@ class CheckpointManager:
         """
         self._check_open("stop_at_boundary")
         level = self._agree(
-            f".stop_at_boundary(finished={bool(finished)})",
+            ".stop_at_boundary()",
             "the latest state is saved already: committing any save in flight",
             DUE if finished else NOTHING,
         )

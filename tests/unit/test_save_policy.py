@@ -9,6 +9,18 @@ from __future__ import annotations
 from tardigrade.manager._policy import SavePolicy
 
 
+class Clock:
+    """A clock the test sets; counts its readings."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+
 def due_steps(policy: SavePolicy, steps: range) -> list[int]:
     return [s for s in steps if policy.due_by_count(s, epoch=None, last_epoch=None)]
 
@@ -40,29 +52,36 @@ def test_an_epoch_does_not_fire_without_a_previous_epoch_or_an_epoch() -> None:
 
 def test_every_seconds_reads_the_clock_it_is_given() -> None:
     policy = SavePolicy(every_seconds=10.0)
-    last_save = 1000.0
-    assert not policy.due_by_time(now=1009.9, last_save=last_save)
-    assert policy.due_by_time(now=1010.0, last_save=last_save)  # the interval is inclusive
-    assert policy.due_by_time(now=1500.0, last_save=last_save)
+    clock, last_save = Clock(), 1000.0
+    clock.now = 1009.9
+    assert not policy.due_by_time(clock, last_save)
+    clock.now = 1010.0
+    assert policy.due_by_time(clock, last_save)  # the interval is inclusive
+    clock.now = 1500.0
+    assert policy.due_by_time(clock, last_save)
+    assert clock.reads == 3
 
 
 def test_a_clock_driven_run_saves_at_each_interval_from_the_last_save() -> None:
     policy = SavePolicy(every_seconds=10.0)
-    last_save, fired = 1000.0, []
+    clock, fired = Clock(), []
+    last_save = clock()
     for step, now in enumerate([1001, 1005, 1009.9, 1010, 1012, 1019.9, 1020.5, 1021, 1040]):
-        if policy.due_by_time(now, last_save):
+        clock.now = now
+        if policy.due_by_time(clock, last_save):
             fired.append(step)
-            last_save = now
+            last_save = clock()
     assert fired == [3, 6, 8]
 
 
 def test_policies_that_are_off_never_fire() -> None:
-    off = SavePolicy()
+    off, clock = SavePolicy(), Clock(now=1e9)
     assert not any(off.due_by_count(s, epoch=s, last_epoch=s - 1) for s in range(1, 50))
-    assert not off.due_by_time(now=1e9, last_save=0.0)
+    assert not off.due_by_time(clock, last_save=0.0)
     steps_only = SavePolicy(every_steps=3)
-    assert not steps_only.due_by_time(now=1e9, last_save=0.0)
+    assert not steps_only.due_by_time(clock, last_save=0.0)
     assert not steps_only.due_by_count(4, epoch=2, last_epoch=1)  # epochs are off
+    assert clock.reads == 0  # a policy that is off costs no clock reading per step
 
 
 def test_any_policy_that_is_on_fires() -> None:
@@ -70,4 +89,4 @@ def test_any_policy_that_is_on_fires() -> None:
     assert policy.due_by_count(10, epoch=0, last_epoch=0)  # by steps only
     assert policy.due_by_count(11, epoch=1, last_epoch=0)  # by epochs only
     assert not policy.due_by_count(12, epoch=1, last_epoch=1)
-    assert policy.due_by_time(now=200.0, last_save=100.0)  # by time, whatever the step
+    assert policy.due_by_time(Clock(now=200.0), last_save=100.0)  # by time, whatever the step

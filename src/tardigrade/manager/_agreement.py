@@ -72,20 +72,22 @@ class Agreement(abc.ABC):
         """
 
     @abc.abstractmethod
-    def level(self, mine: int, running: Callable[[], bool], what: str) -> tuple[int, bool]:
+    def level(self, mine: int, running: Callable[[], bool], call: str) -> tuple[int, bool]:
         """The level (``NOTHING``, ``DUE``, ``PREEMPTED``) agreed from this rank's ``mine``,
         and whether every rank may record its finished background saves now (no rank's save
-        still ``running``, nothing else happening at this call)."""
+        still ``running``, nothing else happening at this call). ``call`` is the manager's
+        public call (``".step(5)"``)."""
 
     @abc.abstractmethod
-    def record_finished(self, drain: Callable[[], None]) -> None:
+    def record_finished(self, drain: Callable[..., None]) -> None:
         """At the start of ``step()``/``save()``: record the background saves finished so far
-        (``drain``), or leave them to the point where every rank records them together."""
+        (``drain(wait=False)``), or leave them to the point where every rank records them
+        together."""
 
     @abc.abstractmethod
-    def before_save(self, drain_all: Callable[[], None]) -> None:
-        """Before a save starts: wait for and record the save in flight where saves cannot
-        overlap (``drain_all``)."""
+    def before_save(self, drain: Callable[..., None]) -> None:
+        """Before a save starts: wait for and record the save in flight (``drain(wait=True)``)
+        where saves cannot overlap."""
 
     @abc.abstractmethod
     def outcome(
@@ -146,14 +148,14 @@ class SingleProcess(Agreement):
     ) -> None:
         work()
 
-    def level(self, mine: int, running: Callable[[], bool], what: str) -> tuple[int, bool]:
+    def level(self, mine: int, running: Callable[[], bool], call: str) -> tuple[int, bool]:
         # Its saves were recorded as they finished (record_finished).
         return mine, False
 
-    def record_finished(self, drain: Callable[[], None]) -> None:
-        drain()
+    def record_finished(self, drain: Callable[..., None]) -> None:
+        drain(wait=False)
 
-    def before_save(self, drain_all: Callable[[], None]) -> None:
+    def before_save(self, drain: Callable[..., None]) -> None:
         pass  # a save in flight goes on; the next one queues behind it
 
     def outcome(
@@ -220,25 +222,25 @@ class RankGroup(Agreement):
 
         self.ranks.broadcast(what, run)
 
-    def level(self, mine: int, running: Callable[[], bool], what: str) -> tuple[int, bool]:
+    def level(self, mine: int, running: Callable[[], bool], call: str) -> tuple[int, bool]:
         # One tiny all-reduce, whatever the level: every rank calls it at the same point. It
         # also tells whether any rank's background save is still running: a rank cannot go by
         # its own saves' state (the ranks finish a collective save moments apart). The low bit
         # is "a save still runs here"; its max is exact among the ranks at the agreed level,
         # which is all of them at NOTHING, the only level where it is used (a save or a stop
         # waits for every save in flight anyway).
-        agreed = self.ranks.agree_max(mine << 1 | running(), what)
+        agreed = self.ranks.agree_max(mine << 1 | running(), self.name + call)
         level = agreed >> 1
         return level, level == NOTHING and not agreed & 1
 
-    def record_finished(self, drain: Callable[[], None]) -> None:
+    def record_finished(self, drain: Callable[..., None]) -> None:
         pass  # recorded at an agreed point: see level()
 
-    def before_save(self, drain_all: Callable[[], None]) -> None:
+    def before_save(self, drain: Callable[..., None]) -> None:
         # Every rank is here (the save was agreed): the save in flight commits and is recorded
         # on every rank alike before this one starts, as the ranks' one fork carries one save
         # at a time.
-        drain_all()
+        drain(wait=True)
 
     def outcome(
         self,

@@ -684,11 +684,7 @@ class CheckpointManager:
         """
         if self._take_signal(doing):
             mine = PREEMPTED
-        level, settled = self._ranks.level(
-            mine,
-            self._pending.running,
-            f"CheckpointManager({self.directory!r}){call}",
-        )
+        level, settled = self._ranks.level(mine, self._pending.running, call)
         if level == PREEMPTED and mine != PREEMPTED:
             log.warning(
                 "tardigrade: another rank received a preemption signal: %s and stopping", doing
@@ -713,9 +709,10 @@ class CheckpointManager:
                 f"step {step} is not after the previous step {self._last_step}; steps must "
                 "increase (did you forget start = mgr.restore() + 1?)"
             )
-        self._ranks.record_finished(lambda: self._drain(wait=False))
+        self._ranks.record_finished(self._drain)
+        # time.monotonic looked up here: tests put a clock of their own in its place.
         timed = self._coordinating and self._policy.due_by_time(
-            time.monotonic(), self._last_save_time
+            time.monotonic, self._last_save_time
         )
         level = self._agree(f".step({step})", f"saving step {step}", DUE if timed else NOTHING)
         if level == PREEMPTED:
@@ -791,7 +788,7 @@ class CheckpointManager:
         """
         self._check_open("save")
         check_step(step)
-        self._ranks.record_finished(lambda: self._drain(wait=False))
+        self._ranks.record_finished(self._drain)
         preempted = self._agree(f".save({step})", f"saving step {step}") == PREEMPTED
         try:
             ok = self._save(step, epoch, metrics, sync=preempted, force=force)
@@ -811,7 +808,7 @@ class CheckpointManager:
         force: bool = False,
     ) -> bool:
         # Outside the try below: the failure of a save in flight is not this one's.
-        self._ranks.before_save(lambda: self._drain(wait=True))
+        self._ranks.before_save(self._drain)
         started = time.perf_counter()
         if (
             self.best_metric is not None

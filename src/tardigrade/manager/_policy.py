@@ -1,11 +1,12 @@
 """The save policy: whether a finished training step is due for a checkpoint.
 
-Pure: the caller passes what it remembers (the previous epoch, the clock's reading now and at
-the last save), so the same calls give the same answer on every rank and in tests.
+Pure: the caller passes what it remembers (the previous epoch, the clock's reading at the last
+save) and the clock, so the same calls give the same answer on every rank and in tests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -37,6 +38,7 @@ class SavePolicy:
             and epoch % self.every_epochs == 0
         )
 
-    def due_by_time(self, now: float, last_save: float) -> bool:
-        """The time policy: ``every_seconds`` have passed since ``last_save`` (same clock)."""
-        return self.every_seconds is not None and now - last_save >= self.every_seconds
+    def due_by_time(self, clock: Callable[[], float], last_save: float) -> bool:
+        """The time policy: ``every_seconds`` have passed since ``last_save`` (a reading of
+        ``clock``); the clock is read only when the policy is on."""
+        return self.every_seconds is not None and clock() - last_save >= self.every_seconds

@@ -5,11 +5,12 @@ epoch intervals, a maximum kept, automatic restore of the latest), Caffe2's
 ``CheckpointManager`` (failed saves do not kill the job, per-save timing stats) and CNTK's
 "external state" (anything with ``state_dict()`` in the state tree).
 
-``CheckpointManager`` is a facade over small collaborators, each in its own module: the
-argument checks (``_options``), the save policy (``_policy``, pure), retention
-(``_retention``, pure), the saves in flight and their outcomes (``_pending``), the agreement
-between ranks (``_ranks``; a null one in a single process), the preemption signals
-(``_signals``) and the per-save records (``_stats``).
+``CheckpointManager`` (``_checkpoint_manager``) is a facade over small collaborators, each in
+its own module: the argument checks (``_options``), the save policy (``_policy``, pure),
+retention (``_retention``, pure), the background saves in flight and what their endings count
+as (``_pending``), the agreement between ranks (``_agreement``: a null one in a single
+process, so that path never asks whether it runs alone), pre-flight and the directory lock
+(``_preflight``), the preemption signals (``_signals``) and the per-save records (``_stats``).
 """
 
 from ._checkpoint_manager import CheckpointManager

@@ -1,9 +1,8 @@
-"""CheckpointManager: when to save, what to keep, and resuming from the newest good checkpoint.
+"""The ``CheckpointManager`` facade: its public calls, over this package's collaborators.
 
-It unifies Paddle's ``CheckpointConfig`` (one directory per job, numbered checkpoints, step and
-epoch intervals, a maximum kept, automatic restore of the latest), Caffe2's
-``CheckpointManager`` (failed saves do not kill the job, per-save timing stats) and CNTK's
-"external state" (anything with ``state_dict()`` in the state tree).
+Restore with fallback, save dispatch and set-aside, and uploads live here; the decisions (save
+policy, retention, agreement between ranks, ...) are made by the collaborators that the package
+docstring lists.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import cli_start, distributed, loop, store
+from . import cli_start, distributed, loop, same_node, store
 from .report import Target, summarise, table, targets, targets_table
 from .run import Options, run
 from .state import DEFAULT_STATE_BYTES, parse_size
@@ -46,6 +46,11 @@ Then the store part (--no-store skips it): checkpoints on S3, on a SeaweedFS ser
 loopback for the run (the `weed` of the test extra): Tardigrade's save (sync and async) and load
 of a {store.DEFAULT_STORE_BYTES / 1e9:g} GB state (times the --size fraction) next to the raw parallel put/get of the same
 bytes with the same client (obstore) and DCP's fsspec writer/reader (with s3fs installed).
+
+Then restore right after a save on the same node (a --size state): a job killed after its save
+restarts and restores from the RAM tier (/dev/shm), from disk (cold: the O_DIRECT save left
+nothing in the page cache), and DCP's load from the page cache after its save; plus a manager's
+async-save blocking with and without the RAM tier.
 
 A default run (3 GB, 3 repeats + 1 warm-up) takes about 7-9 minutes on a 2-core VM, plus a few
 minutes for the distributed part (1 GB per rank).
@@ -199,6 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         summary["store"] = store.summarise(results["store"])
         goals += store.targets(summary["store"])
         sections.append(store.table(results["store"], summary["store"]))
+    if not args.distributed_only:
+        same_opts = same_node.SameNodeOptions(
+            nbytes=args.target_bytes, repeats=args.repeats, settle_s=args.settle, dir=opts.dir
+        )
+        results["same_node"] = same_node.run(same_opts, log)
+        summary["same_node"] = same_node.summarise(results["same_node"])
+        goals += same_node.targets(summary["same_node"])
+        sections.append(same_node.table(results["same_node"], summary["same_node"]))
     if not args.distributed_only:
         log("CLI start-up (commands that need no torch)")
         results["cli_start_s"] = cli_start.measure()

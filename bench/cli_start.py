@@ -2,7 +2,8 @@
 
 Each command runs in a fresh interpreter (``python -m tardigrade.cli``, as the console script
 does); the median wall time of a few runs is reported against the 0.3 s target: a user typing
-``tardigrade --version`` or ``tardigrade ls ckpt`` should not wait for torch to import.
+``tardigrade --version``, ``tardigrade ls ckpt`` or ``tardigrade inspect ckpt/step-1`` should
+not wait for torch to import.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import time
 from .report import Target
 
 TARGET_S = 0.3
-COMMANDS = (["--version"], ["--help"], ["ls", "{dir}"])
+COMMANDS = (["--version"], ["--help"], ["ls", "{dir}"], ["inspect", "{dir}/step-1"])
 
 
 def measure(runs: int = 5) -> dict[str, float]:
-    """Median seconds per command (``ls`` of a directory holding one small checkpoint)."""
+    """Median seconds per command (``ls`` of a directory holding one small checkpoint,
+    ``inspect`` of that checkpoint)."""
     out = {}
     with tempfile.TemporaryDirectory() as d:
         subprocess.run(

@@ -41,9 +41,10 @@ if TYPE_CHECKING:
     from ._save import save
     from ._save_job import SaveResult
     from ._sharding import PerRank, Sharded
-    from ._tree import SparseRef, Stateful, TensorRef
+    from ._tree import Stateful
     from ._verify import VerifyReport, verify
     from .data import ResumableSampler, SampleIndex, SeededDataset, seed_sample
+    from .format.tree import SparseRef, TensorRef
     from .job import Job, JobRunner
     from .manager import CheckpointManager, SaveStats
 
@@ -67,9 +68,9 @@ _LAZY = {
     "SaveStats": ".manager",
     "SeededDataset": ".data",
     "Sharded": "._sharding",
-    "SparseRef": "._tree",
+    "SparseRef": ".format.tree",
     "Stateful": "._tree",
-    "TensorRef": "._tree",
+    "TensorRef": ".format.tree",
     "VerifyReport": "._verify",
     "load": "._load",
     "read_manifest": "._open",

@@ -88,14 +88,15 @@ class SaveFuture:
         return f"<SaveFuture {self.path} {state}>"
 
 
-def stage_copy(job: SaveJob, pool: SlabPool, streams: list[queue.SimpleQueue[Any]]) -> None:
+def stage_copy(job: SaveJob, pool: SlabPool, streams: list[Any]) -> None:
     """Copy every data file's bytes, header included, into pool slabs; feed them to the writers.
 
     Each slab holds the next run of one file's image, so a writer sends a full slab to disk as
     is (with O_DIRECT, straight from the slab: no second copy) and hashes each item's span of
     it. Files are staged one after another, so at most one slab is partly filled and a budget
     of two slabs cannot deadlock against the writers draining them. Without a budget, blocks
-    are handed to the writers only once everything is staged.
+    are handed to the writers only once everything is staged. ``streams``: one queue (anything
+    with ``put``) per file.
     """
     bounded = pool.max_bytes is not None
     copier = _Copier()
@@ -287,14 +288,20 @@ def stage_entries(
     return staged
 
 
-def _write_staged(job: SaveJob, readers: list[Any], staged: threading.Event) -> SaveResult:
+def _write_staged(
+    job: SaveJob, readers: list[Any], staged: threading.Event, mirror: Any = None
+) -> SaveResult:
     """Write and commit in the background; report how long staging blocked the caller.
 
     Under a budget the writers run while ``save`` is still staging, and may commit before the
     caller's clock stops: the blocking time is read only once staging has set it (and the save
-    as a whole took at least as long as it blocked the caller).
+    as a whole took at least as long as it blocked the caller). A ``mirror`` (the RAM tier's
+    ``RamMirror``) writes its copy from the same staged blocks beside the disk writers.
     """
-    result = write_and_commit(job, readers)
+    if mirror is None:
+        result = write_and_commit(job, readers)
+    else:
+        result = mirror.around(job, lambda: write_and_commit(job, readers))
     staged.wait()
     blocking = job.blocking_seconds
     assert blocking is not None  # set before ``staged``
@@ -489,17 +496,41 @@ class AsyncCheckpointer:
         step: int | None = None,
         epoch: int | None = None,
         metrics: Mapping[str, float] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> SaveFuture | None:
-        """Stage ``state`` into host memory and write it in the background; see the class doc."""
+        """Stage ``state`` into host memory and write it in the background; see the class doc.
+
+        ``path`` and the other arguments are ``tg.save``'s: a local path or a URL, with
+        ``storage_options`` for its backend (e.g. an ``s3://`` endpoint and credentials).
+        Options belong to each save, as its location does: one checkpointer may save to
+        several places.
+
+        >>> ckpt.save("s3://bucket/run/step-100", state,
+        ...           storage_options={"endpoint": "http://127.0.0.1:8333"})  # doctest: +SKIP
+        """
         options = SaveOptions(
-            overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics
+            overwrite=overwrite,
+            metadata=metadata,
+            step=step,
+            epoch=epoch,
+            metrics=metrics,
+            storage_options=storage_options,
         )
         return self.submit(path, state, options)
 
     def submit(
-        self, path: str | os.PathLike[str], state: Any, options: SaveOptions
+        self,
+        path: str | os.PathLike[str],
+        state: Any,
+        options: SaveOptions,
+        *,
+        mirror: Any = None,
     ) -> SaveFuture | None:
-        """:meth:`save` with its options as one object (what ``tg.save`` passes on)."""
+        """:meth:`save` with its options as one object (what ``tg.save`` passes on).
+
+        ``mirror``: a second destination fed from the same staged blocks (the manager's RAM
+        tier, ``_ramtier.RamMirror``), so the state is copied once whatever the tiers.
+        """
         with self._lock:
             if self._closed:
                 raise InvalidArgumentError("this AsyncCheckpointer is closed; create a new one")
@@ -521,27 +552,31 @@ class AsyncCheckpointer:
             streams: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in job.plan.files]
             # The writers read until END/ABORT, so the iterators' own sentinel never matches.
             readers = [iter(q.get, _NEVER) for q in streams]
+            # The stager puts each block into the writers' queues, and the mirror's too.
+            into: list[Any] = list(streams) if mirror is None else mirror.tee(streams)
             # Under a budget the writers must drain slabs while staging goes on; without one
             # they start once the copy is done, so nothing competes with it for the cores.
             bounded = self.pool.max_bytes is not None
             staged = threading.Event()
             background = (
-                self._executor.submit(_write_staged, job, readers, staged) if bounded else None
+                self._executor.submit(_write_staged, job, readers, staged, mirror)
+                if bounded
+                else None
             )
             try:
                 try:
-                    stage_copy(job, self.pool, streams)
+                    stage_copy(job, self.pool, into)
                 finally:
                     job.blocking_seconds = time.perf_counter() - job.started
                     staged.set()
             except BaseException:
                 if background is not None:
-                    for s in streams:
+                    for s in into:
                         s.put(ABORT)
                     background.exception()  # let the writers clean up before we report
                 raise
             if background is None:
-                background = self._executor.submit(_write_staged, job, readers, staged)
+                background = self._executor.submit(_write_staged, job, readers, staged, mirror)
             fut = SaveFuture(job.storage.url(job.name), background)
             fut.blocking_seconds = job.blocking_seconds
             fut._staged.set()

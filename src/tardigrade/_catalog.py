@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._open import read_manifest
+from ._open import manifest_at
 from .errors import StorageError, TardigradeError
 from .format.manifest import MANIFEST
 from .storage import Storage, open_root, storage_for
@@ -173,7 +173,8 @@ class Catalog:
         if self.storage.stat(f"{name}/{MANIFEST}") is None:
             return Listed(name, path, NO_MANIFEST, step, None, None, size)
         try:
-            m = read_manifest(path)
+            # Through this catalog's storage: a path would reopen it without its options.
+            m = manifest_at(self.storage, name).raw
         except TardigradeError as e:
             return Listed(name, path, UNREADABLE, step, None, None, size, str(e))
         created = m.get("created")
@@ -230,6 +231,9 @@ class Catalog:
             self.storage.delete(f"{name}/{MANIFEST}")
             self.storage.delete(name)
 
-    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
-        """Clean up what dead writers left here (see ``Storage.tidy``)."""
-        return self.storage.tidy(dry_run=dry_run)
+    def tidy(
+        self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
+    ) -> list[Tidied]:
+        """Clean up what dead writers left here (see ``Storage.tidy``); ``progress`` is
+        called with each leftover once it is dealt with."""
+        return self.storage.tidy(dry_run=dry_run, progress=progress)

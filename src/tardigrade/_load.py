@@ -9,7 +9,7 @@ byte lands in live state -> check file sizes, allocate -> plan and read the chun
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._apply import _Applier
@@ -41,6 +41,7 @@ def load(
     per_rank_fallback: str = "rank0",
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Load a checkpoint as a plain tree, or restore it in place into live state with ``into=``.
 
@@ -61,7 +62,8 @@ def load(
     what was restored and what was not.
 
     Parameters:
-        ``path``: the checkpoint directory (``str`` or ``os.PathLike``).
+        ``path``: the checkpoint directory (``str`` or ``os.PathLike``) or its URL
+            (``memory://``, ``s3://``, any fsspec URL).
         ``into``: live state to restore in place (the same tree you saved: modules, optimizers,
             tensors, plain values); ``None`` (default) returns a new plain tree instead, with
             CPU tensors, numpy arrays and the saved Python values.
@@ -80,13 +82,24 @@ def load(
             (any world size: sharded tensors are resharded), gets its own ``tg.PerRank``
             values, and an error on any rank raises on every rank.
         ``timeout``: seconds a rank waits for the others in a collective load.
+        ``storage_options``: options for the backend of a URL ``path`` (e.g. an ``s3://``
+            ``endpoint`` and credentials; see ``tg.save``); a local path takes none.
 
     Returns the loaded tree (with ``into``, the tree that was applied).
 
     >>> tg.load("ckpt/step-100", into=state)          # doctest: +SKIP
     >>> weights = tg.load("ckpt/step-100", keys=["model"])["model"]  # doctest: +SKIP
+    >>> tg.load("s3://bucket/run/step-100", into=state,
+    ...         storage_options={"endpoint": "http://127.0.0.1:8333"})  # doctest: +SKIP
     """
-    kw = dict(into=into, keys=keys, strict=strict, verify=verify, workers=workers)
+    kw = dict(
+        into=into,
+        keys=keys,
+        strict=strict,
+        verify=verify,
+        workers=workers,
+        storage_options=storage_options,
+    )
     ranks = Ranks.current(process_group, timeout=timeout)
     if ranks is None:
         return _load(path, rank=0, per_rank_fallback=per_rank_fallback, **kw)  # type: ignore[arg-type]
@@ -111,9 +124,10 @@ def _load(
     workers: int,
     rank: int,
     per_rank_fallback: str,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     check_read_options(verify, per_rank_fallback)
-    storage, name, m = open_manifest(path)
+    storage, name, m = open_manifest(path, storage_options)
     return load_opened(
         storage, name, m, into=into, keys=keys, strict=strict, verify=verify, workers=workers,
         rank=rank, per_rank_fallback=per_rank_fallback,

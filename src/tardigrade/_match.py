@@ -463,7 +463,7 @@ def _stored_shape(node: dict[str, Any], info: TensorInfo) -> tuple[int, ...]:
 def _leaf_shape_dtype(
     node: dict[str, Any], info: TensorInfo
 ) -> tuple[tuple[int, ...], torch.dtype]:
-    """The shape and torch dtype the leaf loads as (``_tree.loaded_as``)."""
+    """The shape and torch dtype the leaf loads as (``format.tree.loaded_as``)."""
     shape, name = loaded_as(node, info.shape, info.dtype)
     return shape, COMPLEX_DTYPES[name][0] if name in COMPLEX_DTYPES else TORCH_DTYPES[name]
 

@@ -26,7 +26,7 @@ from .format.sizes import ITEMSIZE
 from .format.sparse import SPARSE_PARTS, sparse_problem
 from .storage import Storage, storage_for
 
-__all__ = ["open_manifest", "read_manifest"]
+__all__ = ["manifest_at", "open_manifest", "read_manifest"]
 
 
 def open_manifest(
@@ -34,6 +34,11 @@ def open_manifest(
 ) -> tuple[Storage, str, Manifest]:
     """The checkpoint's storage, its name there and its parsed, validated manifest."""
     storage, name = storage_for(path, storage_options)
+    return storage, name, manifest_at(storage, name)
+
+
+def manifest_at(storage: Storage, name: str) -> Manifest:
+    """The parsed, validated manifest of checkpoint ``name`` in ``storage``."""
     if not storage.exists(f"{name}/{MANIFEST}"):
         if storage.exists(name) and not storage.is_dir(name):
             raise CheckpointNotFoundError(f"{storage.url(name)}: {_foreign_file(storage, name)}")
@@ -49,7 +54,7 @@ def open_manifest(
     where = storage.url(f"{name}/{MANIFEST}")
     try:
         raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
-        return storage, name, parse(raw, where)
+        return parse(raw, where)
     except MemoryError as e:
         if isinstance(e, TardigradeError):
             raise
@@ -86,17 +91,18 @@ def _foreign_file(storage: Storage, name: str) -> str:
     return f"this is a file, not a checkpoint directory. {end}"
 
 
-def read_manifest(path: Any) -> dict[str, Any]:
+def read_manifest(path: Any, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Read and validate a checkpoint's manifest without touching any tensor bytes.
 
-    ``path`` is the checkpoint directory. Returns the manifest as a dict (format version, step,
+    ``path`` is the checkpoint directory or its URL, with ``storage_options`` for a URL's
+    backend (see ``tg.save``). Returns the manifest as a dict (format version, step,
     epoch, files, tensors, the state tree, metrics, metadata); its checksum is verified.
     ``tg.Checkpoint.open(path)`` gives the same as typed values, and reads tensors on demand.
 
     >>> info = tg.read_manifest("ckpt/step-100")   # doctest: +SKIP
     >>> info["step"], len(info["tensors"])           # doctest: +SKIP
     """
-    return open_manifest(path)[2].raw
+    return open_manifest(path, storage_options)[2].raw
 
 
 _SCALAR_TAGS = frozenset(("none", "bool", "int", "float", "str", "bytes", "dtype"))

@@ -34,6 +34,7 @@ def save(
     metrics: Mapping[str, float] | None = None,
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> SaveResult | SaveFuture | None:
     """Save ``state`` atomically to the directory ``path``.
 
@@ -47,7 +48,9 @@ def save(
     commit point, e.g. a rank died just after rank 0 committed).
 
     Parameters:
-        ``path``: the checkpoint directory to create (its parent is created if missing).
+        ``path``: the checkpoint directory to create (its parent is created if missing), or a
+            URL: ``memory://bucket/run/step-100``, ``s3://bucket/run/step-100``, or any URL an
+            installed fsspec filesystem serves (``gs://``, ``az://``, ...).
         ``state``: what to save: a tree of dicts, lists and tuples whose leaves are tensors,
             numpy arrays, plain Python values and objects with ``state_dict()`` /
             ``load_state_dict()`` (modules, optimizers, schedulers, ``tg.RNGState()``, ...).
@@ -69,8 +72,15 @@ def save(
             every rank's ``SaveFuture``.
         ``timeout``: seconds any rank waits for the others in a collective save before every
             rank raises ``DistributedError`` (a rank died, hangs, or did not call ``save``).
+        ``storage_options``: options for the backend of a URL ``path`` (for ``s3://``:
+            ``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ...; for an
+            fsspec URL, its filesystem's arguments); the usual environment variables (AWS_*)
+            fill what is not given. A local path takes none. In a collective save each rank
+            passes its own (they may differ, e.g. per-rank credentials).
 
     >>> tg.save("ckpt/step-100", {"model": model, "optim": opt, "step": 100})  # doctest: +SKIP
+    >>> tg.save("s3://bucket/run/step-100", state,
+    ...         storage_options={"endpoint": "http://127.0.0.1:8333"})  # doctest: +SKIP
     >>> fut = tg.save("ckpt/step-200", state, async_=True)  # doctest: +SKIP
     >>> fut.result()  # doctest: +SKIP
     """
@@ -81,7 +91,12 @@ def save(
             f"Call tg.save({os.fspath(state)!r}, state)."
         )
     options = SaveOptions(
-        overwrite=overwrite, metadata=metadata, step=step, epoch=epoch, metrics=metrics
+        overwrite=overwrite,
+        metadata=metadata,
+        step=step,
+        epoch=epoch,
+        metrics=metrics,
+        storage_options=storage_options,
     )
     ranks = Ranks.current(process_group, timeout=timeout)
     if ranks is not None:

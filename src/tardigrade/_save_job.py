@@ -75,6 +75,9 @@ class SaveOptions:
     epoch: int | None = None
     metrics: Mapping[str, float] | None = None
     max_files: int = DEFAULT_MAX_FILES  # data files per rank (tests make more, smaller ones)
+    # For the backend of the save's location (endpoint, credentials); not compared across
+    # ranks: each rank may reach the store with its own credentials.
+    storage_options: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -158,7 +161,7 @@ def make_job(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> 
     the format cannot store, something in the way at ``path``).
     """
     started = time.perf_counter()
-    storage, name = storage_for(path)
+    storage, name = storage_for(path, options.storage_options)
     overwrite = options.overwrite
     if not isinstance(overwrite, bool):
         raise InvalidArgumentError(f"overwrite must be a bool, got {overwrite!r}")

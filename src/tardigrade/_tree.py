@@ -11,21 +11,18 @@ from __future__ import annotations
 import base64
 import json
 import math
-import struct
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from ._sharding import Box, PerRank, Sharded, box_of, is_dtensor
 from ._validate import class_name
-from .errors import CorruptCheckpointError, UnsupportedTypeError
+from .errors import UnsupportedTypeError
 from .format import limits
 from .format.dtypes import (
-    COMPLEX_DTYPES,
     COMPLEX_NAMES,
     DTYPE_NAMES,
     NUMPY_DTYPES,
@@ -34,31 +31,17 @@ from .format.dtypes import (
     NUMPY_SCALAR_NAMES,
     TORCH_DTYPES,
 )
-from .format.sparse import SPARSE_PARTS, sparse_problem
+from .format.sparse import SPARSE_PARTS
 
-# Device types a torch.device leaf may name. Decoding checks the recorded type against this
-# fixed set (never a lookup of a file-chosen name); saving refuses any other type so every
-# checkpoint written can be read back.
-DEVICE_TYPES = frozenset(
-    {
-        "cpu",
-        "cuda",
-        "mps",
-        "xpu",
-        "meta",
-        "hpu",
-        "mtia",
-        "xla",
-        "lazy",
-        "ipu",
-        "maia",
-        "vulkan",
-        "ve",
-        "fpga",
-        "hip",
-        "privateuseone",
-    }
-)
+# Decoding needs no torch and lives in format.tree; re-exported for the library's modules.
+from .format.tree import DEVICE_TYPES, PACKED_DTYPES, float_node
+from .format.tree import SparseRef as SparseRef
+from .format.tree import TensorRef as TensorRef
+from .format.tree import TensorView as TensorView
+from .format.tree import decode as decode
+from .format.tree import loaded_as as loaded_as
+from .format.tree import path_str as path_str
+from .format.tree import tensor_ref as tensor_ref
 
 # Sparse layouts and the component tensors each is stored as, in order.
 _TORCH_LAYOUTS = {
@@ -107,11 +90,6 @@ def is_stateful(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
-
-
-def path_str(path: tuple[Any, ...]) -> str:
-    """``('optim', 'param_groups', 0)`` -> ``state['optim']['param_groups'][0]``."""
-    return "state" + "".join(f"[{p!r}]" for p in path)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -177,19 +155,12 @@ _KEY_KINDS = (
 )
 
 
-def _float(x: float) -> dict[str, Any]:
-    if x != x:  # NaN: keep sign and payload bits, which float.hex() drops
-        return {"t": "float", "bits": struct.pack(">d", x).hex()}
-    return {"t": "float", "v": x.hex()}
-
-
 # Lists and tuples this long whose items are all ints (within int64) or all floats are stored
 # packed: their items' little-endian bytes in one base64 string. A node per item costs ~25
 # bytes of JSON and ~200 bytes of parsed objects, so a permutation of a few million sample ids
 # made a manifest no reader would parse; packed, it takes 11 bytes per item and parses as one
 # string. Shorter ones stay readable in the manifest (and by format 4/5 readers).
 PACK_MIN_ITEMS = 64
-_PACKED_DTYPES = {"i8": np.dtype("<i8"), "f8": np.dtype("<f8")}
 
 
 def _packed(items: list[Any] | tuple[Any, ...], tag: str) -> dict[str, Any] | None:
@@ -200,23 +171,10 @@ def _packed(items: list[Any] | tuple[Any, ...], tag: str) -> dict[str, Any] | No
     of = "i8" if kind is int else "f8"
     try:
         # Python floats are C doubles: -0.0 and NaN payloads keep their bits.
-        raw = np.array(items, dtype=_PACKED_DTYPES[of]).tobytes()
+        raw = np.array(items, dtype=PACKED_DTYPES[of]).tobytes()
     except OverflowError:  # an int beyond int64: one node per item
         return None
     return {"t": "packed", "as": tag, "of": of, "v": base64.b64encode(raw).decode()}
-
-
-def _unpacked(
-    node: dict[str, Any], where: str, path: tuple[Any, ...]
-) -> list[Any] | tuple[Any, ...]:
-    dtype = _PACKED_DTYPES.get(node.get("of"))  # type: ignore[arg-type]
-    if dtype is None or node.get("as") not in ("list", "tuple") or type(node.get("v")) is not str:
-        raise _bad(where, path, "malformed packed list")
-    raw = base64.b64decode(node["v"], validate=True)
-    if len(raw) % dtype.itemsize:
-        raise _bad(where, path, f"packed {node['of']} list of {len(raw)} bytes")
-    items = np.frombuffer(raw, dtype=dtype).tolist()
-    return items if node["as"] == "list" else tuple(items)
 
 
 def _canonical(node: dict[str, Any]) -> str:
@@ -329,14 +287,14 @@ class _Flattener:
             except ValueError:  # more digits than Python converts to decimal: use hex
                 return {"t": "int", "x": hex(obj)}
         if t is float:
-            return _float(obj)
+            return float_node(obj)
         if t is str:
             return {"t": "str", "v": obj}
         if t is bytes:
             return {"t": "bytes", "v": base64.b64encode(obj).decode()}
         if t is complex:
             self.check_depth(path, depth + 1)  # its parts are nodes one level down
-            return {"t": "complex", "v": [_float(obj.real), _float(obj.imag)]}
+            return {"t": "complex", "v": [float_node(obj.real), float_node(obj.imag)]}
         if isinstance(obj, np.generic):
             return self.npscalar(obj, path)
         if isinstance(obj, torch.dtype):
@@ -641,283 +599,3 @@ def flatten(
     tree = f.node(state, root, depth)
     f.merge_partial_aliases()
     return Flat(tree, f.entries, f.per_rank, f.packed)
-
-
-# ----------------------------------------------------------------------------------------------
-# decoding
-
-# Every torch.dtype a state may hold, by the name flatten() writes (str(dtype) minus "torch.").
-# A fixed list: looking a name from the file up on the torch module instead would let the file
-# pick any attribute, and torch imports submodules lazily on attribute access ("_inductor"
-# pulls in hundreds of modules) or hands back functions ("has_cuda").
-_DTYPE_NAMES = (
-    "bfloat16", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "complex128",
-    "complex32", "complex64", "float16", "float32", "float4_e2m1fn_x2", "float64",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "int1", "int16", "int2", "int3", "int32", "int4", "int5", "int6", "int64", "int7", "int8",
-    "qint32", "qint8", "quint2x4", "quint4x2", "quint8", "uint1", "uint16", "uint2", "uint3",
-    "uint32", "uint4", "uint5", "uint6", "uint64", "uint7", "uint8",
-)  # fmt: skip
-_DTYPE_LEAVES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (torch.__dict__.get(n) for n in _DTYPE_NAMES)  # older torch lacks a few
-    if isinstance(d, torch.dtype)
-}
-
-
-def _bad(where: str, path: tuple[Any, ...], what: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{where}: state tree at {path_str(path)}: {what}. The manifest is damaged; restore the "
-        "checkpoint from a backup or delete it."
-    )
-
-
-def decode(
-    node: Any,
-    leaf: Callable[[dict[str, Any], tuple[Any, ...]], Any],
-    where: str,
-    path: tuple[Any, ...] = (),
-    depth: int = 0,
-) -> Any:
-    """Rebuild Python values from a skeleton; ``leaf(node, path)`` supplies tensors and arrays.
-
-    Stateful nodes decode to their state_dict tree. Complex tensors are viewed back as complex
-    and sparse tensors rebuilt from their parts when ``leaf`` returns tensors (a sparse node
-    whose parts are anything else decodes to a :class:`SparseRef`). Every malformed node
-    raises CorruptCheckpointError naming ``where`` and the path.
-    """
-    if depth > limits.MAX_TREE_DEPTH:
-        raise _bad(where, path, f"nested more than {limits.MAX_TREE_DEPTH} levels deep")
-    if not isinstance(node, dict) or not isinstance(node.get("t"), str):
-        raise _bad(where, path, "node is not an object with a type tag")
-    tag = node["t"]
-    v = node.get("v")
-    try:
-        if tag == "none":
-            return None
-        if tag == "bool" and type(v) is bool:
-            return v
-        if tag == "int" and type(v) is str and len(v) <= 4300:
-            return int(v)
-        if tag == "int" and type(node.get("x")) is str and len(node["x"]) <= 1_000_000:
-            return int(node["x"], 16)
-        if tag == "float" and type(v) is str:
-            return float.fromhex(v)
-        if tag == "float" and type(node.get("bits")) is str and len(node["bits"]) == 16:
-            return struct.unpack(">d", bytes.fromhex(node["bits"]))[0]
-        if tag == "str" and type(v) is str:
-            return v
-        if tag == "bytes" and type(v) is str:
-            return base64.b64decode(v, validate=True)
-        if tag == "dtype" and type(v) is str and v in _DTYPE_LEAVES:
-            return _DTYPE_LEAVES[v]
-        if tag == "tensor" and "complex" in node:
-            return _complex_tensor(node, leaf(node, path), where, path)
-        if tag in ("tensor", "ndarray"):
-            return leaf(node, path)
-        if tag == "sparse" and type(v) is list:
-            return _sparse(node, [decode(x, leaf, where, path, depth + 1) for x in v], where, path)
-        if tag == "complex" and type(v) is list and len(v) == 2:
-            re, im = (decode(x, leaf, where, path, depth + 1) for x in v)
-            if type(re) is not float or type(im) is not float:
-                raise _bad(where, path, "complex parts are not floats")
-            return complex(re, im)  # keeps -0.0 and NaN payloads of both parts
-        if tag == "npscalar" and type(v) is str and node.get("dtype") in NUMPY_SCALAR_DTYPES:
-            return _npscalar(NUMPY_SCALAR_DTYPES[node["dtype"]], v, where, path)
-        if tag == "size" and type(v) is list and all(type(n) is int for n in v):
-            return torch.Size(v)
-        if tag == "device" and node.get("type") in DEVICE_TYPES:
-            index = node.get("index")
-            if index is None:
-                return torch.device(node["type"])
-            if type(index) is int and 0 <= index < 2**15:
-                return torch.device(node["type"], index)
-        if tag == "generator" and type(v) is str:
-            device = decode(node.get("device"), leaf, where, path, depth + 1)
-            if type(device) is not torch.device:
-                raise _bad(where, path, "a generator's device is not a device")
-            raw = base64.b64decode(v, validate=True)
-            g = torch.Generator(device=device)
-            g.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-            return g
-        if tag in ("set", "frozenset") and type(v) is list:
-            items = [decode(x, leaf, where, path, depth + 1) for x in v]
-            for x in items:
-                _check_hashable(x, "set element", where, path)
-            return set(items) if tag == "set" else frozenset(items)
-        if tag == "packed":
-            return _unpacked(node, where, path)
-        if tag in ("list", "tuple") and type(v) is list:
-            items = [decode(x, leaf, where, (*path, i), depth + 1) for i, x in enumerate(v)]
-            return items if tag == "list" else tuple(items)
-        if tag in ("dict", "odict", "counter") and type(v) is list:
-            out: dict[Any, Any] = {"dict": dict, "odict": OrderedDict, "counter": Counter}[tag]()
-            for item in v:
-                if type(item) is not list or len(item) != 2:
-                    raise _bad(where, path, "dict item is not a [key, value] pair")
-                kn = item[0]
-                if (
-                    type(kn) is dict
-                    and kn.get("t") == "str"
-                    and type(kn.get("v")) is str
-                    and depth < limits.MAX_TREE_DEPTH
-                ):
-                    k = kn["v"]  # most keys: what decode() returns for them, without a call
-                else:
-                    k = decode(kn, leaf, where, path, depth + 1)
-                    _check_hashable(k, "dict key", where, path)
-                out[k] = decode(item[1], leaf, where, (*path, k), depth + 1)
-            if "meta" in node and tag == "odict":
-                out._metadata = decode(node["meta"], leaf, where, path, depth + 1)  # type: ignore[attr-defined]
-            return out
-        if tag == "stateful" and type(node.get("cls")) is str:
-            return decode(v, leaf, where, path, depth + 1)
-    except CorruptCheckpointError:
-        raise
-    except (ValueError, TypeError, OverflowError, RuntimeError, IndexError) as e:
-        raise _bad(where, path, f"bad {tag!r} value ({e})") from None
-    raise _bad(where, path, f"unknown or malformed node of type {tag!r}")
-
-
-def _check_hashable(k: Any, what: str, where: str, path: tuple[Any, ...]) -> None:
-    if isinstance(k, (torch.Tensor, np.ndarray, SparseRef, TensorRef)):
-        raise _bad(where, path, f"{what} is a {type(k).__name__}")
-    try:
-        hash(k)
-    except TypeError:
-        raise _bad(where, path, f"{what} of unhashable type {type(k).__name__}") from None
-
-
-def _npscalar(dtype: np.dtype, hexbytes: str, where: str, path: tuple[Any, ...]) -> np.generic:
-    raw = bytes.fromhex(hexbytes)
-    if len(raw) != dtype.itemsize:
-        raise _bad(where, path, f"numpy {dtype} scalar of {len(raw)} bytes")
-    if dtype == np.bool_ and raw not in (b"\x00", b"\x01"):
-        raise _bad(where, path, f"numpy bool scalar with byte {raw!r}")
-    value: np.generic = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype)[0]
-    return value
-
-
-def _complex_tensor(node: dict[str, Any], t: Any, where: str, path: tuple[Any, ...]) -> Any:
-    """View a stored real tensor (trailing dimension 2) back as the complex tensor it was."""
-    name = node.get("complex")
-    if name not in COMPLEX_DTYPES:
-        raise _bad(where, path, f"unknown complex dtype {name!r}")
-    if not isinstance(t, torch.Tensor):
-        return t  # a tool's stand-in for the stored tensor
-    real = TORCH_DTYPES[COMPLEX_DTYPES[name][1]]
-    if t.dtype != real or t.dim() == 0 or t.shape[-1] != 2:
-        raise _bad(
-            where,
-            path,
-            f"a {name} tensor is stored as {t.dtype}{list(t.shape)}, not {real}[..., 2]",
-        )
-    return torch.view_as_complex(t)
-
-
-class TensorView(NamedTuple):
-    """Which elements of its stored tensor a view saved as such holds (``Tensor.as_strided``)."""
-
-    offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """A tensor of a checkpoint's state, not read: what it loads as, and where its bytes are.
-
-    ``tg.Checkpoint.tree()`` puts one in the place of each tensor and array; read its bytes
-    with ``Checkpoint.read_into({ref.entry: buffer})``. Tied tensors and views of one tensor
-    share an ``entry`` (the stored tensor, ``Checkpoint.tensors[entry]``).
-    """
-
-    entry: int  # the stored tensor holding the bytes (an index into Checkpoint.tensors)
-    dtype: str  # as it loads, by its format name: "F32", "BF16", ... ("C64": complex)
-    shape: tuple[int, ...]  # as it loads
-    ndarray: bool  # loads as a numpy array (else a torch tensor)
-    # The elements of the stored tensor this one is, for a view saved as such (in elements
-    # of the stored tensor: a complex tensor is stored as its real view, trailing dim 2).
-    view: TensorView | None = None
-
-    @property
-    def complex(self) -> bool:
-        return self.dtype in COMPLEX_DTYPES
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return COMPLEX_DTYPES[self.dtype][0] if self.complex else TORCH_DTYPES[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.torch_dtype.itemsize
-
-
-def loaded_as(
-    node: dict[str, Any], stored_shape: tuple[int, ...], stored_dtype: str
-) -> tuple[tuple[int, ...], str]:
-    """The shape and dtype name a (checked) tensor node loads as, given its stored tensor's: a
-    view's own shape; a complex tensor's, not its stored real view's (``[..., 2]``)."""
-    view = node.get("view")
-    shape = tuple(view["shape"]) if view else stored_shape
-    if node.get("complex") in COMPLEX_DTYPES:
-        return shape[:-1], node["complex"]
-    return shape, stored_dtype
-
-
-def tensor_ref(node: dict[str, Any], stored_shape: tuple[int, ...], stored_dtype: str) -> TensorRef:
-    """The :class:`TensorRef` of a (checked) tensor node of a stored tensor's shape and dtype."""
-    view = node.get("view")
-    shape, dtype = loaded_as(node, stored_shape, stored_dtype)
-    return TensorRef(
-        node["e"],
-        dtype,
-        shape,
-        node["t"] == "ndarray",
-        TensorView(view["offset"], tuple(view["shape"]), tuple(view["stride"])) if view else None,
-    )
-
-
-@dataclass(frozen=True)
-class SparseRef:
-    """A sparse tensor of a checkpoint's state, not read: its layout, size and parts (each a
-    :class:`TensorRef`, or whatever stand-in a tool decoded its parts to)."""
-
-    layout: str
-    size: tuple[int, ...]
-    coalesced: bool | None
-    parts: tuple[Any, ...]
-
-
-def _sparse(node: dict[str, Any], parts: list[Any], where: str, path: tuple[Any, ...]) -> Any:
-    layout, size, coalesced = node.get("layout"), node.get("size"), node.get("coalesced")
-    if layout not in SPARSE_LAYOUTS:
-        raise _bad(where, path, f"unknown sparse layout {layout!r}")
-    torch_layout, names = SPARSE_LAYOUTS[layout]
-    if (
-        not isinstance(size, list)
-        or len(size) > limits.MAX_DIMS
-        or not all(type(n) is int and 0 <= n < 2**63 for n in size)
-    ):
-        raise _bad(where, path, f"sparse tensor size {size!r} is not a list of sizes")
-    if (layout == "coo") != (type(coalesced) is bool):
-        raise _bad(where, path, "only a sparse COO tensor records (and must record) coalesced")
-    if len(parts) != len(names) or any(x.get("t") != "tensor" for x in node["v"]):
-        raise _bad(where, path, f"a sparse {layout} tensor has {', '.join(names)}")
-    if not all(isinstance(p, torch.Tensor) for p in parts):
-        return SparseRef(layout, tuple(size), coalesced, tuple(parts))
-    problem = sparse_problem(
-        layout, size, [(tuple(p.shape), DTYPE_NAMES.get(p.dtype, str(p.dtype))) for p in parts]
-    )
-    if problem is not None:
-        raise _bad(where, path, f"a sparse {layout} tensor whose {problem}")
-    # Stand-ins (meta tensors) hold no values to check; real parts come from an untrusted file,
-    # and an index out of bounds would make later sparse kernels read out of bounds: check.
-    check = not any(p.is_meta for p in parts)
-    if layout == "coo":
-        return torch.sparse_coo_tensor(
-            parts[0], parts[1], size, is_coalesced=coalesced, check_invariants=check
-        )
-    return torch.sparse_compressed_tensor(
-        parts[0], parts[1], parts[2], size, layout=torch_layout, check_invariants=check
-    )

@@ -7,7 +7,7 @@ selects, matches and restores nothing. ``load(verify="all")`` does the same chec
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +62,7 @@ def verify(
     workers: int = DEFAULT_READ_THREADS,
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> VerifyReport:
     """Check every byte of a checkpoint against its checksums; raise CorruptCheckpointError if any fail.
 
@@ -73,7 +74,8 @@ def verify(
     When ``torch.distributed`` is initialized the pass is collective: every rank of
     ``process_group`` calls it, each checks a share of the files (balanced by bytes), and
     every rank returns the same report or raises the same error. ``timeout`` bounds the wait
-    for the other ranks.
+    for the other ranks. ``path`` may be a URL (``memory://``, ``s3://``, any fsspec URL),
+    with ``storage_options`` for its backend (see ``tg.save``).
 
     >>> report = tg.verify("ckpt/step-100")     # doctest: +SKIP
     >>> print(report.nbytes, report.throughput_gbps)  # doctest: +SKIP
@@ -83,7 +85,7 @@ def verify(
     seen: dict[str, Any] = {}
 
     def local() -> bytes:
-        storage, name, m = open_manifest(path)
+        storage, name, m = open_manifest(path, storage_options)
         return str(_check_checkpoint(storage, name, m, workers, ranks, seen)).encode()
 
     if ranks is None:

@@ -49,11 +49,66 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["ls", "{dir}"], ["gc", "{dir}"]])
-def test_cheap_commands_do_not_import_torch(ckpts: Path, argv: list[str]) -> None:
-    proc, modules = _imports(*(a.format(dir=ckpts) for a in argv))
+@pytest.fixture(scope="module")
+def rich(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint holding every leaf whose value is torch's: inspect shows them all."""
+    path = tmp_path_factory.mktemp("rich") / "step-000000007"
+    state = {
+        "w": torch.ones(3),
+        "dtype": torch.bfloat16,
+        "size": torch.Size([2, 3]),
+        "device": torch.device("cuda", 1),
+        "gen": torch.Generator(),
+        "keyed": {torch.float16: 1, torch.device("cpu"): 2},
+        "c": torch.ones(2, dtype=torch.complex64),
+        "sparse": torch.eye(3).to_sparse(),
+        "packed": list(range(100)),
+    }
+    tg.save(path, state, step=7)
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--version"],
+        ["--help"],
+        ["ls", "{dir}"],
+        ["gc", "{dir}"],
+        ["inspect", "{rich}"],
+        ["inspect", "--json", "{rich}"],
+    ],
+)
+def test_cheap_commands_do_not_import_torch(ckpts: Path, rich: Path, argv: list[str]) -> None:
+    proc, modules = _imports(*(a.format(dir=ckpts, rich=rich) for a in argv))
     assert proc.returncode == 0, proc.stderr
     assert "torch" not in modules
+    if argv[0] == "inspect" and "--json" not in argv:
+        # The torch values are shown as torch writes them, without torch.
+        for line in (
+            "dtype: torch.bfloat16",
+            "size: torch.Size([2, 3])",
+            "device: device(type='cuda', index=1)",
+            "gen: torch.Generator(cpu)",
+            "torch.float16: 1",
+            "device(type='cpu'): 2",
+            "c: C64[2]  16 B",
+            "sparse: sparse coo F32[3, 3]  nnz=3  60 B",
+            "packed: list[100] of int: [0, 1, 2, ..., 99]",
+        ):
+            assert line in proc.stdout, proc.stdout
+
+
+def test_inspect_shows_torch_values_as_the_library_decodes_them(rich: Path) -> None:
+    # The torch-free stand-ins print as the values tg.load returns do.
+    from tardigrade.format.tree import decode
+
+    ckpt = tg.Checkpoint.open(rich)
+    real = ckpt.read()
+    shown = decode(ckpt.manifest.raw["tree"], lambda n, p: None, "t", stand_ins=True)
+    for key in ("dtype", "size", "device"):
+        assert repr(shown[key]) == repr(real[key])
+    assert [repr(k) for k in shown["keyed"]] == [repr(k) for k in real["keyed"]]
 
 
 def test_a_command_still_runs_with_only_its_own_module_imported(ckpts: Path) -> None:
@@ -149,6 +204,54 @@ def test_verify_and_export_draw_progress_on_a_terminal_only(
     assert main(["verify", ck]) == 0
     assert main(["export", ck, str(tmp_path / "b.safetensors")]) == 0
     assert "[" not in capsys.readouterr().err
+
+
+def _gc_leftover(root: Path) -> None:
+    dead = root / ".tmp-step-000000003-abc"
+    dead.mkdir(exist_ok=True)
+    (dead / "data-00000-of-00001.safetensors").write_bytes(b"x" * 3000)
+
+
+def test_diff_and_gc_draw_progress_on_a_terminal(ckpts: Path, tmp_path: Path) -> None:
+    a, b = str(ckpts / "step-000000001"), str(ckpts / "step-000000002")
+    assert "diff (MiB) [" in _on_a_terminal("diff", a, b)
+    _gc_leftover(tmp_path)
+    shown = _on_a_terminal("gc", str(tmp_path))
+    assert f"gc {tmp_path} [##############################] 1/1  2.9 KiB freed" in shown
+    assert not (tmp_path / ".tmp-step-000000003-abc").exists()
+
+
+@pytest.mark.parametrize("flag", ["--quiet", "--json", None])
+def test_diff_and_gc_draw_no_bar_with_quiet_or_json_or_off_a_terminal(
+    ckpts: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flag: str | None,
+) -> None:
+    if flag is not None:  # the terminal path, in process: stderr claims to be a terminal
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    flags = [flag] if flag else []
+    _gc_leftover(tmp_path)
+    assert main(["gc", *flags, str(tmp_path)]) == 0
+    assert not (tmp_path / ".tmp-step-000000003-abc").exists()
+    assert main(["diff", *flags, str(ckpts / "step-000000001"), str(ckpts / "step-000000002")]) == 1
+    assert "[" not in capsys.readouterr().err
+
+
+def test_gc_counts_each_leftover_in_its_bar(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The terminal path in process: stderr claims to be a terminal.
+    for i in range(3):
+        dead = tmp_path / f".tmp-step-00000000{i}-abc"
+        dead.mkdir()
+        (dead / "data").write_bytes(b"x" * 1024 * (i + 1))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["gc", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "] 3/3  6.0 KiB freed" in err and "] 1/3" in err
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
 
 
 def test_the_torch_free_item_sizes_are_torchs() -> None:

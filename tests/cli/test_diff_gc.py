@@ -257,3 +257,20 @@ def test_gc_of_a_missing_directory_fails_clearly(
     rc, _, err = cli(capsys, "gc", tmp_path / "nope")
     assert rc == 1 and "does not exist" in err
     assert not (tmp_path / "nope").exists()  # gc does not create it
+
+
+def test_tidy_reports_each_leftover_to_progress_on_an_object_store() -> None:
+    # memory:// commits like a store (data objects, then the manifest): what a dead save left
+    # under a name without a manifest goes, and gc's bar hears of each item as it goes.
+    from tardigrade import Catalog
+    from tardigrade.storage import open_root
+
+    root = "memory://tidy-progress"
+    tg.save(f"{root}/step-000000001", state())
+    storage = open_root(root)
+    for step, save_id in ((2, "0123456789abcdef"), (3, "fedcba9876543210")):
+        storage.put(f"step-00000000{step}/{save_id}.data-0", b"x" * 100)
+    seen: list = []
+    done = Catalog(storage).tidy(progress=seen.append)
+    assert seen == done and [t.name for t in done] == ["step-000000002", "step-000000003"]
+    assert storage.list() == ["step-000000001"]

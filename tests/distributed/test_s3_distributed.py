@@ -5,6 +5,7 @@ AWS_* variables, as on a real cluster."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any
 
@@ -69,3 +70,33 @@ def test_two_ranks_save_on_s3_and_load_on_two_and_on_one(s3_env: Any) -> None:
     names = root.list("ckpt")
     assert "manifest.json" in names and len(names) == len(m["files"]) + 1, names
     root.delete("")
+
+
+def save_rank_with_options(rank: int, world: int, ckpt: str, opts: dict[str, Any]) -> Any:
+    assert not any(k.startswith("AWS_") for k in os.environ)  # the options are all it has
+    tg.save(ckpt, state_on(rank, world, fill=True), step=3, storage_options=opts)
+    return tg.read_manifest(ckpt, storage_options=opts)["world_size"]
+
+
+def load_rank_with_options(rank: int, world: int, ckpt: str, opts: dict[str, Any]) -> Any:
+    state = state_on(rank, world, fill=False)
+    tg.load(ckpt, into=state, storage_options=opts)
+    tg.verify(ckpt, storage_options=opts)  # collective too
+    lo, hi = rows_of(rank, world)
+    assert torch.equal(state["emb"].local, full()[lo:hi])
+    return state["mine"].value["rank"]
+
+
+def test_collective_save_and_load_take_storage_options(
+    s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)  # the ranks inherit this environment
+    opts = s3_server.options()
+    ckpt = f"s3://{s3_server.bucket}/dist-{uuid.uuid4().hex[:12]}/ckpt"
+    assert run_ranks(save_rank_with_options, 2, ckpt, opts, timeout=120) == [2, 2]
+    assert run_ranks(load_rank_with_options, 2, ckpt, opts, timeout=120) == [0, 1]
+    from tardigrade.storage import open_root
+
+    open_root(ckpt.rsplit("/", 1)[0], opts).delete("")

@@ -304,3 +304,33 @@ def test_rank_counts_the_moment_in_one_rank_and_the_whole_job_dies(tmp_path: Pat
             assert select.select([fd], [], [], 60)[0] == [fd], f"rank process {pid} survived"
         finally:
             os.close(fd)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("phase", "rank"), [("tg.save (begin)", 0), ("tg.save (write and commit)", 1)]
+)
+def test_a_rank_killed_between_the_phases_of_a_collective_save_commits_nothing(
+    tmp_path: Path, phase: str, rank: int
+) -> None:
+    """Between two phases of the second save (every rank done with the phase before, none
+    in this one): the first checkpoint stays whole, the second is invisible."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    r = kill_during(script, [str(d)], at="phase", phase=phase, nth=2, rank=rank, env=env)
+    assert r.killed and r.rank == rank, r.tail()
+    assert r.where == f"phase #2: rank {rank} entering {phase!r}", r.where
+    assert r.counts["phase"] == 2, r.counts  # only the phases of that name are counted
+    assert r.stdout.count("SAVED") == 2, "both ranks returned from the first save"
+    first = tg.load(d / "ckpt-0")
+    assert torch.equal(first["w"], torch.ones(1000))
+    assert tg.verify(d / "ckpt-0").tensors == 2
+    assert_invisible(d / "ckpt-1")
+
+
+def test_a_phase_kill_point_is_checked_when_made() -> None:
+    with pytest.raises(tg.InvalidArgumentError, match="phase must be a non-empty part"):
+        kill_during(code="pass", at="phase", phase="")

@@ -8,6 +8,12 @@ accelerator.save_state() every 4 steps into PROJECT/checkpoints (automatic namin
 3). It always calls accelerator.load_state() first: a fresh project starts from scratch, a
 killed one resumes from its newest complete checkpoint. --kill-at SIGKILLs the process after
 that step. Each step's loss goes to OUT/steps.log; the final state to OUT/final.
+
+Under torchrun (several processes, DDP over gloo) the loader is not prepared: accelerate would
+split its batches over the processes, which a saved position does not follow. The sampler is
+built after the Accelerator, so it takes its rank and world size from the process group and
+hands each rank its own share, and it is registered for checkpointing (its position is the
+same on every rank). Each rank draws its own dropout masks; rank 0 logs the steps.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ def main() -> None:
     model = _common.net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
-    sampler = tg.ResumableSampler(_common.N, seed=3)
+    sampler = tg.ResumableSampler(_common.N, seed=3)  # this rank's share under torchrun
     loader = DataLoader(
         tg.SeededDataset(_common.Augmented()),
         batch_size=_common.BATCH,
@@ -72,12 +78,18 @@ def main() -> None:
         num_workers=a.workers,
         generator=sampler.generator,
     )
-    model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
     counter = Counter()
+    ranks = accelerator.num_processes
+    if ranks == 1:
+        model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
+    else:
+        model, opt, sched = accelerator.prepare(model, opt, sched)
+        accelerator.register_for_checkpointing(sampler)
+        torch.manual_seed(1000 + accelerator.process_index)  # each rank its own dropout
     accelerator.register_for_checkpointing(counter)
     accelerator.load_state()  # the newest complete checkpoint, or nothing on a fresh project
 
-    total = a.epochs * (_common.N // _common.BATCH)
+    total = a.epochs * (_common.N // (_common.BATCH * ranks))
     model.train()
     while counter.step < total:
         for x, y in sampler.track(loader):
@@ -87,7 +99,8 @@ def main() -> None:
             sched.step()
             opt.zero_grad()
             counter.step += 1
-            _common.log_step(out, step=counter.step, epoch=sampler.epoch, loss=loss.item())
+            if accelerator.is_main_process:
+                _common.log_step(out, step=counter.step, epoch=sampler.epoch, loss=loss.item())
             if counter.step % 4 == 0:
                 accelerator.save_state()
             if counter.step == a.kill_at:

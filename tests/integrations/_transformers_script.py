@@ -1,16 +1,23 @@
 """Train with transformers.Trainer through Tardigrade, for test_transformers.py.
 
     python _transformers_script.py OUT RUN EPOCHS [--kill-at STEP] [--resume] [--workers N]
+                                   [--best]
 
 RUN is the Trainer's output_dir: a checkpoint every 4 steps, save_total_limit=3. With
 --kill-at the process SIGKILLs itself after that step; --resume passes
 resume_from_checkpoint=True. Each step's loss goes to OUT/steps.log; at the end the model and
 optimizer state go to OUT/final with the Trainer's step and epoch.
+
+--best evaluates on a fixed set at every checkpoint and tracks the best model
+(load_best_model_at_end; metric_for_best_model="eval_loss" with greater_is_better, so the
+first checkpoint is the best; save_total_limit=2: rotation keeps the best besides the
+newest); OUT/best.json records where the Trainer found it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -54,6 +61,21 @@ class AsDict(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"x": x, "labels": y}
 
 
+class Fixed(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """An evaluation set without augmentation: the same loss for the same model, every run."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(99)
+        self.x = torch.randn(12, _common.FEATURES, generator=g)
+        self.y = torch.randint(0, _common.CLASSES, (12,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
 class StepLog(TrainerCallback):
     def __init__(self, out: Path, kill_at: int) -> None:
         self.out, self.kill_at = out, kill_at
@@ -80,6 +102,7 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=-1)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--best", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
     out = Path(a.out)
@@ -91,7 +114,21 @@ def main() -> None:
         learning_rate=0.01,
         save_strategy="steps",
         save_steps=4,
-        save_total_limit=3,
+        save_total_limit=2 if a.best else 3,
+        **(
+            {
+                "eval_strategy": "steps",
+                "eval_steps": 4,
+                "per_device_eval_batch_size": 4,
+                "load_best_model_at_end": True,
+                "metric_for_best_model": "eval_loss",
+                # The loss falls over this run, so the best checkpoint is the first one: it
+                # must outlive rotation and the resume, and loading it at the end matters.
+                "greater_is_better": True,
+            }
+            if a.best
+            else {}
+        ),
         logging_strategy="no",
         report_to="none",
         dataloader_num_workers=a.workers,
@@ -106,12 +143,20 @@ def main() -> None:
         model=model,
         args=args,
         train_dataset=tg.SeededDataset(AsDict()),
+        eval_dataset=Fixed() if a.best else None,
         callbacks=[StepLog(out, a.kill_at)],
     )
     # Each rank its own random streams (dropout differs per rank), as in real jobs: a resume
     # must give every rank back its own RNGs, not rank 0's.
     torch.manual_seed(1000 + args.process_index)
     trainer.train(resume_from_checkpoint=True if a.resume else None)
+    if a.best:
+        best = {
+            "checkpoint": os.path.basename(trainer.state.best_model_checkpoint),
+            "metric": float(trainer.state.best_metric).hex(),
+            "step": trainer.state.best_global_step,
+        }
+        (out / "best.json").write_text(json.dumps(best))
     tg.save(
         out / "final",
         {

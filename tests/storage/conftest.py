@@ -1,9 +1,16 @@
 """Every backend under the one contract: a fixture per backend, rooted in a fresh place.
 
 Tests that take ``root_url`` or ``storage`` run once per backend: a local directory,
-``memory://`` and ``s3://`` on the session's SeaweedFS server (``tests/conftest.py``; its
+``memory://``, ``s3://`` on the session's SeaweedFS server (``tests/conftest.py``; its
 endpoint and credentials reach the code under test through the AWS_* environment variables,
-as a user's would).
+as a user's would) and the generic fsspec backend.
+
+The fsspec backend is tested through a filesystem registered with fsspec under a test-only
+scheme, ``tgfs://``: fsspec's own in-process memory filesystem with a store of its own. It is
+found as a third-party filesystem (gcsfs, adlfs) is, by fsspec's registry, so the whole path
+runs: the scheme lookup, ``url_to_fs`` with the storage options, transactions, the
+create-only probe. An in-process store keeps it fast and deterministic; fsspec's local
+filesystem would add nothing the local backend does not test, and no object store semantics.
 """
 
 from __future__ import annotations
@@ -13,11 +20,31 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from tardigrade.storage import Storage, open_root
 
-BACKENDS = ["local", "memory", "s3"]
+BACKENDS = ["local", "memory", "s3", "fsspec"]
+FSSPEC_SCHEME = "tgfs"
+
+
+class TestFileSystem(MemoryFileSystem):
+    """fsspec's memory filesystem under ``tgfs://``, with a store of its own."""
+
+    __test__ = False  # not a test class, despite its name
+    protocol = (FSSPEC_SCHEME,)
+    store: dict[str, Any] = {}
+    pseudo_dirs = [""]
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        path = str(path)
+        return super()._strip_protocol(path.removeprefix(f"{FSSPEC_SCHEME}://"))
+
+
+fsspec.register_implementation(FSSPEC_SCHEME, TestFileSystem, clobber=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -57,6 +84,10 @@ def root_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     elif request.param == "s3":
         server = request.getfixturevalue("s3_env")
         url = f"s3://{server.bucket}/t-{uuid.uuid4().hex[:12]}/root"
+        yield url
+        open_root(url).delete("")
+    elif request.param == "fsspec":
+        url = f"{FSSPEC_SCHEME}://test-{uuid.uuid4().hex}/root"
         yield url
         open_root(url).delete("")
     else:

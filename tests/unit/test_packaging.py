@@ -41,7 +41,7 @@ def test_metadata_version_is_the_package_version() -> None:
 
 def test_no_extra_without_a_use() -> None:
     extras = importlib.metadata.metadata(DIST).get_all("Provides-Extra") or []
-    expected = ["accelerate", "bench", "docs", "lightning", "s3", "test", "transformers"]
+    expected = ["accelerate", "bench", "docs", "fsspec", "lightning", "s3", "test", "transformers"]
     assert sorted(extras) == expected
 
 

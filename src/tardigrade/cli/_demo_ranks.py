@@ -28,7 +28,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 from .. import Checkpoint, verify
@@ -42,6 +42,7 @@ from ._demo_run import (
     check_args,
     first_difference,
     identical,
+    listed_json,
     prepare_dir,
     print_outcome,
 )
@@ -166,9 +167,13 @@ def _drop_option(cmd: list[str], option: str) -> list[str]:
     return cmd[:i] + cmd[i + 2 :]
 
 
-def _fail(what: str, run: RanksRun) -> int:
+def _fail(what: str, run: RanksRun, as_json: bool = False) -> int:
     codes = ", ".join(f"rank {r}: {c}" for r, c in enumerate(run.returncodes))
     print(f"tardigrade: error: {what} (exit status {codes})", file=sys.stderr)
+    if as_json:  # a script reading stdout learns the demo failed, not only the exit status
+        report = {"bit_identical": None, "error": what, "returncodes": run.returncodes}
+        tails = [err.strip().splitlines()[-12:] for err in run.stderr]
+        print(json.dumps({**report, "stderr_tails": tails}, indent=2))
     for rank, err in enumerate(run.stderr):
         tail = err.strip().splitlines()[-12:]
         if tail:
@@ -201,9 +206,10 @@ def run(args: argparse.Namespace) -> int:
     world = args.ranks
     started = time.perf_counter()
     ckpt_dir = prepare_dir(args.dir)
-    show = False if args.no_progress else None
+    show = False if args.no_progress or args.json else None
     common, managed = worker_args(args, ckpt_dir)
-    print(
+    say = (lambda *a: None) if args.json else print
+    say(
         f"tardigrade demo --ranks {world}: {world} processes (a gloo group on 127.0.0.1) train "
         f"an MLP with dropout data-parallel\nfor {args.steps} steps: each rank draws its share of "
         "every batch from tg.ResumableSampler, its own\ndropout masks (tg.PerRank(tg.RNGState())), "
@@ -225,13 +231,17 @@ def run(args: argparse.Namespace) -> int:
             or first.returncodes[VICTIM] != -signal.SIGKILL
             or sorted(f["rank"] for f in first.failures) != survivors
         ):
-            return _fail("run 1 was not killed in the middle of a save as planned", first)
+            return _fail(
+                "run 1 was not killed in the middle of a save as planned", first, args.json
+            )
         listing = list_checkpoints(ckpt_dir)
         committed_1 = [c for c in listing if c.status == COMMITTED]
         leftovers = [c.name for c in listing if c.status == INCOMPLETE_TMP]
         killed_step = first.killed["step"]
         if not committed_1 or any(c.step == killed_step for c in committed_1):
-            return _fail(f"run 1 left no usable checkpoint or committed step {killed_step}", first)
+            return _fail(
+                f"run 1 left no usable checkpoint or committed step {killed_step}", first, args.json
+            )
         newest = committed_1[-1]
         intact = verify(os.path.join(ckpt_dir, newest.name))
 
@@ -248,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
             workdir=tmp,
         )
         if any(second.returncodes) or second.restored is None:
-            return _fail("run 2 (resume) failed", second)
+            return _fail("run 2 (resume) failed", second, args.json)
 
         reference_final = os.path.join(tmp, "reference")
         third = run_ranks(
@@ -258,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
             workdir=tmp,
         )
         if any(third.returncodes):
-            return _fail("run 3 (uninterrupted reference) failed", third)
+            return _fail("run 3 (uninterrupted reference) failed", third, args.json)
         resumed = final_states(resumed_final, world)
         reference = final_states(reference_final, world)
 
@@ -274,6 +284,45 @@ def run(args: argparse.Namespace) -> int:
         ),
     ]
     failure = first.failures[0]
+    if args.json:
+        same = all(ok for _, ok in checks)
+        runs = ((1, first), (2, second), (3, third))
+        report = {
+            "bit_identical": same,
+            "checks": [{"what": what, "identical": ok} for what, ok in checks],
+            "first_differing_loss_step": first_difference(losses_a, losses_b),
+            "ranks": world,
+            "dir": args.dir,
+            "steps": args.steps,
+            "every": args.every,
+            "keep_last": args.keep_last,
+            "seed": args.seed,
+            "killed": {
+                "rank": VICTIM,
+                "step": killed_step,  # the collective save rank VICTIM was writing
+                "file": first.killed["file"],
+                "failures": first.failures,  # what the surviving ranks raised
+                "on_disk_after": listed_json(listing),
+                "resumed_from": newest.name,
+                "verified": asdict(intact),
+            },
+            "restored": second.restored,  # what tg.load(into=state) restored on run 2's ranks
+            "resumed_from_step": second.restored["step"],
+            "runs": [
+                {
+                    "run": i,
+                    "returncodes": r.returncodes,
+                    "last_step": r.last_step,
+                    "seconds": r.seconds,
+                }
+                for i, r in runs
+            ],
+            "saves": [{"run": i, **s} for i, r in runs[:2] for s in r.saves],
+            "checkpoints": listed_json(list_checkpoints(ckpt_dir)),
+            "seconds": round(time.perf_counter() - started, 3),
+        }
+        print(json.dumps(report, indent=2))
+        return 0 if same else 1
     print()
     staging, _, file = first.killed["file"].partition(os.sep)
     print(

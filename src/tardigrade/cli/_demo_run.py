@@ -113,6 +113,13 @@ def _span(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} to {names[-1]}"
 
 
+def listed_json(entries: list[Any]) -> list[dict[str, Any]]:
+    """Checkpoints as the demo's ``--json`` report lists them."""
+    return [
+        {"name": c.name, "step": c.step, "nbytes": c.nbytes, "status": c.status} for c in entries
+    ]
+
+
 def print_outcome(
     heading: str, listing: list[Any], checks: list[tuple[str, bool]], seconds: float, hint: str
 ) -> bool:

@@ -37,6 +37,8 @@ from ..errors import (
     UnsupportedTypeError,
 )
 from ._output import ReadProgress, human_bytes
+from ._storage_options import add_argument as add_storage_option
+from ._storage_options import storage_options
 
 HELP = "import a torch.save file, a PyTorch DCP checkpoint or a safetensors folder"
 
@@ -77,6 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DEST")
     p.add_argument("--json", action="store_true", help="print what was converted as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_storage_option(p)  # for DEST; SOURCE is read from local files
     p.set_defaults(run=run)
 
 
@@ -348,7 +351,14 @@ def run(args: argparse.Namespace) -> int:
     tensors, nbytes, others = count_tensors(state)
     metadata = {"converted_from": {"kind": kind, "source": os.path.abspath(source)}, **extra}
     try:
-        save(args.dest, state, overwrite=args.overwrite, step=args.step, metadata=metadata)
+        save(
+            args.dest,
+            state,
+            overwrite=args.overwrite,
+            step=args.step,
+            metadata=metadata,
+            storage_options=storage_options(args, args.dest),
+        )
     except CheckpointExistsError as e:  # name the flag, not tg.save's argument
         raise CheckpointExistsError(str(e).replace("overwrite=True", "--overwrite")) from None
     report = {

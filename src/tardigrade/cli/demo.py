@@ -40,6 +40,7 @@ from ._demo_run import (
     check_args,
     first_difference,
     identical,
+    listed_json,
     prepare_dir,
     print_outcome,
 )
@@ -96,7 +97,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: 1, one process with a tg.CheckpointManager)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of data, model and shuffling")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        "--no-progress",
+        dest="no_progress",
+        action="store_true",
+        help="no progress bar (as every command's --quiet; --no-progress is the old name)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as one JSON object (verdict, checks, kill point, restore, saves, "
+        "checkpoints left) instead of text; no progress bar",
+    )
     p.set_defaults(run=run)
 
 
@@ -186,9 +200,12 @@ def _kill_after(proc: subprocess.Popen[str], seconds: float) -> threading.Timer:
 # ----------------------------------------------------------------------------------------------
 
 
-def _fail(what: str, child: ChildRun) -> int:
+def _fail(what: str, child: ChildRun, as_json: bool = False) -> int:
     print(f"tardigrade: error: {what} (exit status {child.returncode})", file=sys.stderr)
     tail = child.stderr.strip().splitlines()[-20:]
+    if as_json:  # a script reading stdout learns the demo failed, not only the exit status
+        report = {"bit_identical": None, "error": what, "returncode": child.returncode}
+        print(json.dumps({**report, "stderr_tail": tail}, indent=2))
     if tail:
         print("  " + "\n  ".join(tail), file=sys.stderr)
     return 1
@@ -242,6 +259,46 @@ def report_restore(restored: dict[str, Any], ckpt_dir: str, shown_as: str) -> li
     return lines
 
 
+def _json_report(
+    args: argparse.Namespace,
+    ckpt_dir: str,
+    runs: tuple[ChildRun, ChildRun, ChildRun],
+    checks: list[tuple[str, bool]],
+    on_disk: list[Any],
+    lock_left: bool,
+) -> dict[str, Any]:
+    """What the text report says, as one JSON object (``--json``)."""
+    first, second, third = runs
+    restored = second.restored or {}
+    saves = [{"run": i, **s} for i, child in ((1, first), (2, second)) for s in child.saves]
+    return {
+        "bit_identical": all(ok for _, ok in checks),
+        "checks": [{"what": what, "identical": ok} for what, ok in checks],
+        "ranks": 1,
+        "dir": args.dir,
+        "steps": args.steps,
+        "every": args.every,
+        "keep_last": args.keep_last,
+        "seed": args.seed,
+        "killed": {
+            "step": first.killed_in_save,  # the save in flight when run 1 was SIGKILLed
+            "training_step": first.last_step,
+            "staging_file": first.staging_file,
+            "on_disk_after": listed_json(on_disk),
+            "lock_left": lock_left,
+        },
+        "restored": restored,  # what mgr.restore() did in run 2: step, name, skipped, ...
+        "resumed_from_step": restored.get("step"),
+        "runs": [
+            {"run": i, "returncode": c.returncode, "last_step": c.last_step, "seconds": c.seconds}
+            for i, c in ((1, first), (2, second), (3, third))
+        ],
+        "saves": saves,  # mgr.stats entries of runs 1 and 2
+        "stats": second.stats,  # run 2's mgr.stats totals after mgr.close()
+        "checkpoints": listed_json(list_checkpoints(ckpt_dir)),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     if args.ranks > 1:
         # Imports torch.distributed, which the one-process demo does not need.
@@ -251,13 +308,14 @@ def run(args: argparse.Namespace) -> int:
     kill_at = check_args(args)
     started = time.perf_counter()
     ckpt_dir = prepare_dir(args.dir)
-    show = False if args.no_progress else None
+    show = False if args.no_progress or args.json else None
     common = ["--steps", str(args.steps), "--seed", str(args.seed)]
     managed = [
         *("--ckpt-dir", ckpt_dir, "--every", str(args.every)),
         *("--keep-last", str(args.keep_last)),
     ]
-    print(
+    say = (lambda *a: None) if args.json else print
+    say(
         f"tardigrade demo: {args.steps} steps of an MLP with dropout, Adam, cosine LR and "
         "shuffled batches\n(a DataLoader over tg.ResumableSampler), checkpointed by\n"
         f'  mgr = tg.CheckpointManager("{args.dir}", state, every_steps={args.every}, '
@@ -271,7 +329,9 @@ def run(args: argparse.Namespace) -> int:
             workdir=tmp,
         )
         if first.killed_in_save is None or first.returncode != -signal.SIGKILL:
-            return _fail("run 1 was not killed in the middle of a save as planned", first)
+            return _fail(
+                "run 1 was not killed in the middle of a save as planned", first, args.json
+            )
         on_disk = list_checkpoints(ckpt_dir)
         lock_left = Catalog(ckpt_dir).storage.exists(LOCK)
 
@@ -282,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
             workdir=tmp,
         )
         if second.returncode != 0 or second.restored is None:
-            return _fail("run 2 (resume) failed", second)
+            return _fail("run 2 (resume) failed", second, args.json)
 
         reference_final = os.path.join(tmp, "reference")
         third = run_child(
@@ -291,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
             workdir=tmp,
         )
         if third.returncode != 0:
-            return _fail("run 3 (uninterrupted reference) failed", third)
+            return _fail("run 3 (uninterrupted reference) failed", third, args.json)
 
         resumed = load(resumed_final)
         reference = load(reference_final)
@@ -313,6 +373,14 @@ def run(args: argparse.Namespace) -> int:
     ]
     restored = second.restored
     resumed_step = restored["step"]
+    if args.json:
+        report = _json_report(args, ckpt_dir, (first, second, third), checks, on_disk, lock_left)
+        report.update(
+            first_differing_loss_step=first_difference(resumed["losses"], reference["losses"]),
+            seconds=round(time.perf_counter() - started, 3),
+        )
+        print(json.dumps(report, indent=2))
+        return 0 if report["bit_identical"] else 1
 
     print()
     committed_1 = [c.name for c in on_disk if c.status == COMMITTED]

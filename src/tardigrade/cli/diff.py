@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,9 @@ from ..errors import TardigradeError
 from ..format.dtypes import TORCH_DTYPES
 from ..format.manifest import Manifest
 from ._listing import require_single
-from ._output import error
+from ._output import ReadProgress, error
+from ._storage_options import add_argument as add_storage_option
+from ._storage_options import storage_options
 
 HELP = "show what differs between two checkpoints"
 
@@ -46,8 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "usage."
         ),
     )
-    p.add_argument("a", metavar="A", help="a checkpoint directory")
-    p.add_argument("b", metavar="B", help="another checkpoint directory")
+    p.add_argument("a", metavar="A", help="a checkpoint directory, or its URL")
+    p.add_argument("b", metavar="B", help="another checkpoint directory, or its URL")
     p.add_argument("--json", action="store_true", help="print the differences as JSON")
     p.add_argument(
         "--checksums-only",
@@ -58,6 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "damaged after its save is not detected"
         ),
     )
+    add_storage_option(p)  # for whichever of A and B is a URL
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
@@ -68,9 +73,9 @@ def _text(t: TensorRef) -> str:
 class _Side:
     """One checkpoint: its manifest and its leaves by path."""
 
-    def __init__(self, path: str) -> None:
-        require_single(path)
-        self.ckpt = Checkpoint.open(path)
+    def __init__(self, path: str, options: Mapping[str, Any] | None = None) -> None:
+        require_single(path, options)
+        self.ckpt = Checkpoint.open(path, options)
         self.m = self.ckpt.manifest
         self.leaves: dict[tuple[Any, ...], Any] = {}
         self.containers: dict[tuple[Any, ...], str] = {}
@@ -149,13 +154,21 @@ def _same_tensor(a: _Side, ta: TensorRef, b: _Side, tb: TensorRef) -> bool:
     return torch.equal(_bits(xa), _bits(xb))
 
 
-def compare(path_a: str, path_b: str, *, verified: bool = True) -> list[dict[str, str]]:
+def compare(
+    path_a: str,
+    path_b: str,
+    *,
+    verified: bool = True,
+    options_a: Mapping[str, Any] | None = None,
+    options_b: Mapping[str, Any] | None = None,
+) -> list[dict[str, str]]:
     """Every difference between the states of two checkpoints, in path order.
 
     With ``verified`` (the default) both checkpoints pass a full checksum pass first
     (CorruptCheckpointError otherwise), so equal recorded checksums mean equal bytes on disk.
+    ``options_a`` and ``options_b`` are the storage options of each location.
     """
-    a, b = _Side(path_a), _Side(path_b)
+    a, b = _Side(path_a, options_a), _Side(path_b, options_b)
     if verified:
         a.ckpt.verify()
         b.ckpt.verify()
@@ -212,10 +225,26 @@ def compare(path_a: str, path_b: str, *, verified: bool = True) -> list[dict[str
 EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
 
+def _data_bytes(*where: tuple[str, dict[str, Any] | None]) -> int:
+    try:
+        return sum(Checkpoint.open(p, options).nbytes for p, options in where)
+    except TardigradeError:
+        return 0  # compare() says what is wrong
+
+
 def run(args: argparse.Namespace) -> int:
     verified = not args.checksums_only
+    # On a terminal, a bar of the bytes read while both checkpoints are verified (stderr);
+    # --checksums-only reads manifests (and rarely a tensor or two): no bar.
+    show = verified and not (args.json or args.quiet)
     try:
-        diffs = compare(args.a, args.b, verified=verified)
+        options_a = storage_options(args, args.a, args.b)
+        options_b = storage_options(args, args.b, args.a)
+        nbytes = _data_bytes((args.a, options_a), (args.b, options_b)) if show else 0
+        with ReadProgress(nbytes, "diff", enabled=show):
+            diffs = compare(
+                args.a, args.b, verified=verified, options_a=options_a, options_b=options_b
+            )
     except (TardigradeError, OSError) as e:
         # Not "different": the comparison could not be made (like cmp(1), errors exit 2).
         where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""

@@ -22,6 +22,8 @@ from ..format.dtypes import TORCH_DTYPES
 from ..format.manifest import Manifest
 from ._listing import require_single
 from ._output import ProgressBar, human_bytes
+from ._storage_options import add_argument as add_storage_option
+from ._storage_options import storage_options
 from .inspect import per_rank_paths
 
 HELP = "write a checkpoint's tensors (e.g. the model weights) to one .safetensors file"
@@ -64,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "the rank whose values to write."
         ),
     )
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory")
+    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory, or its URL")
     p.add_argument("out", metavar="OUT.safetensors", help="file to write")
     p.add_argument(
         "--keys",
@@ -90,6 +92,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_storage_option(p)  # for CKPT; OUT is a local file
     p.set_defaults(run=run)
 
 
@@ -199,8 +202,9 @@ def run(args: argparse.Namespace) -> int:
     out_dir = os.path.dirname(os.path.abspath(out_path))
     if args.no_prefix and len(keys) != 1:
         raise InvalidArgumentError("--no-prefix needs exactly one --keys KEY")
-    require_single(args.ckpt)
-    ckpt = Checkpoint.open(args.ckpt)
+    options = storage_options(args, args.ckpt)
+    require_single(args.ckpt, options)
+    ckpt = Checkpoint.open(args.ckpt, options)
     m = ckpt.manifest
     manifest = m.raw
     where = ckpt.url

@@ -12,7 +12,10 @@ import json
 
 from .. import Catalog
 from ..errors import CheckpointNotFoundError
-from ._output import human_bytes
+from ..storage.base import Tidied
+from ._output import ProgressBar, human_bytes
+from ._storage_options import add_argument as add_storage_option
+from ._storage_options import storage_options
 
 HELP = "remove leftovers of interrupted saves from a checkpoint directory"
 
@@ -28,14 +31,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "touched."
         ),
     )
-    p.add_argument("dir", metavar="DIR", help="directory holding checkpoint directories")
+    p.add_argument(
+        "dir", metavar="DIR", help="directory holding checkpoint directories, or its URL"
+    )
     p.add_argument("-n", "--dry-run", action="store_true", help="only print what would be done")
     p.add_argument("--json", action="store_true", help="print what was done as JSON")
+    add_storage_option(p)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    catalog = Catalog(args.dir)
+    catalog = Catalog(args.dir, storage_options(args, args.dir))
     here = catalog.storage.stat("")
     if here is None or not here.is_dir:
         what = "is not a directory" if here is not None else "does not exist"
@@ -46,7 +53,21 @@ def run(args: argparse.Namespace) -> int:
         # held without its record, and removing leftovers is what frees the space.
         lock.acquire()
         lock.check()  # fencing: still ours right before anything is removed
-        done = catalog.tidy(dry_run=args.dry_run)
+        bar = ProgressBar(0, f"gc {args.dir}")
+        if bar.enabled and not (args.json or args.quiet or args.dry_run):
+            # On a terminal: count the leftovers first (a listing), then a bar of their removal.
+            bar.total = max(1, len(catalog.tidy(dry_run=True)))
+            freed = 0
+
+            def progress(t: Tidied) -> None:
+                nonlocal freed
+                freed += t.nbytes
+                bar.update(bar.n + 1, f"{human_bytes(freed)} freed")
+
+            done = catalog.tidy(progress=progress)
+            bar.close()
+        else:
+            done = catalog.tidy(dry_run=args.dry_run)
     finally:
         lock.release()  # never raises; the lock is free however tidy ended
     freed = sum(t.nbytes for t in done if t.action == "removed")

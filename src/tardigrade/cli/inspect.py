@@ -13,12 +13,17 @@ import math
 import re
 from typing import Any
 
-from .. import Checkpoint
+from .. import read_manifest
 from ..errors import CorruptCheckpointError, InvalidArgumentError, TardigradeError
-from ..format.dtypes import COMPLEX_DTYPES, ITEMSIZE
-from ..format.manifest import MANIFEST
+from ..format.manifest import MANIFEST, tree_for
+from ..format.names import COMPLEX_STORED
+from ..format.sizes import ITEMSIZE
+from ..format.tree import decode, float_node
+from ..storage import storage_for
 from ._listing import location_text, require_single
 from ._output import human_bytes, table
+from ._storage_options import add_argument as add_storage_option
+from ._storage_options import storage_options
 
 HELP = "show what a checkpoint holds (reads the manifest only)"
 
@@ -51,7 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "dtype and shape and the value of each small leaf."
         ),
     )
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory (holds manifest.json)")
+    p.add_argument(
+        "ckpt", metavar="CKPT", help="checkpoint directory (holds manifest.json), or its URL"
+    )
     p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     p.add_argument(
         "--depth", type=int, default=None, metavar="N", help="expand the tree N levels deep"
@@ -63,24 +70,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="R",
         help="of a distributed checkpoint's tg.PerRank values, show only rank R's",
     )
+    add_storage_option(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.depth is not None and args.depth < 1:
         raise InvalidArgumentError(f"--depth {args.depth}: must be at least 1")
-    require_single(args.ckpt)
-    ckpt = Checkpoint.open(args.ckpt)
-    manifest = ckpt.manifest
-    m = manifest.raw
-    ranks = _shown_ranks(m, args.rank, args.ckpt)
+    options = storage_options(args, args.ckpt)
+    require_single(args.ckpt, options)
+    m = read_manifest(args.ckpt, options)
+    where = location_text(args.ckpt, options)  # an absolute path, or the URL
+    ranks = _shown_ranks(m, args.rank, where)
     if args.json:
         print(json.dumps(m, indent=2))
         return 0
-    where = location_text(args.ckpt)
     # The manifest's tree is untrusted input: validate it whole before walking it. Each
     # tg.PerRank part is checked in rank 0's view of the tree and then on its own.
-    Checkpoint.decode_node(manifest.tree_for(0, "rank0", where), where)
+    decode_node(tree_for(m, 0, "rank0", where), where)
     for r, parts in enumerate(m.get("per_rank") or []):
         if len(parts) != len(m["per_rank"][0]):
             raise CorruptCheckpointError(
@@ -89,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
                 "Tardigrade"
             )
         for part in parts:
-            Checkpoint.decode_node(part, where)
+            decode_node(part, where)
     try:
-        head = summary(args.ckpt, m, ckpt.manifest_nbytes())
+        head = summary(where, m, _manifest_nbytes(args.ckpt, options))
         tree = render_tree(m, depth=args.depth)
         per_rank = render_per_rank(m, ranks, depth=args.depth)
     except (KeyError, TypeError, ValueError, RecursionError) as e:
@@ -109,6 +116,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def decode_node(node: Any, where: str = "manifest") -> Any:
+    """``Checkpoint.decode_node`` without torch: torch values (a dtype, Size, device or
+    Generator) come back as stand-ins whose repr is torch's, so inspect never imports torch."""
+    return decode(node, lambda n, p: None, where, stand_ins=True)
+
+
+def _manifest_nbytes(location: str, options: dict[str, Any] | None) -> int:
+    """Bytes of the manifest object in storage (0 if it cannot be seen any more)."""
+    try:
+        storage, name = storage_for(location, options)
+        st = storage.stat(f"{name}/{MANIFEST}")
+    except (OSError, TardigradeError):
+        return 0
+    return st.size if st is not None else 0
+
+
 def _shown_ranks(m: dict[str, Any], rank: int | None, ckpt: str) -> list[int]:
     """The ranks whose tg.PerRank values to show: all of them, or the one asked for."""
     saved = len(m.get("per_rank") or [])
@@ -117,8 +140,7 @@ def _shown_ranks(m: dict[str, Any], rank: int | None, ckpt: str) -> list[int]:
     world = m.get("world_size", 1)
     if not 0 <= rank < world:
         raise InvalidArgumentError(
-            f"--rank {rank}: {location_text(ckpt)} was saved by {world} rank(s); give a rank "
-            f"from 0 to {world - 1}"
+            f"--rank {rank}: {ckpt} was saved by {world} rank(s); give a rank from 0 to {world - 1}"
         )
     return [rank] if saved else []
 
@@ -133,7 +155,7 @@ def summary(path: str, m: dict[str, Any], manifest_bytes: int) -> list[str]:
     tensors = m.get("tensors") or []
     file_bytes = sum(f["size"] for f in files)
     lines = [
-        f"{location_text(path)}",
+        path,
         f"  format        tardigrade v{m.get('format_version')}",
         "  written by    " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         f"  step          {_or_dash(m.get('step'))}",
@@ -209,7 +231,7 @@ def scalar_text(node: dict[str, Any], short: bool = False) -> str:
                 f"torch.Generator({kind})" if isinstance(kind, str) else "<malformed 'generator'>"
             )
         if t in ("complex", "npscalar", "size", "device"):
-            return _clip(repr(Checkpoint.decode_node(node)))
+            return _clip(repr(decode_node(node)))
     except (TypeError, ValueError, TardigradeError):
         pass
     return f"<malformed {t!r} value>"
@@ -266,7 +288,7 @@ def _tensor_text(
     nbytes = math.prod(shape) * ITEMSIZE[info["dtype"]]
     extra = " (view of a shared tensor)" if view else ""
     dtype = info["dtype"]
-    if node.get("complex") in COMPLEX_DTYPES:  # stored as its real view: [..., 2]
+    if node.get("complex") in COMPLEX_STORED:  # stored as its real view: [..., 2]
         dtype, shape = node["complex"], shape[:-1]
     layout = layout_text(info, world_size, files)
     return f"{kind}{dtype}{list(shape)}  {human_bytes(nbytes)}{extra}{layout}"
@@ -289,7 +311,7 @@ def _sparse_text(node: dict[str, Any], tensors: list[dict[str, Any]]) -> str:
         for c, shape in zip(parts, shapes, strict=True)
     )
     values, dtype = parts[-1], tensors[parts[-1]["e"]]["dtype"]
-    if values.get("complex") in COMPLEX_DTYPES:
+    if values.get("complex") in COMPLEX_STORED:
         dtype = values["complex"]
     nnz = shapes[-1][0] if shapes[-1] else 0
     return (
@@ -312,11 +334,12 @@ def _plain_list_text(tag: str, items: list[dict[str, Any]]) -> str:
 def _packed_text(node: dict[str, Any]) -> str:
     """A packed list or tuple (format 6), shown as the same list stored item by item is."""
     try:
-        items = Checkpoint.decode_node(node)
+        items = decode_node(node)
     except TardigradeError:
         return "<malformed 'packed' value>"
     shown = [*items[:3], items[-1]] if len(items) > INLINE_ITEMS else list(items)
-    nodes = [Checkpoint.encode_value(x) for x in shown]
+    # Packed items are all ints (within int64) or all floats: the nodes flatten() gives them.
+    nodes = [float_node(x) if type(x) is float else {"t": "int", "v": str(x)} for x in shown]
     if len(items) > INLINE_ITEMS:
         # Only the count, the kind and the ends are shown; every item has the first's kind.
         nodes[3:3] = [nodes[0]] * (len(items) - 4)

@@ -8,6 +8,8 @@ from dataclasses import asdict
 
 from ._listing import INCOMPLETE_TMP, list_checkpoints
 from ._output import human_bytes, table
+from ._storage_options import add_argument as add_storage_option
+from ._storage_options import storage_options
 
 HELP = "list the checkpoints in a directory"
 
@@ -22,8 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "never visible to load), 'no-manifest' or 'unreadable'. Reads manifests only."
         ),
     )
-    p.add_argument("dir", metavar="DIR", help="directory holding checkpoint directories")
+    p.add_argument(
+        "dir", metavar="DIR", help="directory holding checkpoint directories, or its URL"
+    )
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    add_storage_option(p)
     p.set_defaults(run=run)
 
 
@@ -32,7 +37,7 @@ def _dash(v: object) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    entries = list_checkpoints(args.dir)
+    entries = list_checkpoints(args.dir, storage_options(args, args.dir))
     if args.json:
         print(json.dumps([asdict(e) for e in entries], indent=2))
         return 0

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -21,6 +22,8 @@ from ._listing import (
     list_checkpoints,
 )
 from ._output import ReadProgress, human_bytes
+from ._storage_options import add_argument as add_storage_option
+from ._storage_options import storage_options
 
 HELP = "check every byte of a checkpoint (or of every checkpoint in a directory)"
 
@@ -35,9 +38,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Exits 1 if any check fails."
         ),
     )
-    p.add_argument("path", metavar="CKPT|DIR", help="a checkpoint, or a directory of them")
+    p.add_argument(
+        "path", metavar="CKPT|DIR", help="a checkpoint, or a directory of them (or a URL)"
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    add_storage_option(p)
     p.set_defaults(run=run)
 
 
@@ -49,9 +55,9 @@ def _ok_line(name: str, r: VerifyReport) -> str:
     )
 
 
-def _data_bytes(path: str) -> int:
+def _data_bytes(path: str, options: Mapping[str, Any] | None) -> int:
     try:
-        return Checkpoint.open(path).nbytes
+        return Checkpoint.open(path, options).nbytes
     except TardigradeError:
         return 0  # verify() says what is wrong
 
@@ -59,8 +65,9 @@ def _data_bytes(path: str) -> int:
 def _verify(path: str, args: argparse.Namespace, label: str) -> VerifyReport:
     # The bar (stderr, a terminal only) follows the bytes this process reads.
     show = not args.quiet and not args.json
-    with ReadProgress(_data_bytes(path) if show else 0, f"verify {label}", enabled=show):
-        return verify(path)
+    options = storage_options(args, path)
+    with ReadProgress(_data_bytes(path, options) if show else 0, f"verify {label}", enabled=show):
+        return verify(path, storage_options=options)
 
 
 def _report_json(name: str, r: VerifyReport | None, error: str | None = None) -> dict[str, Any]:
@@ -74,8 +81,9 @@ def _report_json(name: str, r: VerifyReport | None, error: str | None = None) ->
 
 def run(args: argparse.Namespace) -> int:
     path = args.path
-    is_dir_of_ckpts = is_directory_of_checkpoints(path)
-    candidates = list_checkpoints(path) if is_dir_of_ckpts else []
+    options = storage_options(args, path)
+    is_dir_of_ckpts = is_directory_of_checkpoints(path, options)
+    candidates = list_checkpoints(path, options) if is_dir_of_ckpts else []
     if not is_dir_of_ckpts or not any(c.status in (COMMITTED, UNREADABLE) for c in candidates):
         # One checkpoint (or a directory holding none: verify() explains what is missing).
         name = os.path.basename(os.path.normpath(path))

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import errors
+from .. import _probes, errors
 from ..errors import DistributedError, InvalidArgumentError, StorageError, TardigradeError
 
 __all__ = ["DEFAULT_TIMEOUT", "Ranks"]
@@ -424,6 +424,7 @@ class Ranks:
 
     def all_gather(self, what: str, local: Callable[[], bytes]) -> list[bytes]:
         """Every rank's ``local()`` bytes, in rank order, on every rank."""
+        _probes.entering_phase(what)
         mine = _run_callable(self.rank, "local()", local)
         if self.size == 1:
             self._raise_if_failed(what, [mine])
@@ -445,6 +446,7 @@ class Ranks:
         padded to the longest one for the transfer; the combined bytes, or the error ``combine``
         raised there, are then sent to every rank.
         """
+        _probes.entering_phase(what)
         mine = _run_callable(self.rank, "local()", local)
         if self.size == 1:
             self._raise_if_failed(what, [mine])
@@ -495,6 +497,7 @@ class Ranks:
 
     def broadcast(self, what: str, produce: Callable[[], bytes]) -> bytes:
         """The coordinator's ``produce()`` bytes, on every rank (``produce`` runs only there)."""
+        _probes.entering_phase(what)
         mine = _run_callable(self.rank, "produce()", produce) if self.coordinator else _Outcome()
         if self.size == 1:
             self._raise_if_failed(what, [mine])
@@ -509,6 +512,7 @@ class Ranks:
         names the call in the error a rank that waited too long raises (there is no header,
         so ranks in different calls are not told apart here).
         """
+        _probes.entering_phase(what)
         try:
             tensor = torch.tensor([operator.index(value)], dtype=torch.int64)
         except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
@@ -527,6 +531,7 @@ class Ranks:
 
     def barrier(self, what: str) -> None:
         """Return once every rank has reached the same ``barrier(what)``."""
+        _probes.entering_phase(what)
         if self.size > 1:
             self._open(what, _tag("barrier", what), _Outcome())
 

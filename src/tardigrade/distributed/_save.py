@@ -195,7 +195,7 @@ class _Save:
         overwrite = self.options.overwrite
         if not isinstance(overwrite, bool):
             raise InvalidArgumentError(f"overwrite must be a bool, got {overwrite!r}")
-        self.storage, self.name = storage_for(self.path)
+        self.storage, self.name = storage_for(self.path, self.options.storage_options)
         self.header = make_header(self.options, world_size=self.ranks.size)
         self.flat = flatten(self.state)
         self.lp = local_plan(self.flat)

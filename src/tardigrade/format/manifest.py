@@ -206,50 +206,56 @@ class Manifest:
         return self.raw.get("world_size", 1)
 
     def tree_for(self, rank: int, fallback: str = "rank0", where: str = "") -> dict[str, Any]:
-        """The state tree as rank ``rank`` sees it: each ``tg.PerRank`` part is that rank's.
-
-        A rank the save did not have gets rank 0's parts (``fallback="rank0"``) or an error
-        (``"error"``). Checkpoints without per-rank parts return ``tree`` itself.
-        """
-        per_rank = self.raw.get("per_rank")
-        if per_rank is None:
-            return self.tree
-        if rank >= len(per_rank):
-            if fallback == "error":
-                raise StateMismatchError(
-                    f"{where}: this checkpoint was saved by {len(per_rank)} ranks and holds "
-                    f"no tg.PerRank values for rank {rank}; load with "
-                    "per_rank_fallback='rank0' to give such ranks rank 0's values."
-                )
-            rank = 0
-        own = per_rank[rank]
-        # A loop, not recursion: a tree nested to the depth limit is ~3 containers per level
-        # and recursing through it exceeded Python's recursion limit (validate() bounds it).
-        out: list[Any] = [None]
-        stack: list[tuple[Any, Any, Any]] = [(self.tree, out, 0)]
-        while stack:
-            node, parent, slot = stack.pop()
-            if isinstance(node, list):
-                copy: Any = list(node)
-                stack.extend(
-                    (x, copy, j) for j, x in enumerate(node) if isinstance(x, (list, dict))
-                )
-            elif isinstance(node, dict) and node.get("t") == "per_rank":
-                i = node.get("i")
-                if type(i) is not int or not 0 <= i < len(own):
-                    raise _fail(where, f"a per-rank part refers to #{i!r}, which rank {rank} lacks")
-                copy = own[i]
-            elif isinstance(node, dict):
-                copy = dict(node)
-                stack.extend((v, copy, k) for k, v in node.items() if isinstance(v, (list, dict)))
-            else:
-                copy = node
-            parent[slot] = copy
-        return out[0]  # type: ignore[no-any-return]
+        """The state tree as rank ``rank`` sees it (see :func:`tree_for`)."""
+        return tree_for(self.raw, rank, fallback, where)
 
     @property
     def nbytes(self) -> int:
         return sum(self.files.values())
+
+
+def tree_for(
+    raw: dict[str, Any], rank: int, fallback: str = "rank0", where: str = ""
+) -> dict[str, Any]:
+    """The state tree of the (validated) manifest ``raw`` as rank ``rank`` sees it: each
+    ``tg.PerRank`` part is that rank's.
+
+    A rank the save did not have gets rank 0's parts (``fallback="rank0"``) or an error
+    (``"error"``). Checkpoints without per-rank parts return the tree itself.
+    """
+    per_rank = raw.get("per_rank")
+    if per_rank is None:
+        return raw["tree"]  # type: ignore[no-any-return]
+    if rank >= len(per_rank):
+        if fallback == "error":
+            raise StateMismatchError(
+                f"{where}: this checkpoint was saved by {len(per_rank)} ranks and holds "
+                f"no tg.PerRank values for rank {rank}; load with "
+                "per_rank_fallback='rank0' to give such ranks rank 0's values."
+            )
+        rank = 0
+    own = per_rank[rank]
+    # A loop, not recursion: a tree nested to the depth limit is ~3 containers per level
+    # and recursing through it exceeded Python's recursion limit (validate() bounds it).
+    out: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(raw["tree"], out, 0)]
+    while stack:
+        node, parent, slot = stack.pop()
+        if isinstance(node, list):
+            copy: Any = list(node)
+            stack.extend((x, copy, j) for j, x in enumerate(node) if isinstance(x, (list, dict)))
+        elif isinstance(node, dict) and node.get("t") == "per_rank":
+            i = node.get("i")
+            if type(i) is not int or not 0 <= i < len(own):
+                raise _fail(where, f"a per-rank part refers to #{i!r}, which rank {rank} lacks")
+            copy = own[i]
+        elif isinstance(node, dict):
+            copy = dict(node)
+            stack.extend((v, copy, k) for k, v in node.items() if isinstance(v, (list, dict)))
+        else:
+            copy = node
+        parent[slot] = copy
+    return out[0]  # type: ignore[no-any-return]
 
 
 def _fail(where: str, what: str) -> CorruptCheckpointError:
@@ -425,7 +431,7 @@ def _tree_depth(
 ) -> int:
     """Walk a tree node (at ``depth``) with a stack; return the nodes it visited.
 
-    Depth counts as ``_tree.decode`` counts it: the nodes inside a node's ``v`` and ``meta``
+    Depth counts as ``format.tree.decode`` counts it: the nodes inside a node's ``v`` and ``meta``
     (whatever lists hold them: a list's items, a dict's [key, value] pairs) are one level
     deeper. ``placed`` collects where ``{"t": "per_rank", "i": k}`` places sit (None: inside
     a per-rank part, where no such place exists and the node is left to ``decode``).

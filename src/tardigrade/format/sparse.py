@@ -1,7 +1,7 @@
 """What a sparse tensor's stored parts must satisfy, by shape and dtype alone (no torch).
 
 Checked while opening a checkpoint (``_open._check_refs``, also run by ``verify``) and again
-before torch builds the tensor (``_tree.decode``): a load must refuse a damaged checkpoint
+before torch builds the tensor (``format.tree.decode``): a load must refuse a damaged checkpoint
 before it reads a byte into live state, and the stand-ins it builds before reading (meta
 tensors) skip torch's own checks of compressed layouts or fail with IndexError.
 """

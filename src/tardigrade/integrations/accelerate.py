@@ -20,10 +20,12 @@ directly), the grad scaler, every ``register_for_checkpointing`` object, the
 :class:`tg.ResumableSampler` of each prepared loader, every rank's RNGs (``tg.PerRank``) and the
 save iteration, which ``load_state`` puts back (the next automatic name follows on).
 
-Single process, or several with plain data parallelism (then without a ResumableSampler in
-a prepared loader: accelerate splits its batches over the processes, which the position does
-not follow yet, and this is refused); FSDP, DeepSpeed and Megatron keep their own checkpoint
-formats and are refused.
+Single process, or several with plain data parallelism (DDP; on CPU over gloo). On several
+processes do not prepare the loader: accelerate would split its batches over the processes,
+which the position does not follow (refused). Build the ``tg.ResumableSampler`` after the
+Accelerator (it takes its rank and world size from the process group and hands each rank its
+share) and ``register_for_checkpointing(sampler)``: its position is the same on every rank.
+FSDP, DeepSpeed and Megatron keep their own checkpoint formats and are refused.
 """
 
 from __future__ import annotations
@@ -78,11 +80,13 @@ def _state(accelerator: Accelerator) -> dict[str, Any]:
     if samplers and accelerator.num_processes > 1:
         # accelerate splits the sampler's batches over the processes itself, so a position
         # counted per process is not the global one (and a sampler built with the job's
-        # rank and world size would be split twice). Not supported yet: say so, never guess.
+        # rank and world size would be split twice): say so, never guess.
         raise InvalidArgumentError(
             "tardigrade.integrations.accelerate: a tg.ResumableSampler in a loader prepared "
-            f"for {accelerator.num_processes} processes is not supported yet; checkpoint the "
-            "data position yourself, or train in one process"
+            f"for {accelerator.num_processes} processes: accelerate splits its batches, which "
+            "the saved position does not follow. Do not prepare that loader: the sampler, "
+            "built after the Accelerator, hands each process its own share; register it with "
+            "accelerator.register_for_checkpointing(sampler)"
         )
     state: dict[str, Any] = {
         "models": [accelerator.unwrap_model(m) for m in accelerator._models],

@@ -15,7 +15,12 @@ What changes, and what does not:
   written atomically and verified on load. The Trainer's pickles (``optimizer.pt``,
   ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth``, ``training_args.bin``) are not written; the
   model's safetensors files and ``trainer_state.json`` are, so ``save_total_limit`` rotation,
-  ``load_best_model_at_end``, best-metric tracking and ``push_to_hub`` work as before.
+  best-metric tracking and ``push_to_hub`` work as before.
+* ``load_best_model_at_end`` loads the best model from that checkpoint's Tardigrade checkpoint
+  (verified) rather than from its unverified safetensors files.
+* With ``push_to_hub`` and a ``hub_strategy`` that uploads checkpoints, the upload of
+  ``checkpoint-N`` starts once its Tardigrade checkpoint has committed (the plain Trainer
+  starts it before), so the Hub never receives a checkpoint without it, or half-written.
 * ``resume_from_checkpoint=True`` picks the newest ``checkpoint-N`` whose Tardigrade checkpoint
   committed (a run killed mid-save leaves an incomplete folder, which is skipped).
 * The training sampler is a :class:`tg.ResumableSampler` (seeded with ``data_seed`` or
@@ -129,20 +134,38 @@ class TardigradeTrainerMixin:
             state["rng"] = PerRank(RNGState())
         return state
 
+    _tg_push_held: list[str] | None = None
+
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)  # type: ignore[misc]
-        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
-        step = self.state.global_step  # type: ignore[attr-defined]
-        folder = os.path.join(run_dir, f"checkpoint-{step}")
-        # Last: its commit is what makes checkpoint-N complete for resume_from_checkpoint=True.
-        _save.save(
-            os.path.join(folder, TARDIGRADE_DIR),
-            self._tardigrade_state(),
-            overwrite=True,
-            step=step,
-        )
-        if self.args.should_save:  # type: ignore[attr-defined]
-            open_root(folder).delete(_PICKLED_ARGS)  # gone already: nothing to do
+        # The Trainer starts the Hub upload of the folder inside its own _save_checkpoint
+        # (a background job that lists the folder when it runs): hold it until the Tardigrade
+        # checkpoint below has committed, or the Hub could get the folder without it.
+        self._tg_push_held = []
+        try:
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+            step = self.state.global_step  # type: ignore[attr-defined]
+            folder = os.path.join(run_dir, f"checkpoint-{step}")
+            # Its commit is what makes checkpoint-N complete for resume_from_checkpoint=True.
+            _save.save(
+                os.path.join(folder, TARDIGRADE_DIR),
+                self._tardigrade_state(),
+                overwrite=True,
+                step=step,
+            )
+            if self.args.should_save:  # type: ignore[attr-defined]
+                open_root(folder).delete(_PICKLED_ARGS)  # gone already: nothing to do
+            held = self._tg_push_held
+        finally:
+            self._tg_push_held = None
+        for checkpoint_folder in held:
+            self._push_from_checkpoint(checkpoint_folder)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if self._tg_push_held is not None:
+            self._tg_push_held.append(checkpoint_folder)
+            return
+        super()._push_from_checkpoint(checkpoint_folder)  # type: ignore[misc]
 
     # -- resuming --------------------------------------------------------------------------
 
@@ -188,6 +211,13 @@ class TardigradeTrainerMixin:
         scaler = self._tardigrade_state().get("scaler")
         if scaler is not None:
             _load.load(path, into={"scaler": scaler}, keys=["scaler"])
+
+    def _load_best_model(self) -> None:
+        path = self._tardigrade_checkpoint(self.state.best_model_checkpoint)  # type: ignore[attr-defined]
+        if path is None:  # a checkpoint the plain Trainer wrote
+            super()._load_best_model()  # type: ignore[misc]
+            return
+        _load.load(path, into={"model": self.model}, keys=["model"])  # type: ignore[attr-defined]
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         path = self._tardigrade_checkpoint(checkpoint)

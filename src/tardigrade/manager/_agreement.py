@@ -48,7 +48,7 @@ class Agreement(abc.ABC):
     """The arguments that make ``tg.save``/``tg.load`` collective over the manager's ranks."""
 
     uploads: bool
-    """Whether ``upload_to`` (a second tier) is supported."""
+    """Whether a second tier (``upload_to``, ``ram_tier``) is supported."""
 
     @abc.abstractmethod
     def shared(self, what: str, here: Callable[[], Any]) -> Any:
@@ -123,9 +123,15 @@ class Agreement(abc.ABC):
 
     @abc.abstractmethod
     def submit(
-        self, saver: AsyncCheckpointer, path: str, state: Any, options: SaveOptions
+        self,
+        saver: AsyncCheckpointer,
+        path: str,
+        state: Any,
+        options: SaveOptions,
+        mirror: Any = None,
     ) -> SaveFuture:
-        """Start the background save of ``state`` to ``path``."""
+        """Start the background save of ``state`` to ``path`` (``mirror``: the RAM tier's
+        writer fed from the same staging copy, one process only)."""
 
 
 class SingleProcess(Agreement):
@@ -181,9 +187,14 @@ class SingleProcess(Agreement):
         return state
 
     def submit(
-        self, saver: AsyncCheckpointer, path: str, state: Any, options: SaveOptions
+        self,
+        saver: AsyncCheckpointer,
+        path: str,
+        state: Any,
+        options: SaveOptions,
+        mirror: Any = None,
     ) -> SaveFuture:
-        fut = saver.submit(path, state, options)
+        fut = saver.submit(path, state, options, mirror=mirror)
         assert fut is not None
         return fut
 
@@ -327,8 +338,14 @@ class RankGroup(Agreement):
         return sum(e.tensor.nbytes for e in [*flat.entries, *flat.own_entries()])
 
     def submit(
-        self, saver: AsyncCheckpointer, path: str, state: Any, options: SaveOptions
+        self,
+        saver: AsyncCheckpointer,
+        path: str,
+        state: Any,
+        options: SaveOptions,
+        mirror: Any = None,
     ) -> SaveFuture:
+        assert mirror is None  # the RAM tier is refused in a distributed job
         stage = functools.partial(stage_collective, path=path, state=state, options=options)
         fut = saver.save_collective(self.ranks, path, stage)
         assert fut is not None

@@ -21,6 +21,7 @@ from .._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_n
 from .._load import load
 from .._match import Key
 from .._open import open_manifest
+from .._ramtier import RamTier, RamTierStats, open_ram_tier
 from .._save import save
 from .._save_job import SaveOptions, SaveResult
 from .._tiers import Uploader, UploadStats, copy_checkpoint
@@ -152,6 +153,22 @@ class CheckpointManager:
             only for now.
         ``keep_last_remote``: retention of the remote tier (None: keep every upload).
         ``upload_timeout``: seconds ``close()`` waits for pending uploads (default 600).
+        ``storage_options``: options for the backend of a URL ``directory`` (for ``s3://``:
+            ``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ...; for an
+            fsspec URL, its filesystem's arguments); a local directory takes none.
+        ``upload_storage_options``: the same for ``upload_to`` (each location has its own:
+            a local ``directory`` and an ``s3://`` tier is the usual pair).
+        ``ram_tier``: ``True`` keeps a copy of the newest checkpoint in host shared memory
+            (``/dev/shm``), a path keeps it in that directory (a tmpfs); ``False`` (default)
+            does not. A process killed and restarted on the same node then restores from
+            memory (``restore()`` prefers it when it is the same save as the newest
+            checkpoint here; ``restored_from`` tells which copy was read). An async save
+            writes it from its staging copy (nothing more is copied while training waits).
+            It holds the newest checkpoint only, is namespaced by this directory's path (a
+            restart finds it, another job does not), and is removed by ``close()`` (not on a
+            crash, nor on a ``with`` block left by an exception). A failed copy (a full
+            ``/dev/shm``) is logged and counted in ``ram_tier_stats``, never raised. Single
+            process only for now. See docs/storage.md.
 
     In a distributed job the constructor, ``step``, ``save``, ``stop_at_boundary``,
     ``restore``, ``steps``, ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are
@@ -201,9 +218,14 @@ class CheckpointManager:
         upload_to: str | os.PathLike[str] | None = None,
         keep_last_remote: int | None = None,
         upload_timeout: float = 600.0,
+        storage_options: Mapping[str, Any] | None = None,
+        upload_storage_options: Mapping[str, Any] | None = None,
+        ram_tier: bool | str | os.PathLike[str] = False,
     ) -> None:
         # Every byte, listing and delete goes through the catalog over the storage contract.
-        self._catalog = Catalog(check_directory(directory))
+        self._storage_options = storage_options
+        self._upload_storage_options = upload_storage_options
+        self._catalog = Catalog(check_directory(directory), storage_options)
         self.directory = self._catalog.root
         self.state = state
         self._policy = SavePolicy(
@@ -239,6 +261,9 @@ class CheckpointManager:
         self._async: AsyncCheckpointer | None = None
         self._uploader: Uploader | None = None
         self._remote_lock: Any = None
+        self._ram: RamTier | None = None
+        self._ram_keep = False  # leave the RAM tier in place at close (left by an exception)
+        self.restored_from: str | None = None  # where restore() read its checkpoint
         self.keep_last_remote = check_positive("keep_last_remote", keep_last_remote)
         self.upload_timeout = check_positive("upload_timeout", upload_timeout, float)
         # step() calls since construction or restore(), or None once an async save has staged
@@ -264,6 +289,8 @@ class CheckpointManager:
         self._reserve_staging()
         if upload_to is not None:
             self._start_uploads(upload_to)
+        if ram_tier is not False:
+            self._open_ram_tier(ram_tier)
 
     def _open(self) -> None:
         """Check the directory and take its lock (on rank 0); raise its error on every rank."""
@@ -337,7 +364,7 @@ class CheckpointManager:
                     "process, or save to the remote location directly "
                     "(CheckpointManager('s3://...'))"
                 )
-            remote = open_root(upload_to)
+            remote = open_root(upload_to, self._upload_storage_options)
             try:
                 remote.preflight()
             except TardigradeError as e:
@@ -354,6 +381,58 @@ class CheckpointManager:
             keep_last_remote=self.keep_last_remote,
             lease=self._remote_lock,
         )
+
+    def _open_ram_tier(self, ram_tier: Any) -> None:
+        try:
+            if not self._ranks.uploads:
+                raise InvalidArgumentError(
+                    "ram_tier is not supported in a distributed job yet; pass ram_tier=False"
+                )
+            self._ram = open_ram_tier(self.directory, ram_tier)
+        except BaseException:
+            self._close(meet=False)
+            raise
+
+    @property
+    def ram_tier_stats(self) -> RamTierStats | None:
+        """What the RAM tier did so far (None without ``ram_tier``)."""
+        return None if self._ram is None else self._ram.stats
+
+    def _close_ram(self) -> None:
+        ram, self._ram = self._ram, None
+        if ram is not None:
+            ram.close(clean=not self._ram_keep)
+
+    def _load_candidate(self, s: int) -> str:
+        """Restore step ``s`` into the live state: from the RAM tier's copy when it holds this
+        very save (fastest tier first), else (or when that copy fails) from the directory.
+        Returns where it was read."""
+        name = step_name(s)
+        ram = self._ram.copy_of(name, self._catalog.storage) if self._ram is not None else None
+        touched = False  # whether a failed read of the RAM copy left bytes in the live state
+        if ram is not None:
+            assert self._ram is not None
+            try:
+                load(ram, into=self.state, verify="all")
+                self._ram.restored()
+                return ram
+            except StateMismatchError:
+                raise
+            except Exception as e:
+                touched = bool(getattr(e, "live_overwritten", not isinstance(e, TardigradeError)))
+                log.warning(
+                    "tardigrade: restoring %s from the RAM tier failed (%s); reading %s instead",
+                    name,
+                    e,
+                    self.path(s),
+                )
+        try:
+            load(self.path(s), into=self.state, verify="all", **self._collective)
+        except TardigradeError as e:
+            if touched:
+                e.live_overwritten = True  # type: ignore[attr-defined]  # restore() reads this
+            raise
+        return self.path(s)
 
     @property
     def uploads(self) -> UploadStats | None:
@@ -439,6 +518,7 @@ class CheckpointManager:
         for part in (
             self._close_async,
             self._close_uploads,
+            self._close_ram,
             self._preemption.stop_listening,
             self._lock.release,
         ):
@@ -453,6 +533,8 @@ class CheckpointManager:
         # Leaving on an exception, this rank may be the only one here: waiting for the others
         # in close() would hold it (and its error) for the whole timeout, while the others
         # find it gone at their next collective.
+        if exc_type is not None:
+            self._ram_keep = True  # likely a crash, and a restart on this node: keep it
         self._close(meet=exc_type is None)
 
     def _check_open(self, what: str) -> None:
@@ -514,8 +596,9 @@ class CheckpointManager:
 
     @property
     def _collective(self) -> dict[str, Any]:
-        """The arguments that make ``save``/``load`` collective over this manager's group."""
-        return self._ranks.collective
+        """The arguments of every ``save``/``load`` of this manager: its storage options, and
+        what makes them collective over its group."""
+        return {**self._ranks.collective, "storage_options": self._storage_options}
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -595,12 +678,12 @@ class CheckpointManager:
             try:
                 epoch = self._agreed(
                     f"CheckpointManager({self.directory!r}).restore(): manifest of step {s}",
-                    lambda s=s: open_manifest(self.path(s))[2].epoch,
+                    lambda s=s: open_manifest(self.path(s), self._storage_options)[2].epoch,
                 )
                 loading = True
                 # One pass: each byte is read once, into the live state, and every byte of the
                 # checkpoint (unread tensors and headers included) is checked on the way.
-                load(self.path(s), into=self.state, verify="all", **self._collective)
+                source = self._load_candidate(s)
             except StateMismatchError:
                 raise  # the live state does not fit: an older checkpoint would not fit either
             except Exception as e:
@@ -628,6 +711,7 @@ class CheckpointManager:
             finally:
                 self._loading.discard(s)
             self._restored_step = s
+            self.restored_from = source
             # Checkpoints above an explicit restore(step) leave the listing, so that after a
             # crash this timeline's newest is restored, not theirs. Newer ones restore() skipped
             # stay in place as evidence (a crash skips them again) and are replaced as this
@@ -645,7 +729,10 @@ class CheckpointManager:
             self._last_epoch = epoch
             self._last_save_time = time.monotonic()
             if self._coordinating:
-                log.info("tardigrade: restored %s", self.path(s))
+                if source == self.path(s):
+                    log.info("tardigrade: restored %s", source)
+                else:
+                    log.info("tardigrade: restored %s from the RAM tier (%s)", self.path(s), source)
             self._step_calls = 0
             self._reserve_staging()
             return s
@@ -836,9 +923,18 @@ class CheckpointManager:
             )
         try:
             self._prepare(step, replace)
-            options = SaveOptions(overwrite=replace, step=step, epoch=epoch, metrics=metrics)
+            options = SaveOptions(
+                overwrite=replace,
+                step=step,
+                epoch=epoch,
+                metrics=metrics,
+                storage_options=self._storage_options,
+            )
             if self._async is not None and not sync:
-                fut = self._ranks.submit(self._async, self.path(step), self.state, options)
+                mirror = None if self._ram is None else self._ram.mirror()
+                fut = self._ranks.submit(
+                    self._async, self.path(step), self.state, options, mirror=mirror
+                )
                 fut.observed = True  # the manager reports the outcome itself
                 self._pending.add(step, fut)
                 # The pool now holds staging for the whole state: no more sizing in step().
@@ -855,6 +951,10 @@ class CheckpointManager:
                     metrics=metrics,
                     **self._collective,
                 )
+                if self._ram is not None and self._async is None:
+                    # No staging copy to take it from: read back from the directory. (A
+                    # preemption's synchronous save is not copied: the job stops next.)
+                    self._ram.copy_in(self._catalog.storage, step_name(step))
                 self._record_ok(step, res)
         except (InvalidArgumentError, UnsupportedTypeError):
             raise  # a programming error, not a storage failure: never swallowed
@@ -1083,7 +1183,10 @@ class CheckpointManager:
         if step not in self._metric_cache:
             value = None
             try:
-                metrics = open_manifest(self.path(step))[2].raw.get("metrics") or {}
+                metrics = (
+                    open_manifest(self.path(step), self._storage_options)[2].raw.get("metrics")
+                    or {}
+                )
                 v = metrics.get(self.best_metric)
                 value = float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
             except TardigradeError:
@@ -1095,7 +1198,7 @@ class CheckpointManager:
         """Whether the manifest of ``step`` reads and validates (remembered per step)."""
         if step not in self._readable_cache:
             try:
-                open_manifest(self.path(step))
+                open_manifest(self.path(step), self._storage_options)
                 self._readable_cache[step] = True
             except Exception as e:
                 log.warning("tardigrade: %s cannot be restored: %s", self.path(step), e)

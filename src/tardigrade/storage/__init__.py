@@ -3,7 +3,11 @@
 ``storage_for(location)`` maps a location to its backend: a plain path or ``file://`` URL to
 :class:`LocalStorage`, ``memory://`` to :class:`MemoryStorage` (an object store in this
 process), ``s3://bucket/prefix`` to :class:`S3Storage` (its client, from the ``s3`` extra, is
-imported on first use). Any other scheme is refused with a message naming it.
+imported on first use). Any other scheme that an fsspec filesystem serves (``gs://``,
+``az://``, ...) goes to :class:`FsspecStorage` (fsspec imported on first use; a missing package
+is an error naming what to install). A scheme nobody serves is refused with a message naming
+it. ``storage_options`` go to the backend: s3 settings, an fsspec filesystem's arguments;
+local directories and ``memory://`` take none.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 from ..format.manifest import check_name
+from . import fsspec as _fsspec
 from .base import ManifestLastCommit, PreconditionFailed, Reader, Stat, Storage, Writer
+from .fsspec import FsspecStorage
 from .local import LocalStorage
 from .memory import MemoryStorage
 from .s3 import S3Storage
 
 __all__ = [
+    "FsspecStorage",
     "LocalStorage",
     "ManifestLastCommit",
     "MemoryStorage",
@@ -33,14 +40,29 @@ __all__ = [
     "open_root",
     "register_scheme",
     "storage_for",
+    "through_fsspec",
 ]
 
 # Schemes and the backend that serves each: a root URL (or directory) -> a Storage there.
 _BACKENDS: dict[str, Callable[[str, Mapping[str, Any]], Storage]] = {
-    "file": lambda root, options: LocalStorage(root.removeprefix("file://")),
-    "memory": lambda root, options: MemoryStorage(root),
+    "file": lambda root, options: LocalStorage(_no_options(root, options)),
+    "memory": lambda root, options: MemoryStorage(_no_options(root, options)),
     "s3": lambda root, options: S3Storage(root, options),
 }
+
+
+def _no_options(root: str, options: Mapping[str, Any]) -> str:
+    """``root``, for a backend that takes no options: any given are a mistake (options meant
+    for another location, e.g. the S3 tier's credentials given to a local directory), refused
+    as pandas does rather than silently ignored."""
+    if options:
+        kind = "memory://" if root.startswith("memory://") else "local directories"
+        raise InvalidArgumentError(
+            f"{root}: storage options {sorted(options)} were given, but {kind} take none; "
+            "they are for URLs of stores such as s3://. Pass them with the location they "
+            "belong to (e.g. upload_storage_options= for CheckpointManager's upload_to)."
+        )
+    return root.removeprefix("file://")
 
 
 def register_scheme(scheme: str, backend: Callable[[str, Mapping[str, Any]], Storage]) -> None:
@@ -62,11 +84,12 @@ def _location(location: Any) -> str:
     if not isinstance(location, str):
         raise InvalidArgumentError(f"checkpoint path must be text, got {location!r}")
     scheme = _scheme(location)
-    if scheme not in _BACKENDS:
+    if scheme not in _BACKENDS and not _fsspec.serves(scheme, location):
         raise InvalidArgumentError(
             f"{location}: unknown storage scheme {scheme}://; this build stores checkpoints "
-            f"in local directories (a path or file://), in S3 buckets (s3://) and in memory:// "
-            f"(known: {', '.join(sorted(f'{s}://' for s in _BACKENDS))})."
+            f"in local directories (a path or file://), in S3 buckets (s3://), in memory:// "
+            f"(known: {', '.join(sorted(f'{s}://' for s in _BACKENDS))}) and under any URL "
+            "an fsspec filesystem serves (gs://, az://, ...), which this one is not."
         )
     if scheme == "file":
         return os.path.abspath(location.removeprefix("file://"))
@@ -76,7 +99,7 @@ def _location(location: Any) -> str:
 def open_root(location: Any, storage_options: Mapping[str, Any] | None = None) -> Storage:
     """The storage rooted at ``location`` itself (a directory of checkpoints)."""
     location = _location(location)
-    return _BACKENDS[_scheme(location)](location.rstrip("/"), storage_options or {})
+    return _backend(_scheme(location))(location.rstrip("/"), storage_options or {})
 
 
 def storage_for(
@@ -92,4 +115,14 @@ def storage_for(
         parent = head if "://" in head and not head.endswith(":/") else ""
     if not name or not parent:
         raise InvalidArgumentError(f"{location!r} does not name a checkpoint")
-    return _BACKENDS[scheme](parent, storage_options or {}), name
+    return _backend(scheme)(parent, storage_options or {}), name
+
+
+def through_fsspec(location: str) -> bool:
+    """Whether ``location`` is a URL that the generic fsspec backend serves (a scheme with no
+    backend of its own here)."""
+    return "://" in location and _scheme(location) not in _BACKENDS
+
+
+def _backend(scheme: str) -> Callable[[str, Mapping[str, Any]], Storage]:
+    return _BACKENDS.get(scheme, FsspecStorage)

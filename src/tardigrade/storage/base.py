@@ -31,6 +31,7 @@ import errno
 import logging
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -258,11 +259,14 @@ class Storage(abc.ABC):
                 e,
             )
 
-    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+    def tidy(
+        self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
+    ) -> list[Tidied]:
         """Clean up after writers that died: their staging, half-done replaces and deletes.
 
         Only what no live writer holds, and never a committed checkpoint. A store's saves
-        leave nothing once aborted; what a crashed one left is not removed yet.
+        leave nothing once aborted; what a crashed one left is not removed yet. ``progress``
+        is called with each leftover once it is dealt with (``tardigrade gc`` draws its bar).
         """
         return []
 
@@ -352,7 +356,9 @@ class ManifestLastCommit(Storage):
         mine = self.data_name("", save_id)
         self.delete_many([f"{name}/{n}" for n in self.list(name) if n.startswith(mine)])
 
-    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+    def tidy(
+        self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
+    ) -> list[Tidied]:
         """Delete the data objects of saves that never committed: those under a name that
         has no manifest (a save that died, or whose abort failed), those under a committed
         checkpoint that its manifest does not list (a replace that failed), and a preflight's
@@ -371,6 +377,8 @@ class ManifestLastCommit(Storage):
                     if not dry_run:
                         self.delete(name)
                     done.append(Tidied(name, "removed", st.size))
+                    if progress is not None:
+                        progress(done[-1])
                 continue
             if name.startswith("."):
                 continue
@@ -391,6 +399,8 @@ class ManifestLastCommit(Storage):
             if not dry_run:
                 self.delete_many([f"{name}/{n}" for n in dead])
             done.append(Tidied(name, "removed", nbytes))
+            if progress is not None:
+                progress(done[-1])
         return done
 
     def describe(self, name: str) -> str | None:

@@ -11,6 +11,7 @@ import re
 import shutil
 import stat
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -379,7 +380,9 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(e.errno, f"cannot rename {a} to {b}: {e.strerror}") from e
 
-    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+    def tidy(
+        self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
+    ) -> list[Tidied]:
         """Clean up after writers that died under this root.
 
         Only ``.tmp-*`` directories are considered, and only those no live process holds:
@@ -400,9 +403,12 @@ class LocalStorage(Storage):
             if fd is None:
                 continue  # a live save holds it, or it is already gone
             try:
-                done.extend(self._tidy_one(n, dry_run))
+                now = self._tidy_one(n, dry_run)
             finally:
                 os.close(fd)
+            done.extend(now)
+            for t in now if progress is not None else ():
+                progress(t)
         return done
 
     def _tidy_one(self, n: str, dry_run: bool) -> list[Tidied]:
@@ -737,3 +743,37 @@ def preflight_directory(directory: str) -> None:
             directory,
             fs.f_bavail * fs.f_frsize,
         )
+
+
+def private_directory(path: str) -> None:
+    """Create directory ``path`` (mode 0700) in an existing parent unless it is there; raise
+    StorageError unless it then is a directory of this user that nobody else can write.
+
+    For a directory in a place every user of the machine shares (``/dev/shm``): one made by
+    someone else, or a link planted in its place, is not ours to write into or read from.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot create {path}: {e.strerror}") from e
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot stat {path}: {e.strerror}") from e
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise StorageError(
+            errno.EPERM,
+            f"{path} is not a private directory of this user (a link, another user's, or "
+            "writable by others)",
+        )
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer can still store on the filesystem holding ``path``."""
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        raise StorageError(e.errno, f"cannot stat the filesystem of {path}: {e.strerror}") from e
+    return st.f_bavail * st.f_frsize

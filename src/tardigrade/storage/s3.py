@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -898,7 +898,9 @@ class S3Storage(ManifestLastCommit):
         with _shared_lock:
             _abandoned[(self.config.endpoint, self.bucket, self.prefix, staging)] = time.time()
 
-    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+    def tidy(
+        self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
+    ) -> list[Tidied]:
         """Remove what saves that never committed left: their data objects (under a name
         without a manifest, or under a committed checkpoint whose manifest names another
         save), a preflight's probe, and incomplete multipart uploads.
@@ -940,8 +942,13 @@ class S3Storage(ManifestLastCommit):
                 continue
             doomed.append(path)
             done.append(Tidied(path, "removed", int(meta["size"])))
-        if doomed and not dry_run:
-            self.delete_many(doomed)
+        # One item of ``done`` per doomed object so far; deleted a batch at a time, so that
+        # ``progress`` follows a cleanup of many objects.
+        for i in range(0, len(doomed), 1000):
+            if not dry_run:
+                self.delete_many(doomed[i : i + 1000])
+            for t in done[i : i + 1000] if progress is not None else ():
+                progress(t)
         try:
             uploads = self._uploads()
         except TardigradeError as e:
@@ -959,6 +966,8 @@ class S3Storage(ManifestLastCommit):
             done.append(Tidied(f"{name} (incomplete upload)", "removed", 0))
             if not dry_run:
                 self._abort_upload(key, upload_id)
+            if progress is not None:
+                progress(done[-1])
         return done
 
     def _committed_save(self, ckpt: str) -> str | None:

@@ -28,6 +28,7 @@ import itertools
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +90,8 @@ class _Fault:
 class FaultyStorage(Storage):
     """A backend that fails chosen operations of the backend it wraps.
 
-    ``inner`` is a Storage or a location (a directory or URL) whose checkpoints it serves.
+    ``inner`` is a Storage or a location (a directory or URL) whose checkpoints it serves,
+    with ``storage_options`` for a URL's backend (as ``tg.save`` takes them).
     ``fail(op, nth=..., error=..., times=...)`` arms a fault; ``ops`` lists every operation
     performed, in order; ``count`` counts them by kind; ``injected`` lists the faults that
     fired. Thread-safe: saves write files in parallel.
@@ -102,8 +104,10 @@ class FaultyStorage(Storage):
     system calls, one ``begin``/``commit``/``abort`` operation each.
     """
 
-    def __init__(self, inner: Storage | str) -> None:
-        self.inner = inner if isinstance(inner, Storage) else open_root(inner)
+    def __init__(
+        self, inner: Storage | str, storage_options: Mapping[str, Any] | None = None
+    ) -> None:
+        self.inner = inner if isinstance(inner, Storage) else open_root(inner, storage_options)
         self.id = str(next(_ids))
         self.root = f"{SCHEME}://{self.id}"
         self.ops: list[str] = []
@@ -292,10 +296,10 @@ class FaultyStorage(Storage):
         self.inner.move(src, dst)
         self._after(late)
 
-    def tidy(self, *, dry_run: bool = False) -> list[Tidied]:
+    def tidy(self, *, dry_run: bool = False, progress: Any = None) -> list[Tidied]:
         if self._store:
-            return ManifestLastCommit.tidy(self, dry_run=dry_run)  # type: ignore[arg-type]
-        return self.inner.tidy(dry_run=dry_run)
+            return ManifestLastCommit.tidy(self, dry_run=dry_run, progress=progress)  # type: ignore[arg-type]
+        return self.inner.tidy(dry_run=dry_run, progress=progress)
 
     def preflight(self) -> None:
         if self._store:

@@ -63,6 +63,7 @@ def kill_during(
     nth: int = 1,
     after_bytes: int | None = None,
     op: str | None = None,
+    phase: str | None = None,
     within: tuple[float, float] = (0.0, 2.0),
     seed: int | None = None,
     rank: int | None = None,
@@ -83,6 +84,9 @@ def kill_during(
     - ``at="commit", nth=k``: inside the k-th commit, its manifest half written;
     - ``at="committed", nth=k``: right after the k-th commit, before the save returns;
     - ``at="operation", nth=k``: before the k-th storage operation (of kind ``op`` if given);
+    - ``at="phase", nth=k``: as the rank enters its k-th collective phase (of those whose
+      name contains ``phase``, if given; e.g. ``phase="(write and commit)"``), after every
+      rank finished the phase before: between the ranks' phases of a collective save;
     - ``at="random"``: after a delay drawn uniformly from ``within`` seconds (with ``seed``),
       counted from the moment the script imported tardigrade;
     - ``at="never"``: not killed; the result counts the script's storage operations (to draw
@@ -116,6 +120,7 @@ def kill_during(
             nth=nth,
             after_bytes=after_bytes,
             op=op,
+            phase=phase,
             rank=rank,
             scope=scope,
             report=report,

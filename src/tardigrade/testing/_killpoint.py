@@ -21,6 +21,10 @@ the same on every backend:
 - ``"operation"``: before the ``nth`` storage operation of any kind (the kinds of
   ``FaultyStorage``: open_writer, write, close, open_reader, read, put, stat, list, delete,
   move, begin, commit, abort), or the ``nth`` of kind ``op`` if given;
+- ``"phase"``: as this rank enters its ``nth`` collective phase (of those named ``phase``,
+  matched as a substring, if given), after every rank finished the one before: between the
+  ranks' phases of a collective save (``"tg.save (begin)"``, ``"(comparing state trees)"``,
+  ``"(planning)"``, ``"(write and commit)"``), load or manager call;
 - ``"never"``: only count (the counts are reported when the process exits).
 
 ``rank`` counts only in that rank of a ``torch.distributed`` job (``RANK`` before the group
@@ -39,13 +43,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import _probes
 from ..errors import InvalidArgumentError
 from ..format.checksum import Hasher
 from ..storage import _BACKENDS as _SCHEMES  # the registry's factories, to wrap each
 from ..storage import Reader, Storage, Writer, register_scheme
 
 ENV = "TARDIGRADE_KILL_POINT"
-MOMENTS = ("write", "staging", "commit", "committed", "operation", "never")
+MOMENTS = ("write", "staging", "commit", "committed", "operation", "phase", "never")
 OPS = (
     "open_writer", "write", "close", "open_reader", "read", "put", "stat", "list", "delete",
     "move", "begin", "commit", "abort",
@@ -61,6 +66,7 @@ class KillPoint:
     nth: int = 1
     after_bytes: int | None = None
     op: str | None = None
+    phase: str | None = None
     rank: int | None = None
     scope: str = "process"
     report: str | None = None  # a directory: killed.json, exit-<pid>.json, ready-<pid>
@@ -78,6 +84,10 @@ class KillPoint:
             raise InvalidArgumentError(f"nth must be a positive int, got {self.nth!r}")
         if self.op is not None and self.op not in OPS:
             raise InvalidArgumentError(f"op must be one of {list(OPS)}, got {self.op!r}")
+        if self.phase is not None and (not isinstance(self.phase, str) or not self.phase):
+            raise InvalidArgumentError(
+                f"phase must be a non-empty part of a phase's name, got {self.phase!r}"
+            )
         if self.scope not in ("process", "job"):
             raise InvalidArgumentError(f"scope must be 'process' or 'job', got {self.scope!r}")
 
@@ -120,6 +130,17 @@ class _Hook:
             n = self.counts[kind] if p.op is not None else self.counts["operation"]
         if p.at == "operation" and (p.op in (None, kind)) and n == p.nth and self.mine():
             self.die(f"operation #{n} ({kind} {where})")
+
+    def entering_phase(self, what: str) -> None:
+        """Count one collective phase of this rank; die before it if it is the chosen one."""
+        p = self.point
+        if p.phase is not None and p.phase not in what:
+            return
+        with self.lock:
+            self.counts["phase"] += 1
+            n = self.counts["phase"]
+        if p.at == "phase" and n == p.nth and self.mine():
+            self.die(f"phase #{n}: rank {_rank()} entering {what!r}")
 
     def take(self, n: int, where: str) -> tuple[int, str | None]:
         """Of ``n`` bytes about to be written: how many go, and where the process dies after
@@ -346,6 +367,7 @@ def install(point: KillPoint) -> None:
     if _hook is not None:
         raise InvalidArgumentError("a kill point is already installed in this process")
     _hook = _Hook(point)
+    _probes.phase_hook = _hook.entering_phase
     for scheme, make in list(_SCHEMES.items()):
         register_scheme(scheme, _counted(make))
     if point.report:

@@ -1,0 +1,423 @@
+"""The RAM tier: the newest checkpoint kept in host shared memory for a restart on this node.
+
+``CheckpointManager(dir, state, ram_tier=True)`` keeps a copy of its newest committed
+checkpoint in a directory on a memory filesystem (``/dev/shm`` by default, or the directory
+``ram_tier`` names). It is a tier like any other: a checkpoint committed there by the local
+directory protocol (staging directory, manifest, rename), the same manifest and the same
+checksums as the checkpoint on disk. A process that is killed keeps it (tmpfs outlives the
+process, not the node); its restart on the same node restores from it at memory speed instead
+of reading the disk. ``close()`` removes it: a job that ended normally leaves nothing in memory.
+
+Where the bytes come from: an async save has already copied the state into its staging slabs;
+``RamMirror`` tees those slabs to a writer into the RAM tier, which runs beside the disk writers
+in the save's background thread. The training thread copies nothing more, and the slabs go back
+to the pool once both writers are done with them. The RAM copy is committed only after the disk
+checkpoint is (with the manifest the disk save committed), so the RAM tier never holds a step
+the directory does not. A synchronous save has no staging copy; its RAM copy is read back from
+the committed checkpoint (``copy_in``).
+
+Namespaced per checkpoint directory and user: ``<base>/tardigrade-<uid>-<hash of the directory's
+absolute path or URL>``, so two jobs on one node never share one, and a restart of the same job
+(same directory) finds its own. Bounded: the newest checkpoint only (the previous one is removed
+once a new one commits there; when the memory filesystem cannot hold both, the previous one is
+removed first). A failure (a full ``/dev/shm``) is logged with what to do, counted in
+``RamTierStats``, and never fails the save or training: the disk checkpoint is there anyway.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ._catalog import STEP_NAME, Catalog
+from ._job import SaveJob, SaveResult, file_header
+from ._tiers import copy_checkpoint
+from ._write import ABORT, END
+from .errors import InvalidArgumentError, SaveError, StorageError
+from .format import limits
+from .format.jsonio import loads_strict
+from .format.manifest import MANIFEST
+from .storage import LocalStorage, PreconditionFailed, Storage
+from .storage.local import free_bytes, private_directory
+
+log = logging.getLogger("tardigrade")
+
+DEFAULT_BASE = "/dev/shm"
+# Room left free on the memory filesystem beyond the checkpoint itself: other users of
+# /dev/shm (NCCL, DataLoader workers) must not find it full because of us.
+HEADROOM_BYTES = 64 * 1024 * 1024
+_SOURCE = ".source"  # the checkpoint directory this namespace belongs to (for people, and checked)
+
+
+@dataclass
+class RamTierStats:
+    """What the RAM tier did: its ``root``, the checkpoints ``stored`` there in order, copies
+    that ``failed`` (``last_error``), and how many restores read from it (``restored``)."""
+
+    root: str
+    stored: list[str] = field(default_factory=list)
+    failed: int = 0
+    last_error: str | None = None
+    restored: int = 0
+
+
+def namespace(directory: str) -> str:
+    """The RAM tier's directory name for checkpoint directory ``directory`` (a root URL)."""
+    digest = hashlib.sha256(directory.encode()).hexdigest()[:16]
+    return f"tardigrade-{os.geteuid()}-{digest}"
+
+
+def _image_bytes(job: SaveJob) -> int:
+    return sum(len(file_header(fp)) + fp.nbytes for fp in job.plan.files)
+
+
+def _save_id(storage: Storage, name: str) -> str | None:
+    where = f"{name}/{MANIFEST}"
+    doc = loads_strict(storage.read_bytes(where, limits.MAX_MANIFEST_BYTES), storage.url(where))
+    save_id = doc.get("save_id") if isinstance(doc, dict) else None
+    return save_id if isinstance(save_id, str) else None
+
+
+class RamTier:
+    """The RAM tier of the checkpoint directory ``directory``, under ``base``.
+
+    The caller holds ``directory``'s lock: one job per directory, so one writer here too.
+    Raises StorageError when ``base`` cannot hold it (missing, not writable, not ours).
+    """
+
+    def __init__(self, directory: str, base: str | os.PathLike[str] | None = None) -> None:
+        base = os.path.abspath(os.fspath(DEFAULT_BASE if base is None else base))
+        self.directory = directory
+        self.root = os.path.join(base, namespace(directory))
+        self._make_root(base)
+        self.storage = LocalStorage(self.root)
+        self.catalog = Catalog(self.storage)
+        self.stats = RamTierStats(self.root)
+        self._lock = threading.Lock()  # stats and retention: the save thread and the caller's
+        # A killed writer's staging directory: ours to remove (the directory's lock is ours).
+        self.catalog.tidy()
+
+    def _make_root(self, base: str) -> None:
+        what = f"ram_tier={base!r}"
+        try:
+            # In an existing directory only: a mistyped path is not silently made on disk.
+            private_directory(self.root)
+            storage = LocalStorage(self.root)
+            try:
+                storage.put(_SOURCE, self.directory.encode(), mode="create")
+            except PreconditionFailed:
+                there = storage.read_bytes(_SOURCE, 64 * 1024).decode(errors="replace")
+                if there != self.directory:
+                    raise StorageError(
+                        errno.EEXIST,
+                        f"{self.root} belongs to checkpoint directory {there!r}, not "
+                        f"{self.directory!r}",
+                    ) from None
+        except StorageError as e:
+            raise StorageError(
+                e.errno,
+                f"{what}: cannot keep checkpoints there: {e.strerror or e}. Pass ram_tier= a "
+                "writable directory on a memory filesystem (tmpfs) that you own, or "
+                "ram_tier=False",
+            ) from e
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def mirror(self) -> RamMirror:
+        """A copy of the next async save into this tier, written from its staged blocks."""
+        return RamMirror(self)
+
+    def copy_in(self, src: Storage, name: str) -> None:
+        """Copy checkpoint ``name``, just committed in ``src``, here (a synchronous save's)."""
+        try:
+            self._make_room(self._tree_bytes(src, name), keep=None)
+            copy_checkpoint(src, name, self.storage, replace=True)
+        except Exception as e:
+            self._failed(name, e)
+            return
+        self._stored(name)
+
+    def _tree_bytes(self, storage: Storage, name: str) -> int:
+        return Catalog(storage).size(name)
+
+    def _free_bytes(self) -> int:
+        return free_bytes(self.root)
+
+    def _make_room(self, need: int, keep: str | None) -> None:
+        """Raise StorageError (ENOSPC) unless ``need`` more bytes fit with headroom left;
+        removes the older checkpoints here first when that makes them fit."""
+        free = self._free_bytes()
+        if free >= need + HEADROOM_BYTES:
+            return
+        older = [n for n in self.catalog.names() if STEP_NAME.match(n) and n != keep]
+        held = sum(self.catalog.size(n) for n in older)
+        if free + held >= need + HEADROOM_BYTES:
+            for n in older:
+                log.info("tardigrade: removing %s from the RAM tier to make room", n)
+                self.catalog.retire(n)
+            return
+        raise StorageError(
+            errno.ENOSPC,
+            f"{self.root}: the RAM tier needs {need / 1e6:.1f} MB (+{HEADROOM_BYTES >> 20} MiB "
+            f"left free), but its memory filesystem has {free / 1e6:.1f} MB free. The "
+            "checkpoint on disk is not affected. Free space there (`df -h "
+            f"{os.path.dirname(self.root)}`), enlarge it (`mount -o remount,size=... "
+            f"{os.path.dirname(self.root)}`), or pass ram_tier= a larger tmpfs, or "
+            "ram_tier=False",
+        )
+
+    def _commit(self, staging: str, name: str, manifest: bytes, save_id: str) -> None:
+        self.storage.commit(
+            staging, name, manifest, save_id=save_id, replace=self.catalog.committed(name)
+        )
+        self._stored(name)
+
+    def _stored(self, name: str) -> None:
+        """``name`` is committed here: the older checkpoints go (newest only)."""
+        with self._lock:
+            self.stats.stored.append(name)
+        for n in self.catalog.names():
+            if STEP_NAME.match(n) and n != name:
+                try:
+                    self.catalog.retire(n)
+                except OSError as e:
+                    log.warning("tardigrade: removing %s from the RAM tier: %s", n, e)
+
+    def _failed(self, name: str, e: BaseException) -> None:
+        error = str(e)
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) and "ram_tier=" not in error:
+            # Out of space while writing (the check before it passed: another user of the
+            # memory filesystem took the room meanwhile).
+            base = os.path.dirname(self.root)
+            error += (
+                f". The RAM tier's memory filesystem ({base}) is full: free space there, "
+                "enlarge it, or pass ram_tier= a larger tmpfs, or ram_tier=False"
+            )
+        with self._lock:
+            self.stats.failed += 1
+            self.stats.last_error = error
+            failed = self.stats.failed
+        log.error(
+            "tardigrade: RAM TIER COPY FAILED for %s in %s (%d failed so far); the checkpoint in "
+            "the directory is committed and training continues. Cause: %s",
+            name,
+            self.root,
+            failed,
+            error,
+        )
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def copy_of(self, name: str, disk: Storage) -> str | None:
+        """The path of this tier's copy of ``disk``'s committed checkpoint ``name``, or None.
+
+        A copy counts only when it is the same save (the same ``save_id``) as the checkpoint in
+        the directory: the RAM tier never restores a step the directory does not hold (say,
+        after someone emptied the directory to start afresh).
+        """
+        try:
+            if not self.catalog.committed(name):
+                return None
+            ours = _save_id(self.storage, name)
+            if ours is None or ours != _save_id(disk, name):
+                return None
+        except Exception as e:  # unreadable on either side: the directory's copy is restored
+            log.warning("tardigrade: not restoring %s from the RAM tier: %s", name, e)
+            return None
+        return self.storage.url(name)
+
+    def restored(self) -> None:
+        with self._lock:
+            self.stats.restored += 1
+
+    def close(self, *, clean: bool) -> None:
+        """``clean``: remove everything here (the job ended normally)."""
+        if clean:
+            try:
+                self.storage.delete("")
+            except OSError as e:
+                log.warning("tardigrade: could not remove the RAM tier %s: %s", self.root, e)
+                return
+            log.info("tardigrade: removed the RAM tier %s", self.root)
+
+
+def _shared(done: Callable[[], None] | None) -> Callable[[], None] | None:
+    """``done`` called once both the disk writer and the RAM writer called theirs."""
+    if done is None:
+        return None
+    left = [2]
+    lock = threading.Lock()
+
+    def one() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            done()
+
+    return one
+
+
+class _Tee:
+    """What the stager puts a file's blocks into: the disk writer's queue and the RAM
+    writer's, the same slab memory in both (no copy); the slab is freed when both are done."""
+
+    def __init__(self, disk: queue.SimpleQueue[Any], ram: queue.SimpleQueue[Any]) -> None:
+        self.disk, self.ram = disk, ram
+
+    def put(self, block: Any) -> None:
+        if block is END or block is ABORT:
+            self.disk.put(block)
+            self.ram.put(block)
+            return
+        block = replace(block, done=_shared(block.done))
+        self.ram.put(block)
+        self.disk.put(block)
+
+
+class RamMirror:
+    """One async save's copy into the RAM tier, written from the save's staged blocks.
+
+    ``tee(streams)`` (in the caller, before staging) gives the stager queues that feed both
+    writers; ``around(job, save)`` (in the save's background thread) writes the RAM copy beside
+    ``save()``, the disk write and commit, and commits it once the disk checkpoint is committed.
+    Whatever fails here is logged and counted, never raised: the disk save's outcome is the
+    save's outcome.
+    """
+
+    def __init__(self, tier: RamTier) -> None:
+        self.tier = tier
+        self.queues: list[queue.SimpleQueue[Any]] = []
+        self._reading = 0  # the queue the writer reads now: the ones from here are not drained
+
+    def tee(self, streams: list[queue.SimpleQueue[Any]]) -> list[Any]:
+        self.queues = [queue.SimpleQueue() for _ in streams]
+        return [_Tee(s, q) for s, q in zip(streams, self.queues, strict=True)]
+
+    def around(self, job: SaveJob, save: Callable[[], SaveResult]) -> SaveResult:
+        out: list[Any] = [None, None]  # staging, failure
+
+        def write() -> None:
+            try:
+                out[:] = self._write(job)
+            except BaseException as e:  # never lost: reported as this copy's failure
+                out[:] = [None, e]
+                # Every slab must still come back to the pool (a staging budget waits for it).
+                for q in self.queues[self._reading :]:
+                    _drain(q)
+
+        thread = threading.Thread(target=write, name="tardigrade-ram-tier", daemon=True)
+        thread.start()
+        try:
+            result = save()
+        except BaseException:
+            thread.join()
+            self._abort(job, out[0])
+            raise
+        thread.join()
+        staging, failure = out
+        if failure is None:
+            try:
+                manifest = job.storage.read_bytes(
+                    f"{job.name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES
+                )
+                save_id = job.header["save_id"]
+                if _save_id(job.storage, job.name) != save_id:
+                    raise SaveError(f"{job.storage.url(job.name)}: replaced meanwhile")
+                self.tier._commit(staging, job.name, manifest, save_id)
+                return result
+            except Exception as e:
+                failure = e
+        self._abort(job, staging)
+        self.tier._failed(job.name, failure)
+        return result
+
+    def _abort(self, job: SaveJob, staging: str | None) -> None:
+        if staging is not None:
+            try:
+                self.tier.storage.abort(staging, job.name, job.header["save_id"])
+            except OSError as e:
+                log.warning("tardigrade: cleaning up the RAM tier's %s: %s", staging, e)
+
+    def _write(self, job: SaveJob) -> tuple[str | None, BaseException | None]:
+        """Write every file from its queue (each drained to its end, whatever fails, so every
+        slab is released); return the staging directory and the first failure."""
+        storage = self.tier.storage
+        failure: BaseException | None = None
+        staging = None
+        try:
+            self.tier._make_room(_image_bytes(job), keep=job.name)
+            staging = storage.begin(job.name, job.header["save_id"])
+        except BaseException as e:
+            failure = e
+        for i, (fp, q) in enumerate(zip(job.plan.files, self.queues, strict=True)):
+            self._reading = i
+            writer = None
+            if failure is None:
+                try:
+                    # No size hint: buffered writes (a memory filesystem has no direct I/O),
+                    # under the disk's name for the file, so the disk's manifest fits as it is.
+                    writer = storage.open_writer(f"{staging}/{job.stored_name(fp.name)}")
+                except BaseException as e:
+                    failure = e
+            while True:
+                block = q.get()
+                if block is END or block is ABORT:
+                    if block is ABORT and failure is None:
+                        failure = SaveError(f"{job.storage.url(job.name)}: staging failed")
+                    break
+                try:
+                    if failure is None and writer is not None:
+                        writer.write(block.data)
+                except BaseException as e:
+                    failure = e
+                finally:
+                    if block.done is not None:
+                        block.done()
+            self._reading = i + 1
+            if writer is not None:
+                try:
+                    if failure is None:
+                        writer.close()
+                    else:
+                        writer.abort()
+                except BaseException as e:
+                    failure = failure or e
+        return staging, failure
+
+
+def _drain(q: queue.SimpleQueue[Any]) -> None:
+    """Release every block left in ``q``, up to its end."""
+    while True:
+        block = q.get()
+        if block is END or block is ABORT:
+            return
+        if block.done is not None:
+            block.done()
+
+
+def open_ram_tier(directory: str, ram_tier: Any) -> RamTier | None:
+    """The manager's ``ram_tier=`` argument: False/None (off), True (``/dev/shm``) or a path."""
+    if ram_tier is None or ram_tier is False:
+        return None
+    if ram_tier is True:
+        return RamTier(directory)
+    if isinstance(ram_tier, (str, os.PathLike)):
+        base = os.path.abspath(os.fspath(ram_tier))
+        if base == directory or base.startswith(directory.rstrip(os.sep) + os.sep):
+            raise InvalidArgumentError(
+                f"ram_tier={os.fspath(ram_tier)!r} is inside the checkpoint directory "
+                f"{directory}; pass a directory on a memory filesystem elsewhere (such as "
+                "/dev/shm, the default with ram_tier=True)"
+            )
+        return RamTier(directory, ram_tier)
+    raise InvalidArgumentError(
+        f"ram_tier must be True, False or a directory on a memory filesystem, got {ram_tier!r}"
+    )

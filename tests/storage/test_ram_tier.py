@@ -1,0 +1,379 @@
+"""The RAM tier (``CheckpointManager(dir, state, ram_tier=True | path)``): the newest checkpoint
+kept in host shared memory, so that a process killed with SIGKILL and restarted on the same node
+restores from memory. Written from the async save's staging copy (never from the live tensors),
+bounded to the newest checkpoint, removed at a normal end and kept on a crash, namespaced per
+checkpoint directory, and a full memory filesystem never stops training."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tardigrade as tg
+from tardigrade._ramtier import RamTier, namespace
+from tardigrade.errors import InvalidArgumentError, StorageError
+
+SRC = Path(tg.__file__).resolve().parents[1]
+
+
+def state_at(step: int, n: int = 300_000) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.rand(n, generator=g), "b": torch.arange(1000) * step, "step": step}
+
+
+def ram_root(directory: Path, base: str = "/dev/shm") -> Path:
+    return Path(base) / namespace(str(directory.resolve()))
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Iterator[Path]:
+    """A directory of our own on /dev/shm (the RAM tier's default base), removed afterwards."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("this machine has no /dev/shm")
+    base = Path("/dev/shm") / f"tardigrade-test-{uuid.uuid4().hex[:12]}"
+    base.mkdir()
+    yield base
+    subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs mounted for the test (root only), unmounted afterwards."""
+    where = tmp_path / "tiny-shm"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time, torch, tardigrade as tg
+    sys.path.insert(0, {tests!r})
+    from test_ram_tier import state_at
+    state = state_at(0)
+    mgr = tg.CheckpointManager({directory!r}, state, ram_tier=True)
+    for step in (1, 2):
+        fresh = state_at(step)
+        for k in ("w", "b"):
+            state[k].copy_(fresh[k])
+        state["step"] = step
+        mgr.save(step)
+    mgr.wait()
+    assert mgr.ram_tier_stats.stored == ["step-000000001", "step-000000002"], mgr.ram_tier_stats
+    print("committed", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_process_killed_after_a_save_restarts_from_the_ram_tier(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    root = ram_root(directory)
+    script = CHILD.format(tests=str(Path(__file__).parent), directory=str(directory))
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line == b"committed\n", proc.stderr.read() if proc.stderr else line  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert proc.returncode == -signal.SIGKILL
+        # The crash left the RAM tier in place: the newest checkpoint only.
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+            "step-000000002"
+        ]
+        # Damage the directory's copy of the newest step: only a restore that reads the RAM
+        # tier's bytes can still restore step 2 (the directory's would fail verification).
+        data = next((directory / "step-000000002").glob("data-*"))
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0xFF
+        data.write_bytes(bytes(raw))
+
+        restored = state_at(0)
+        with tg.CheckpointManager(directory, restored, ram_tier=True) as mgr:
+            assert mgr.restore() == 2
+            assert mgr.restored_from == str(root / "step-000000002")
+            stats = mgr.ram_tier_stats
+            assert stats is not None and stats.restored == 1 and stats.root == str(root)
+        expected = state_at(2)
+        for k in ("w", "b"):
+            assert restored[k].dtype == expected[k].dtype
+            assert restored[k].numpy().tobytes() == expected[k].numpy().tobytes()
+        assert restored["step"] == 2
+        assert not root.exists()  # the restarted job ended normally: removed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+@pytest.mark.parametrize(
+    "mode", ["async", "async-budget", "sync"], ids=["async", "async-budget", "sync"]
+)
+def test_the_ram_copy_holds_the_values_of_save_time_not_later_ones(
+    tmp_path: Path, shm: Path, mode: str
+) -> None:
+    """Parameters mutated right after ``save()`` returns: the RAM tier holds the values from
+    before (a copy, never an alias of live tensors; NVRx #376, Lightning #20953)."""
+    options: dict[str, Any] = {"async_save": mode != "sync"}
+    if mode == "async-budget":
+        options["max_staging_bytes"] = 4 << 20  # writers drain slabs while staging goes on
+    state = state_at(1, n=4_000_000)  # 16 MB: the background copy is still running
+    before = {k: state[k].clone() for k in ("w", "b")}
+    with tg.CheckpointManager(tmp_path / "ckpt", state, ram_tier=shm, **options) as mgr:
+        mgr.save(1)
+        state["w"].add_(1.0)  # training resumes at once
+        state["b"].mul_(-1)
+        mgr.wait()
+        stats = mgr.ram_tier_stats
+        assert stats is not None and stats.stored == ["step-000000001"] and stats.failed == 0
+        copy = tg.load(Path(stats.root) / "step-000000001")  # verifies every checksum
+        for k in ("w", "b"):
+            assert copy[k].numpy().tobytes() == before[k].numpy().tobytes(), k
+        assert not torch.equal(copy["w"], state["w"])
+
+
+def test_only_the_newest_checkpoint_is_kept_and_close_removes_it(tmp_path: Path, shm: Path) -> None:
+    state = state_at(0)
+    with tg.CheckpointManager(tmp_path / "ckpt", state, ram_tier=shm) as mgr:
+        root = Path(mgr.ram_tier_stats.root)  # type: ignore[union-attr]
+        assert root.parent == shm and root.name == namespace(str((tmp_path / "ckpt").resolve()))
+        for step in (1, 2, 3):
+            state["step"] = step
+            mgr.save(step)
+            mgr.wait()
+            assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
+                f"step-{step:09d}"
+            ]
+        assert mgr.steps() == [1, 2, 3]  # the directory keeps its own retention (all here)
+    assert not root.exists()
+
+
+def test_a_with_block_left_by_an_exception_keeps_the_ram_tier(tmp_path: Path, shm: Path) -> None:
+    state = state_at(1)
+    with (
+        pytest.raises(RuntimeError, match="diverged"),
+        tg.CheckpointManager(tmp_path / "ckpt", state, ram_tier=shm) as mgr,
+    ):
+        mgr.save(1)
+        mgr.wait()
+        raise RuntimeError("loss diverged")
+    root = ram_root(tmp_path / "ckpt", str(shm))
+    assert (root / "step-000000001" / "manifest.json").is_file()
+    again = state_at(0)
+    with tg.CheckpointManager(tmp_path / "ckpt", again, ram_tier=shm) as mgr:
+        assert mgr.restore() == 1 and mgr.restored_from == str(root / "step-000000001")
+    assert torch.equal(again["w"], state_at(1)["w"])
+
+
+def test_a_damaged_ram_copy_falls_back_to_the_directory_copy_of_the_same_step(
+    tmp_path: Path, shm: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = state_at(0)
+    with tg.CheckpointManager(tmp_path / "ckpt", state, ram_tier=shm) as mgr:
+        for step in (1, 2):
+            state["w"].copy_(state_at(step)["w"])
+            mgr.save(step)
+        mgr.wait()
+        mgr._ram_keep = True  # as after a crash
+    data = next((ram_root(tmp_path / "ckpt", str(shm)) / "step-000000002").glob("data-*"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # inside a tensor: found once bytes reached the live state
+    data.write_bytes(bytes(raw))
+    restored = state_at(0)
+    with tg.CheckpointManager(tmp_path / "ckpt", restored, ram_tier=shm) as mgr:
+        assert mgr.restore() == 2
+        assert mgr.restored_from == str(tmp_path / "ckpt" / "step-000000002")
+        assert mgr.ram_tier_stats.restored == 0  # type: ignore[union-attr]
+    assert torch.equal(restored["w"], state_at(2)["w"])
+    assert any("from the RAM tier failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_ram_tier_in_front_of_an_object_store(shm: Path) -> None:
+    """The directory is a store (``memory://``, whose data objects carry save-unique names):
+    the RAM copy keeps the store's names, so the store's manifest fits it as it is."""
+    url = f"memory://ram-{uuid.uuid4().hex[:12]}/run"
+    state = state_at(3)
+    with tg.CheckpointManager(url, state, ram_tier=shm) as mgr:
+        mgr.save(3)
+        mgr.wait()
+        root = Path(mgr.ram_tier_stats.root)  # type: ignore[union-attr]
+        assert [p.name[16] for p in (root / "step-000000003").glob("*.data-*")] == ["."]
+        mgr._ram_keep = True  # as after a crash
+    restored = state_at(0)
+    with tg.CheckpointManager(url, restored, ram_tier=shm) as mgr:
+        assert mgr.restore() == 3 and mgr.restored_from == str(root / "step-000000003")
+    assert torch.equal(restored["w"], state_at(3)["w"])
+
+
+def test_two_jobs_on_one_node_do_not_share_a_ram_tier(tmp_path: Path, shm: Path) -> None:
+    a, b = state_at(1), state_at(2)
+    with (
+        tg.CheckpointManager(tmp_path / "a", a, ram_tier=shm) as ma,
+        tg.CheckpointManager(tmp_path / "b", b, ram_tier=shm) as mb,
+    ):
+        ma.save(5)
+        mb.save(5)
+        ma.wait()
+        mb.wait()
+        roots = {ma.ram_tier_stats.root, mb.ram_tier_stats.root}  # type: ignore[union-attr]
+        assert len(roots) == 2
+        for mgr in (ma, mb):
+            mgr._ram_keep = True  # as after a crash: both stay
+    for directory, want in (("a", 1), ("b", 2)):
+        restored = state_at(0)
+        with tg.CheckpointManager(tmp_path / directory, restored, ram_tier=shm) as mgr:
+            assert mgr.restore() == 5
+            assert mgr.restored_from == str(
+                ram_root(tmp_path / directory, str(shm)) / "step-000000005"
+            )
+        assert torch.equal(restored["w"], state_at(want)["w"])
+
+
+def test_a_ram_copy_of_a_checkpoint_the_directory_no_longer_holds_is_not_restored(
+    tmp_path: Path, shm: Path
+) -> None:
+    """Someone emptied the directory to start afresh: the RAM tier's copy of the old run's
+    step does not come back (a RAM copy counts only as a copy of the directory's same save)."""
+    state = state_at(1)
+    with tg.CheckpointManager(tmp_path / "ckpt", state, ram_tier=shm) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        mgr._ram_keep = True
+    subprocess.run(["rm", "-rf", str(tmp_path / "ckpt")], check=True)
+    with tg.CheckpointManager(tmp_path / "ckpt", state_at(0), ram_tier=shm) as mgr:
+        assert mgr.restore() is None
+    # The directory holds another save of the same step: the directory's is restored.
+    with tg.CheckpointManager(tmp_path / "ckpt", state_at(1), ram_tier=shm) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        mgr._ram_keep = True
+    tg.save(tmp_path / "ckpt" / "step-000000001", state_at(7), overwrite=True)
+    restored = state_at(0)
+    with tg.CheckpointManager(tmp_path / "ckpt", restored, ram_tier=shm) as mgr:
+        assert mgr.restore() == 1 and mgr.restored_from == str(tmp_path / "ckpt" / "step-000000001")
+    assert torch.equal(restored["w"], state_at(7)["w"])
+
+
+def test_a_full_memory_filesystem_is_reported_and_training_goes_on(
+    tmp_path: Path, small_tmpfs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = state_at(1, n=1_000_000)  # 4 MB: more than the 1 MiB tmpfs holds
+    with tg.CheckpointManager(tmp_path / "ckpt", state, ram_tier=small_tmpfs) as mgr:
+        mgr.save(1)
+        mgr.save(2)  # async; the next one waits for it
+        mgr.wait()
+        stats = mgr.ram_tier_stats
+        assert stats is not None and stats.failed == 2 and stats.stored == []
+        assert stats.last_error is not None and stats.root in stats.last_error
+        assert "ram_tier=" in stats.last_error and "free" in stats.last_error
+        assert mgr.stats.failed == 0 and mgr.steps() == [1, 2]  # the saves themselves: fine
+    assert tg.verify(tmp_path / "ckpt" / "step-000000002").files == 1
+    assert sum("RAM TIER COPY FAILED" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_running_out_of_memory_mid_copy_leaves_nothing_and_releases_the_staging(
+    tmp_path: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The space check passed (a race with another user of /dev/shm), then a write failed with
+    ENOSPC: counted, the half-written copy removed, the disk checkpoint committed, and the next
+    async save (which needs the staging slabs back) works."""
+    monkeypatch.setattr(RamTier, "_make_room", lambda self, need, keep: None)
+    state = state_at(1, n=1_000_000)
+    with tg.CheckpointManager(
+        tmp_path / "ckpt", state, ram_tier=small_tmpfs, max_staging_bytes=2 << 20
+    ) as mgr:
+        for step in (1, 2):
+            mgr.save(step)
+            mgr.wait()
+        stats = mgr.ram_tier_stats
+        assert stats is not None and stats.failed == 2
+        assert "No space left" in (stats.last_error or "")
+        assert "ram_tier=" in (stats.last_error or "")  # and what to do about it
+        root = Path(stats.root)
+        assert [p.name for p in root.iterdir()] == [".source"]  # nothing half-written left
+        assert mgr.steps() == [1, 2] and mgr.stats.failed == 0
+    assert tg.verify(tmp_path / "ckpt" / "step-000000002").files == 1
+
+
+def test_a_save_that_fails_in_the_directory_commits_nothing_in_the_ram_tier(
+    tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The RAM copy is committed only after the directory's: it never holds a step the
+    directory does not."""
+    import tardigrade._write as write
+
+    state = state_at(1)
+    with tg.CheckpointManager(tmp_path / "ckpt", state, ram_tier=shm) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        root = Path(mgr.ram_tier_stats.root)  # type: ignore[union-attr]
+
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise OSError(5, "injected: the disk failed at the commit")
+
+        monkeypatch.setattr(write, "commit_staging", refuse)
+        mgr.save(2)
+        mgr.wait()
+        assert mgr.stats.failed == 1 and mgr.steps() == [1]
+        assert sorted(p.name for p in root.iterdir()) == [".source", "step-000000001"]
+        stats = mgr.ram_tier_stats
+        assert stats is not None and stats.stored == ["step-000000001"] and stats.failed == 0
+        monkeypatch.undo()
+        mgr.save(3)  # the staging slabs came back from both writers
+        mgr.wait()
+        assert sorted(p.name for p in root.iterdir()) == [".source", "step-000000003"]
+
+
+def test_a_ram_tier_location_that_cannot_work_is_refused_when_the_manager_is_created(
+    tmp_path: Path, shm: Path
+) -> None:
+    with pytest.raises(StorageError, match="No such file"):
+        tg.CheckpointManager(tmp_path / "a", state_at(0), ram_tier=tmp_path / "missing")
+    # A link planted where the namespace goes (another user of the node): not followed.
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", ram_root(tmp_path / "b", str(shm)))
+    with pytest.raises(StorageError, match="not a private directory"):
+        tg.CheckpointManager(tmp_path / "b", state_at(0), ram_tier=shm)
+    with pytest.raises(InvalidArgumentError, match="inside the checkpoint directory"):
+        tg.CheckpointManager(tmp_path / "d", state_at(0), ram_tier=tmp_path / "d" / "shm")
+    with pytest.raises(InvalidArgumentError, match="ram_tier must be"):
+        tg.CheckpointManager(tmp_path / "c", state_at(0), ram_tier=3)  # type: ignore[arg-type]
+    # Each refused manager released the directory's lock.
+    for name in ("a", "b", "c", "d"):
+        with tg.CheckpointManager(tmp_path / name, state_at(0)):
+            pass
+
+
+def test_a_restore_from_the_ram_tier_says_so_in_the_log(
+    tmp_path: Path, shm: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tardigrade")
+    state = state_at(1)
+    with tg.CheckpointManager(tmp_path / "ckpt", state, ram_tier=shm) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        assert mgr.restore() == 1
+    assert any("from the RAM tier" in r.getMessage() for r in caplog.records)

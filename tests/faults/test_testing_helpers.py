@@ -324,7 +324,7 @@ def test_a_rank_killed_between_the_phases_of_a_collective_save_commits_nothing(
     assert r.killed and r.rank == rank, r.tail()
     assert r.where == f"phase #2: rank {rank} entering {phase!r}", r.where
     assert r.counts["phase"] == 2, r.counts  # only the phases of that name are counted
-    assert r.stdout.count("SAVED") == 2, "both ranks returned from the first save"
+    # (Whether the other rank printed SAVED for the first save before the job died is a race.)
     first = tg.load(d / "ckpt-0")
     assert torch.equal(first["w"], torch.ones(1000))
     assert tg.verify(d / "ckpt-0").tensors == 2

@@ -35,11 +35,11 @@ if TYPE_CHECKING:
     from ._async import AsyncCheckpointer, SaveFuture
     from ._catalog import Catalog
     from ._checkpoint import Checkpoint
-    from ._job import SaveResult
     from ._load import load
     from ._open import read_manifest
     from ._rng import RNGState
     from ._save import save
+    from ._save_job import SaveResult
     from ._sharding import PerRank, Sharded
     from ._tree import Stateful
     from ._verify import VerifyReport, verify
@@ -64,7 +64,7 @@ _LAZY = {
     "ResumableSampler": ".data",
     "SampleIndex": ".data",
     "SaveFuture": "._async",
-    "SaveResult": "._job",
+    "SaveResult": "._save_job",
     "SaveStats": ".manager",
     "SeededDataset": ".data",
     "Sharded": "._sharding",

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._job import (
+from ._plan import plan_files
+from ._save_job import (
     SaveJob,
     SaveOptions,
     SaveResult,
@@ -34,7 +35,6 @@ from ._job import (
     item_source,
     make_job,
 )
-from ._plan import plan_files
 from ._staging import Slab, SlabPool, StagingStats
 from ._tree import Entry, as_bytes, flatten
 from ._write import ABORT, END, Block, Segment, write_and_commit

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._catalog import STEP_NAME, Catalog
-from ._job import SaveJob, SaveResult, file_header
+from ._save_job import SaveJob, SaveResult, file_header
 from ._tiers import copy_checkpoint
 from ._write import ABORT, END
 from .errors import InvalidArgumentError, SaveError, StorageError

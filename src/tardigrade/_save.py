@@ -1,6 +1,6 @@
 """``tg.save``: the public facade, dispatching to the synchronous or the asynchronous save.
 
-Both are the same pipeline (``_job`` -> stage -> ``_write``): a synchronous save borrows the live
+Both are the same pipeline (``_save_job`` -> stage -> ``_write``): a synchronous save borrows the live
 tensors as its staging (the caller waits anyway), an asynchronous one copies them into pooled
 host memory first (``_async``) and writes in the background.
 """
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._async import SaveFuture, default_checkpointer
-from ._job import SaveOptions, SaveResult, make_job
+from ._save_job import SaveOptions, SaveResult, make_job
 from ._write import stream_borrowed, write_and_commit
 from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
 from .distributed._save import save_collective, stage_collective

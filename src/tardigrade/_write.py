@@ -19,7 +19,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ._job import (
+from ._plan import PER_RANK, REPLICATED, FilePlan, GlobalPlan
+from ._save_job import (
     SaveJob,
     SaveResult,
     check_target,
@@ -27,7 +28,6 @@ from ._job import (
     file_header,
     item_source,
 )
-from ._plan import PER_RANK, REPLICATED, FilePlan, GlobalPlan
 from ._tree import as_bytes
 from .errors import DistributedError, SaveError, StorageError, TardigradeError
 from .format import limits

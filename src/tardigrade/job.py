@@ -98,9 +98,9 @@ class JobRunner:
             log.info("tardigrade: job resumes after epoch %d", epoch)
         while not mgr.should_stop:
             # A signal that arrived during restore, during the async save of the last epoch or
-            # in stop() finds nothing new to save: _stop_here commits what is in flight. In a
-            # distributed job it also stops every rank when stop() is true on any of them.
-            if mgr._stop_here(bool(self.job.stop())):
+            # in stop() finds nothing new to save: stop_at_boundary commits what is in flight.
+            # In a distributed job it also stops every rank when stop() is true on any of them.
+            if mgr.stop_at_boundary(finished=bool(self.job.stop())):
                 break
             epoch += 1
             self.job.epoch(epoch)

@@ -93,9 +93,9 @@ class Run:
         assert self.mgr is not None
         os.kill(os.getpid(), signal.SIGTERM)  # what a cluster sends before the SIGKILL
         deadline = time.monotonic() + 5  # the handler runs at the next bytecode boundary
-        while self.mgr._signalled is None and time.monotonic() < deadline:
+        while self.mgr._preemption.received is None and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert self.mgr._signalled == signal.SIGTERM
+        assert self.mgr._preemption.received == signal.SIGTERM
 
     def init(self) -> None:
         self.calls.append("init")
@@ -377,7 +377,7 @@ def test_sigterm_while_resuming_stops_without_running_an_epoch(
         run.mgr = mgr
         os.kill(os.getpid(), signal.SIGTERM)
         deadline = time.monotonic() + 5
-        while mgr._signalled is None and time.monotonic() < deadline:
+        while mgr._preemption.received is None and time.monotonic() < deadline:
             time.sleep(0.001)
         assert tg.JobRunner(run.job, mgr).run() == 2
         assert mgr.should_stop

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import tardigrade as tg
-import tardigrade.manager as manager_mod
+import tardigrade.manager._checkpoint_manager as manager_mod
 from tardigrade._catalog import Catalog
 from tardigrade.errors import (
     CheckpointExistsError,
@@ -842,7 +842,7 @@ def test_signal_saves_at_the_next_step_and_stops(tmp_path: Path, async_save: boo
             mark(mgr.state, 4)
             os.kill(os.getpid(), signal.SIGTERM)
             deadline = time.monotonic() + 5
-            while mgr._signalled is None and time.monotonic() < deadline:
+            while mgr._preemption.received is None and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert not mgr.should_stop
             assert mgr.step(4) is True
@@ -850,6 +850,33 @@ def test_signal_saves_at_the_next_step_and_stops(tmp_path: Path, async_save: boo
             # Saved synchronously: committed before step() returned.
             assert mgr.exists(4)
             assert saved_value(mgr, 4) == 4.0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_stop_at_boundary_stops_when_finished_or_preempted(tmp_path: Path):
+    # The public hook JobRunner stops with between epochs: the state is saved already, so a
+    # signal commits what is in flight and stops, without saving again.
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with tg.CheckpointManager(
+            tmp_path, make_state(), async_save=True, save_on_signals=(signal.SIGTERM,)
+        ) as mgr:
+            assert mgr.stop_at_boundary() is False
+            assert mgr.stop_at_boundary(finished=True) is True
+            assert not mgr.should_stop  # finished is the caller's own reason: no signal taken
+            assert mgr.save(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while mgr._preemption.received is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert mgr.stop_at_boundary() is True
+            assert mgr.should_stop
+            # The save in flight was committed and recorded before it returned; nothing more.
+            assert [(s.step, s.ok) for s in mgr.stats] == [(1, True)]
+            assert mgr.steps() == [1]
+        with pytest.raises(InvalidArgumentError, match="stop_at_boundary"):
+            mgr.stop_at_boundary()
     finally:
         signal.signal(signal.SIGTERM, before)
 
@@ -1042,7 +1069,7 @@ def wait_signalled(mgr: tg.CheckpointManager) -> None:
     # The Python-level handler runs in the main thread at the next bytecode boundary; give
     # it a few chances (a signal sent to ourselves is pending at once).
     deadline = time.monotonic() + 5
-    while mgr._signalled is None and time.monotonic() < deadline:
+    while mgr._preemption.received is None and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -1175,6 +1202,6 @@ def test_save_honours_a_pending_signal_like_step(
         assert mgr.save(2) is True
         assert mgr.should_stop
         # Saved synchronously: committed before save() returned, nothing left in flight.
-        assert mgr.exists(2) and mgr._pending == []
+        assert mgr.exists(2) and not mgr._pending
         assert saved_value(mgr, 2) == 2.0
-        assert mgr._signalled is None
+        assert mgr._preemption.received is None

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tardigrade as tg
-from tardigrade import _job, _write
+from tardigrade import _save_job, _write
 from tardigrade._plan import local_plan
 from tardigrade._tree import flatten
 from tardigrade.errors import SaveError
@@ -23,7 +23,7 @@ def low_estimate(state: Any) -> int:
     lplan = local_plan(flatten(state))
     entries = [*lplan.shared, *lplan.own]
     named = [len(e.name) for e in entries if 0 not in e.shape]
-    return sum(named) + _job.MIN_MANIFEST_BYTES_PER_TENSOR * len(named)
+    return sum(named) + _save_job.MIN_MANIFEST_BYTES_PER_TENSOR * len(named)
 
 
 STATES = {

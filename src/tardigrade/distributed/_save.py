@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from .._async import stage_entries
-from .._job import SaveJob, SaveOptions, SaveResult, check_target, make_header
 from .._plan import (
     GlobalPlan,
     LocalPlan,
@@ -38,6 +37,7 @@ from .._plan import (
     local_plan,
     plan_from_wire,
 )
+from .._save_job import SaveJob, SaveOptions, SaveResult, check_target, make_header
 from .._staging import SlabPool
 from .._tree import Flat, flatten, path_str
 from .._write import (

@@ -1,41 +1,32 @@
-"""CheckpointManager: when to save, what to keep, and resuming from the newest good checkpoint.
+"""The ``CheckpointManager`` facade: its public calls, over this package's collaborators.
 
-It unifies Paddle's ``CheckpointConfig`` (one directory per job, numbered checkpoints, step and
-epoch intervals, a maximum kept, automatic restore of the latest), Caffe2's
-``CheckpointManager`` (failed saves do not kill the job, per-save timing stats) and CNTK's
-"external state" (anything with ``state_dict()`` in the state tree).
+Restore with fallback, save dispatch and set-aside, and uploads live here; the decisions (save
+policy, retention, agreement between ranks, ...) are made by the collaborators that the package
+docstring lists.
 """
 
 from __future__ import annotations
 
-import functools
-import json
+import dataclasses
 import logging
 import math
 import os
 import signal
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
-from ._async import AsyncCheckpointer, SaveFuture
-from ._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_name, step_name
-from ._job import SaveOptions, SaveResult
-from ._load import load
-from ._match import Key
-from ._open import open_manifest
-from ._ramtier import RamTier, RamTierStats, open_ram_tier
-from ._save import save
-from ._tiers import Uploader, UploadStats, copy_checkpoint
-from ._tree import flatten
-from ._units import gbps
-from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
-from .distributed._save import stage_collective
-from .errors import (
+from .._async import AsyncCheckpointer
+from .._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_name, step_name
+from .._load import load
+from .._match import Key
+from .._open import open_manifest
+from .._ramtier import RamTier, RamTierStats, open_ram_tier
+from .._save import save
+from .._save_job import SaveOptions, SaveResult
+from .._tiers import Uploader, UploadStats, copy_checkpoint
+from ..distributed._collectives import DEFAULT_TIMEOUT
+from ..errors import (
     CheckpointExistsError,
     CheckpointLockedError,
     CheckpointNotFoundError,
@@ -48,132 +39,26 @@ from .errors import (
     TardigradeError,
     UnsupportedTypeError,
 )
-from .storage import open_root
+from ..storage import open_root
+from ..storage.lease import Lease
+from ._agreement import DUE, NOTHING, PREEMPTED, agreement
+from ._options import (
+    check_best_metric,
+    check_directory,
+    check_flag,
+    check_one_of,
+    check_positive,
+    check_signals,
+    check_step,
+)
+from ._pending import Failure, PendingSaves, failure_of
+from ._policy import SavePolicy
+from ._preflight import DirectoryLock
+from ._retention import Retention
+from ._signals import Preemption
+from ._stats import ManagerStats, SaveStats
 
 log = logging.getLogger("tardigrade")
-
-# The line saying that async_save falls back to synchronous saves in a distributed job (under
-# max_staging_bytes) is written once per process, not once per manager.
-_SYNC_FALLBACK_LOGGED = False
-
-# -- signals ---------------------------------------------------------------------------------
-# One handler per signal for the whole process, relaying it to every open manager that asked
-# for it. Each manager swapping in its own handler and putting back "the one before it" cannot
-# work: closed out of creation order, the signal stays bound to a closed manager. Here managers
-# join and leave in any order; the handler that was there before the first one joined is put
-# back when the last one leaves, unless someone installed another handler over ours meanwhile
-# (theirs then stays: it is newer than anything we could put back).
-_listeners: dict[int, list[weakref.ref[CheckpointManager]]] = {}
-_before: dict[int, Any] = {}
-
-
-def _relay(signum: int, frame: FrameType | None) -> None:
-    live = [m for r in list(_listeners.get(signum, ())) if (m := r()) is not None]
-    for mgr in live:
-        # Only a flag: saving inside a signal handler could interrupt a half-mutated state.
-        mgr._signalled = signum
-    if live:
-        return
-    # Every listener was garbage-collected without close(), or left from another thread that
-    # could not put the old handler back: behave as that handler would.
-    prev = _before.get(signum, signal.SIG_DFL)
-    if callable(prev):
-        prev(signum, frame)
-    elif prev == signal.SIG_DFL:
-        signal.signal(signum, signal.SIG_DFL)
-        _listeners.pop(signum, None)
-        _before.pop(signum, None)
-        os.kill(os.getpid(), signum)
-
-
-def _listen(mgr: CheckpointManager, sig: int) -> None:
-    """Relay ``sig`` to ``mgr`` (main thread only: ``signal.signal`` requires it)."""
-    if signal.getsignal(sig) is not _relay:
-        prev = signal.signal(sig, _relay)
-        # Either nobody listens yet, or someone replaced our relay while managers listened:
-        # in both cases the handler just displaced is the one to put back at the end.
-        _before[sig] = prev
-    _listeners.setdefault(sig, []).append(weakref.ref(mgr))
-
-
-def _unlisten(mgr: CheckpointManager, sig: int) -> None:
-    refs = [r for r in _listeners.get(sig, ()) if r() is not None and r() is not mgr]
-    if refs:
-        _listeners[sig] = refs
-        return
-    if signal.getsignal(sig) is _relay:
-        # Raises ValueError outside the main thread; the relay then forwards to _before.
-        # None: the old handler was not installed from Python and cannot be put back.
-        prev = _before[sig]
-        signal.signal(sig, signal.SIG_DFL if prev is None else prev)
-    _listeners.pop(sig, None)
-    _before.pop(sig, None)
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """One save attempt: step, bytes, seconds blocked in the caller, total seconds, outcome.
-
-    ``error`` is a failed save's error, or that of a save that failed after it committed
-    (``ok`` True: it counts as saved; its bytes are not known, 0).
-    """
-
-    step: int
-    nbytes: int
-    blocking_seconds: float
-    total_seconds: float
-    ok: bool
-    error: str | None = None
-
-    @property
-    def throughput_gbps(self) -> float:
-        return gbps(self.nbytes, self.total_seconds)
-
-
-class ManagerStats(list[SaveStats]):
-    """Every save attempt, oldest first, plus totals."""
-
-    @property
-    def failed(self) -> int:
-        return sum(not s.ok for s in self)
-
-    @property
-    def succeeded(self) -> int:
-        return sum(s.ok for s in self)
-
-    @property
-    def blocking_seconds(self) -> float:
-        return sum(s.blocking_seconds for s in self)
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(s.total_seconds for s in self)
-
-
-def _check_signals(signals: Iterable[int]) -> tuple[int, ...]:
-    try:
-        out = tuple(signals)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"save_on_signals must be a tuple of signals, got {signals!r}"
-        ) from None
-    valid = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
-    for sig in out:
-        if sig not in valid:
-            raise InvalidArgumentError(
-                f"save_on_signals: {sig!r} is not a signal that can be caught (SIGKILL and "
-                "SIGSTOP cannot be)"
-            )
-    return out
-
-
-def _positive(name: str, v: Any, kind: type = int) -> Any:
-    if v is None:
-        return None
-    ok = (type(v) is int or (kind is float and type(v) is float)) and v > 0
-    if not ok:
-        raise InvalidArgumentError(f"{name} must be a positive {kind.__name__} or None, got {v!r}")
-    return v
 
 
 def _run_to_end(part: Callable[[], None], errors: list[BaseException], tries: int = 3) -> None:
@@ -189,6 +74,26 @@ def _run_to_end(part: Callable[[], None], errors: list[BaseException], tries: in
             return
         except BaseException as e:  # re-raised by the caller, after the cleanup
             errors.append(e)
+
+
+class _Knob:
+    """A public setting of the manager kept in one of its frozen policies: setting it (as
+    ``mgr.keep_last = 1``) replaces that policy with one that differs in this field only."""
+
+    def __init__(self, policy: str) -> None:
+        self._policy = policy
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, mgr: Any, owner: type | None = None) -> Any:
+        if mgr is None:
+            return self
+        return getattr(getattr(mgr, self._policy), self._name)
+
+    def __set__(self, mgr: Any, value: Any) -> None:
+        policy = getattr(mgr, self._policy)
+        setattr(mgr, self._policy, dataclasses.replace(policy, **{self._name: value}))
 
 
 class CheckpointManager:
@@ -265,9 +170,9 @@ class CheckpointManager:
             ``/dev/shm``) is logged and counted in ``ram_tier_stats``, never raised. Single
             process only for now. See docs/storage.md.
 
-    In a distributed job the constructor, ``step``, ``save``, ``restore``, ``steps``,
-    ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are collective: every rank of the
-    group calls them, in the same order. Each decision (whether this step saves, whether to stop
+    In a distributed job the constructor, ``step``, ``save``, ``stop_at_boundary``,
+    ``restore``, ``steps``, ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are
+    collective: every rank of the group calls them, in the same order. Each decision (whether this step saves, whether to stop
     after a signal that reached any rank, which checkpoint ``restore`` picks, when a background
     save is recorded and whether it succeeded) is the same on every rank; the directory checks,
     the lock, retention and the cleanup run on the group's rank 0 only. With ``async_save``
@@ -280,6 +185,15 @@ class CheckpointManager:
     not apply to collective saves: with it, saves there are synchronous (said once, in a
     warning).
     """
+
+    every_steps = _Knob("_policy")
+    every_epochs = _Knob("_policy")
+    every_seconds = _Knob("_policy")
+    keep_last = _Knob("_retention")
+    keep_every_steps = _Knob("_retention")
+    keep_best = _Knob("_retention")
+    best_metric = _Knob("_retention")
+    best_mode = _Knob("_retention")
 
     def __init__(
         self,
@@ -308,33 +222,26 @@ class CheckpointManager:
         upload_storage_options: Mapping[str, Any] | None = None,
         ram_tier: bool | str | os.PathLike[str] = False,
     ) -> None:
-        if not isinstance(directory, (str, os.PathLike)):
-            raise InvalidArgumentError(f"directory must be a path or URL, got {directory!r}")
         # Every byte, listing and delete goes through the catalog over the storage contract.
         self._storage_options = storage_options
         self._upload_storage_options = upload_storage_options
-        self._catalog = Catalog(directory, storage_options)
+        self._catalog = Catalog(check_directory(directory), storage_options)
         self.directory = self._catalog.root
         self.state = state
-        self.every_steps = _positive("every_steps", every_steps)
-        self.every_epochs = _positive("every_epochs", every_epochs)
-        self.every_seconds = _positive("every_seconds", every_seconds, float)
-        self.keep_last = _positive("keep_last", keep_last)
-        self.keep_every_steps = _positive("keep_every_steps", keep_every_steps)
-        self.keep_best = _positive("keep_best", keep_best)
-        if best_mode not in ("min", "max"):
-            raise InvalidArgumentError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
-        if keep_best is not None and not isinstance(best_metric, str):
-            raise InvalidArgumentError("keep_best needs best_metric: the metric name to rank by")
-        self.best_metric = best_metric
-        self.best_mode = best_mode
-        if on_save_error not in ("warn", "raise"):
-            raise InvalidArgumentError(
-                f"on_save_error must be 'warn' or 'raise', got {on_save_error!r}"
-            )
-        self.on_save_error = on_save_error
-        if not isinstance(async_save, bool):
-            raise InvalidArgumentError(f"async_save must be a bool, got {async_save!r}")
+        self._policy = SavePolicy(
+            every_steps=check_positive("every_steps", every_steps),
+            every_epochs=check_positive("every_epochs", every_epochs),
+            every_seconds=check_positive("every_seconds", every_seconds, float),
+        )
+        self._retention = Retention(
+            keep_last=check_positive("keep_last", keep_last),
+            keep_every_steps=check_positive("keep_every_steps", keep_every_steps),
+            keep_best=check_positive("keep_best", keep_best),
+            best_mode=check_one_of("best_mode", best_mode, ("min", "max")),
+            best_metric=check_best_metric(keep_best, best_metric),
+        )
+        self.on_save_error = check_one_of("on_save_error", on_save_error, ("warn", "raise"))
+        check_flag("async_save", async_save)
         self.stats = ManagerStats()
         self.should_stop = False
         self._closed = False
@@ -342,49 +249,41 @@ class CheckpointManager:
         self._last_epoch: int | None = None
         self._last_save_time = time.monotonic()
         self._restored_step: int | None = None
-        self._lock_error: OSError | None = None
         # Steps above a restored older step that could not be moved aside (restore(step) moves
         # them to step-N.abandoned-*); each is replaced (once) when this run saves that step
         # again, and none of them counts for retention.
         self._abandoned: set[int] = set()
-        self._pending: list[tuple[int, SaveFuture]] = []
+        self._pending = PendingSaves()
         self._loading: set[int] = set()
         self._metric_cache: dict[int, float | None] = {}
         self._readable_cache: dict[int, bool] = {}
-        self._signalled: int | None = None
-        self._signals: list[int] = []
+        self._preemption = Preemption()
         self._async: AsyncCheckpointer | None = None
         self._uploader: Uploader | None = None
         self._remote_lock: Any = None
         self._ram: RamTier | None = None
         self._ram_keep = False  # leave the RAM tier in place at close (left by an exception)
         self.restored_from: str | None = None  # where restore() read its checkpoint
-        self.keep_last_remote = _positive("keep_last_remote", keep_last_remote)
-        self.upload_timeout = _positive("upload_timeout", upload_timeout, float)
+        self.keep_last_remote = check_positive("keep_last_remote", keep_last_remote)
+        self.upload_timeout = check_positive("upload_timeout", upload_timeout, float)
         # step() calls since construction or restore(), or None once an async save has staged
         # the whole state (see ``_regrow_staging``).
         self._step_calls: int | None = 0
-        signals = _check_signals(save_on_signals)
-        # None in a single process; then nothing below talks to other ranks.
-        self._ranks = Ranks.current(process_group, timeout)
-        self._process_group = process_group
-        self._timeout = timeout
-        self._lock = self._catalog.storage.lease(lease_seconds=lock_lease_seconds)
-        if self._ranks is None:
-            self._catalog.storage.preflight()
-            self._take_lock()
-        else:
-            self._open_collectively()
-            if async_save and max_staging_bytes is not None:
-                self._note_sync_fallback()
-                async_save = False
+        signals = check_signals(save_on_signals)
+        # In a single process, the null agreement: nothing talks to other ranks.
+        self._ranks = agreement(f"CheckpointManager({self.directory!r})", process_group, timeout)
+        self._directory_lock = DirectoryLock(
+            self._catalog.storage, self.directory, lease_seconds=lock_lease_seconds
+        )
+        self._open()
+        async_save = self._ranks.async_saves(async_save, max_staging_bytes)
         try:
-            self._install_signals(signals)
+            self._preemption.listen(signals)
             self._async = (
                 AsyncCheckpointer(max_staging_bytes=max_staging_bytes) if async_save else None
             )
         except BaseException:
-            self._remove_signals()
+            self._preemption.stop_listening()
             self._lock.release()
             raise
         self._reserve_staging()
@@ -393,39 +292,24 @@ class CheckpointManager:
         if ram_tier is not False:
             self._open_ram_tier(ram_tier)
 
-    def _open_collectively(self) -> None:
-        """Check the directory and take its lock on rank 0; raise its error on every rank."""
-        ranks = self._ranks
-        assert ranks is not None
+    def _open(self) -> None:
+        """Check the directory and take its lock (on rank 0); raise its error on every rank."""
 
-        def check_and_lock() -> bytes:
-            self._catalog.storage.preflight()
-            self._take_lock()
-            return b""
+        def check_and_lock() -> None:
+            self._directory_lock.open(raising=self.on_save_error == "raise")
 
         # A directory another job holds raises CheckpointLockedError on every rank; a rank
         # that passed another directory makes a different call, a DistributedError everywhere.
         try:
-            ranks.broadcast(f"CheckpointManager({self.directory!r})", check_and_lock)
+            self._ranks.on_coordinator(f"CheckpointManager({self.directory!r})", check_and_lock)
         except BaseException:
-            self._lock.release()  # taken here, but another rank failed: not ours to keep
+            self._lock.release()  # perhaps taken here, but another rank failed: not ours to keep
             raise
-
-    def _note_sync_fallback(self) -> None:
-        global _SYNC_FALLBACK_LOGGED
-        if not _SYNC_FALLBACK_LOGGED and self._coordinating:
-            _SYNC_FALLBACK_LOGGED = True
-            log.warning(
-                "tardigrade: async_save falls back to synchronous saves in this distributed "
-                "job because max_staging_bytes is set: a collective async save stages each "
-                "rank's whole state before the ranks agree on who writes what. Pass "
-                "max_staging_bytes=None for async saves"
-            )
 
     @property
     def _coordinating(self) -> bool:
         """Whether this process does the directory's housekeeping (rank 0, or the only one)."""
-        return self._ranks is None or self._ranks.coordinator
+        return self._ranks.coordinator
 
     def _reserve_staging(self) -> None:
         """Start faulting in the async staging memory for ``state``, in the background.
@@ -438,14 +322,7 @@ class CheckpointManager:
         if self._async is None:
             return
         try:
-            if self._ranks is None:
-                self._async.reserve(self.state)
-            else:
-                # A collective save stages every local tensor back to back in one run of slabs
-                # (``stage_entries``), not file by file: reserve that run.
-                flat = flatten(self.state)
-                entries = [*flat.entries, *flat.own_entries()]
-                self._async.reserve(sum(e.tensor.nbytes for e in entries))
+            self._async.reserve(self._ranks.staging_need(self.state))
         except TardigradeError as e:
             # The first save reports it (a leaf the format cannot store, ...).
             log.debug("tardigrade: not reserving staging memory: %s", e)
@@ -470,47 +347,10 @@ class CheckpointManager:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def _take_lock(self) -> bool:
-        try:
-            self._lock.acquire()
-            self._lock_error = None
-            return True
-        except CheckpointLockedError:
-            raise
-        except OSError as e:
-            self._lock_error = e
-            if self.on_save_error == "raise":
-                raise SaveError(f"{self.directory}: cannot create or lock it: {e}") from e
-            log.error(
-                "tardigrade: cannot create or lock checkpoint directory %s: %s. Training "
-                "continues but checkpoints will FAIL until this is fixed.",
-                self.directory,
-                e,
-            )
-            return False
-
-    def _install_signals(self, signals: Sequence[int]) -> None:
-        if not signals:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("tardigrade: save_on_signals ignored: manager not created in main thread")
-            return
-        for sig in signals:
-            _listen(self, sig)
-            self._signals.append(sig)
-
-    def _remove_signals(self) -> None:
-        while self._signals:
-            sig = self._signals[-1]
-            try:
-                _unlisten(self, sig)
-            except ValueError:
-                log.warning(
-                    "tardigrade: close() outside the main thread cannot restore the handler of "
-                    "signal %s; it now behaves as the handler from before the manager",
-                    sig,
-                )
-            self._signals.pop()
+    @property
+    def _lock(self) -> Lease:
+        """The directory's lease (one job per directory)."""
+        return self._directory_lock.lease
 
     def _close_async(self) -> None:
         if self._async is not None:
@@ -518,7 +358,7 @@ class CheckpointManager:
 
     def _start_uploads(self, upload_to: str | os.PathLike[str]) -> None:
         try:
-            if self._ranks is not None:
+            if not self._ranks.uploads:
                 raise InvalidArgumentError(
                     "upload_to is not supported in a distributed job yet; upload from one "
                     "process, or save to the remote location directly "
@@ -544,7 +384,7 @@ class CheckpointManager:
 
     def _open_ram_tier(self, ram_tier: Any) -> None:
         try:
-            if self._ranks is not None:
+            if not self._ranks.uploads:
                 raise InvalidArgumentError(
                     "ram_tier is not supported in a distributed job yet; pass ram_tier=False"
                 )
@@ -614,7 +454,7 @@ class CheckpointManager:
         if uploader.close(self.upload_timeout):
             self._uploader = None
             # Retention spared what was still uploading; it catches up now.
-            if self.keep_last is not None or self.keep_every_steps or self.keep_best:
+            if self._retention.active:
                 self._retain()
         else:
             self._uploader = None
@@ -669,7 +509,7 @@ class CheckpointManager:
         # Leaving alone (meet=False), this rank records its saves as it sees them: the others
         # may never make another collective call.
         _run_to_end(lambda: self._drain(wait=True, agree=meet), errors)
-        if meet and self._ranks is not None:
+        if meet:
             try:
                 # Once, not retried as the parts below are: each try may wait the timeout.
                 self._ranks.barrier(f"CheckpointManager({self.directory!r}).close()")
@@ -679,7 +519,7 @@ class CheckpointManager:
             self._close_async,
             self._close_uploads,
             self._close_ram,
-            self._remove_signals,
+            self._preemption.stop_listening,
             self._lock.release,
         ):
             _run_to_end(part, errors)
@@ -714,9 +554,7 @@ class CheckpointManager:
         Ranks reading a shared directory can see it at different moments (a network file
         system's attribute cache): a decision taken from what each rank sees would differ.
         """
-        if self._ranks is None:
-            return here()
-        return json.loads(self._ranks.broadcast(what, lambda: json.dumps(here()).encode()))
+        return self._ranks.shared(what, here)
 
     def _steps_here(self) -> list[int]:
         return self._catalog.steps()
@@ -760,29 +598,13 @@ class CheckpointManager:
     def _collective(self) -> dict[str, Any]:
         """The arguments of every ``save``/``load`` of this manager: its storage options, and
         what makes them collective over its group."""
-        if self._ranks is None:
-            return {"storage_options": self._storage_options}
-        return {
-            "process_group": self._process_group,
-            "timeout": self._timeout,
-            "storage_options": self._storage_options,
-        }
+        return {**self._ranks.collective, "storage_options": self._storage_options}
 
     # -- restore ---------------------------------------------------------------------------
 
     def _still_ours(self, what: str) -> bool:
         """Fencing: delete nothing unless the directory lock is still this manager's."""
-        try:
-            self._lock.check()
-        except CheckpointLockedError as e:
-            log.error("tardigrade: not %s in %s: %s", what, self.directory, e)
-            return False
-        except OSError as e:
-            # The lease record cannot be read now: ownership is not proved, so nothing is
-            # deleted this time; the next check may succeed.
-            log.warning("tardigrade: not %s in %s now: %s", what, self.directory, e)
-            return False
-        return True
+        return self._directory_lock.still_ours(what)
 
     def _remove_leftovers(self) -> None:
         """Remove tmp dirs of dead writers; put back a checkpoint a crashed replace moved aside."""
@@ -815,15 +637,8 @@ class CheckpointManager:
         Tardigrade's own errors say whether bytes landed; any other error might have come
         after they did, so it counts as touched.
         """
-        if self._ranks is None:
-            return bool(getattr(e, "live_overwritten", not isinstance(e, TardigradeError)))
-        # The same error reaches every rank: a rank it names failed, after bytes landed only
-        # when its own error says so; a rank it does not name restored the whole candidate.
-        mine = self._ranks.rank not in getattr(e, "causes", {}) or bool(
-            getattr(e.__cause__, "live_overwritten", False)
-        )
         what = f"CheckpointManager({self.directory!r}).restore() (after a failed candidate)"
-        return bool(self._ranks.agree_max(int(mine), what))
+        return self._ranks.live_touched(e, what)
 
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest committed checkpoint that verifies into ``state``; return its step.
@@ -943,55 +758,24 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------
 
-    def _due_by_count(self, step: int, epoch: int | None) -> bool:
-        """The step and epoch policies: the same answer on every rank, given the same calls."""
-        if self.every_steps is not None and step % self.every_steps == 0:
-            return True
-        return (
-            self.every_epochs is not None
-            and epoch is not None
-            and epoch != self._last_epoch
-            and self._last_epoch is not None
-            and epoch % self.every_epochs == 0
-        )
-
-    def _due_by_time(self) -> bool:
-        return (
-            self.every_seconds is not None
-            and time.monotonic() - self._last_save_time >= self.every_seconds
-        )
-
-    # What one step() agrees on, as a level: the largest any rank reports wins. A signal on any
-    # rank outranks the clock, which only rank 0 reads (ranks' clocks and save times differ).
-    _NOTHING, _DUE, _PREEMPTED = 0, 1, 2
-
     def _agree(self, call: str, doing: str, mine: int = 0) -> int:
         """Consume a pending preemption signal; the level agreed for this call on every rank.
 
         ``call`` names the public call (``".step(5)"``) in the error of a rank left waiting;
-        ``mine`` is this rank's other reason (``_DUE``). One tiny all-reduce in a distributed
+        ``mine`` is this rank's other reason (``DUE``). One tiny all-reduce in a distributed
         job, whatever the level: every rank calls it at the same point. It also tells whether
         any rank's background save is still running; when none is and nothing else happens
         here, every rank records its finished saves now (a rank cannot go by its own saves'
         state: the ranks finish a collective save moments apart).
         """
         if self._take_signal(doing):
-            mine = self._PREEMPTED
-        if self._ranks is None:
-            return mine
-        running = any(not fut.done() for _, fut in self._pending)
-        # The low bit is "a save still runs here"; its max is exact among the ranks at the
-        # agreed level, which is all of them at _NOTHING, the only level where it is used
-        # (a save or a stop waits for every save in flight anyway).
-        agreed = self._ranks.agree_max(
-            mine << 1 | running, f"CheckpointManager({self.directory!r}){call}"
-        )
-        level = agreed >> 1
-        if level == self._PREEMPTED and mine != self._PREEMPTED:
+            mine = PREEMPTED
+        level, settled = self._ranks.level(mine, self._pending.running, call)
+        if level == PREEMPTED and mine != PREEMPTED:
             log.warning(
                 "tardigrade: another rank received a preemption signal: %s and stopping", doing
             )
-        if level == self._NOTHING and not agreed & 1:
+        if settled:
             self._drain(wait=True)
         return level
 
@@ -1005,27 +789,26 @@ class CheckpointManager:
         on every rank or on none, and a signal that reached any rank stops them all here.
         """
         self._check_open("step")
-        if type(step) is not int or step < 0:
-            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        check_step(step)
         if self._last_step is not None and step <= self._last_step:
             raise InvalidArgumentError(
                 f"step {step} is not after the previous step {self._last_step}; steps must "
                 "increase (did you forget start = mgr.restore() + 1?)"
             )
-        if self._ranks is None:
-            self._drain(wait=False)  # a distributed job records them in _agree, agreed
-        timed = self._coordinating and self._due_by_time()
-        level = self._agree(
-            f".step({step})", f"saving step {step}", self._DUE if timed else self._NOTHING
+        self._ranks.record_finished(self._drain)
+        # time.monotonic looked up here: tests put a clock of their own in its place.
+        timed = self._coordinating and self._policy.due_by_time(
+            time.monotonic, self._last_save_time
         )
-        if level == self._PREEMPTED:
+        level = self._agree(f".step({step})", f"saving step {step}", DUE if timed else NOTHING)
+        if level == PREEMPTED:
             try:
                 saved = self._save(step, epoch, metrics, sync=True)
             finally:
                 self.should_stop = True  # even if the save raised: the signal is consumed
             self._advance(step, epoch)
             return saved
-        due = level == self._DUE or self._due_by_count(step, epoch)
+        due = level == DUE or self._policy.due_by_count(step, epoch, self._last_epoch)
         saved = due and self._save(step, epoch, metrics, sync=False)
         if not saved:
             self._regrow_staging()
@@ -1034,30 +817,36 @@ class CheckpointManager:
 
     def _take_signal(self, doing: str) -> bool:
         """Consume a pending preemption signal; log what the manager does about it."""
-        signum = self._signalled
+        signum = self._preemption.take()
         if signum is None:
             return False
-        self._signalled = None
         log.warning("tardigrade: signal %s received: %s and stopping", signum, doing)
         return True
 
-    def _stop_here(self, finished: bool) -> bool:
-        """At a boundary where the state is already saved (``JobRunner`` between epochs):
-        whether to stop, the same on every rank.
+    def stop_at_boundary(self, finished: bool = False) -> bool:
+        """Whether to stop at a point where the latest state is already saved (e.g. between
+        epochs, after ``save``): the same answer on every rank.
 
-        After a preemption signal on any rank: commit what is in flight, set ``should_stop``.
-        Otherwise stop when ``finished`` on any rank: a rank that stopped alone would leave
-        the others waiting in their next collective.
+        After a preemption signal on any rank it commits what is in flight, sets
+        ``should_stop`` and returns True. Otherwise it returns True when ``finished`` is true
+        on any rank (a rank that stopped alone would leave the others waiting in their next
+        collective), else False. ``JobRunner`` calls it between epochs; in a distributed job
+        every rank calls it, as ``step``.
+
+        >>> mgr.save(epoch, epoch=epoch)                                          # doctest: +SKIP
+        >>> if mgr.stop_at_boundary(finished=epoch >= epochs):                    # doctest: +SKIP
+        ...     break
         """
+        self._check_open("stop_at_boundary")
         level = self._agree(
-            ": JobRunner's check between epochs",
+            ".stop_at_boundary()",
             "the latest state is saved already: committing any save in flight",
-            self._DUE if finished else self._NOTHING,
+            DUE if finished else NOTHING,
         )
-        if level == self._PREEMPTED:
+        if level == PREEMPTED:
             self._drain(wait=True)
             self.should_stop = True
-        return level != self._NOTHING
+        return level != NOTHING
 
     def _advance(self, step: int, epoch: int | None) -> None:
         self._last_step = step
@@ -1084,11 +873,9 @@ class CheckpointManager:
         this saves synchronously and sets ``should_stop``, as ``step`` does.
         """
         self._check_open("save")
-        if type(step) is not int or step < 0:
-            raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
-        if self._ranks is None:
-            self._drain(wait=False)  # a distributed job records them in _save, agreed
-        preempted = self._agree(f".save({step})", f"saving step {step}") == self._PREEMPTED
+        check_step(step)
+        self._ranks.record_finished(self._drain)
+        preempted = self._agree(f".save({step})", f"saving step {step}") == PREEMPTED
         try:
             ok = self._save(step, epoch, metrics, sync=preempted, force=force)
         finally:
@@ -1106,11 +893,8 @@ class CheckpointManager:
         sync: bool,
         force: bool = False,
     ) -> bool:
-        if self._ranks is not None:
-            # Every rank is here (the save was agreed): the save in flight commits and is
-            # recorded on every rank alike before this one starts, as the ranks' one fork
-            # carries one save at a time. Outside the try below: its failure is not this one's.
-            self._drain(wait=True)
+        # Outside the try below: the failure of a save in flight is not this one's.
+        self._ranks.before_save(self._drain)
         started = time.perf_counter()
         if (
             self.best_metric is not None
@@ -1147,17 +931,12 @@ class CheckpointManager:
                 storage_options=self._storage_options,
             )
             if self._async is not None and not sync:
-                if self._ranks is None:
-                    mirror = None if self._ram is None else self._ram.mirror()
-                    fut = self._async.submit(self.path(step), self.state, options, mirror=mirror)
-                else:
-                    stage = functools.partial(
-                        stage_collective, path=self.path(step), state=self.state, options=options
-                    )
-                    fut = self._async.save_collective(self._ranks, self.path(step), stage)
-                assert fut is not None
+                mirror = None if self._ram is None else self._ram.mirror()
+                fut = self._ranks.submit(
+                    self._async, self.path(step), self.state, options, mirror=mirror
+                )
                 fut.observed = True  # the manager reports the outcome itself
-                self._pending.append((step, fut))
+                self._pending.add(step, fut)
                 # The pool now holds staging for the whole state: no more sizing in step().
                 self._step_calls = None
             else:
@@ -1204,31 +983,15 @@ class CheckpointManager:
         (an OSError there arrives as a SaveError).
         """
 
-        def prepare_here() -> bytes:
-            if not self._lock.held and not self._take_lock():
-                raise SaveError(
-                    f"{self.directory}: the checkpoint directory cannot be created or locked: "
-                    f"{self._lock_error}"
-                )
-            self._lock.check()
+        def prepare_here() -> None:
+            self._directory_lock.ready(raising=self.on_save_error == "raise")
             if not replace:
                 self._set_aside(step)
-            return b""
 
-        if self._ranks is None:
-            prepare_here()
-            return
-
-        def prepare_on_coordinator() -> bytes:
-            try:
-                return prepare_here()
-            except OSError as e:
-                if isinstance(e, TardigradeError):
-                    raise
-                raise SaveError(f"{self.path(step)}: cannot prepare the save: {e}") from e
-
-        self._ranks.broadcast(
-            f"CheckpointManager({self.directory!r}): prepare step {step}", prepare_on_coordinator
+        self._ranks.on_coordinator(
+            f"CheckpointManager({self.directory!r}): prepare step {step}",
+            prepare_here,
+            lambda e: SaveError(f"{self.path(step)}: cannot prepare the save: {e}"),
         )
 
     def _set_aside(self, step: int) -> None:
@@ -1355,9 +1118,7 @@ class CheckpointManager:
             self._uploader.submit(step_name(step))
         if self._coordinating:
             self._drop_abandoned(step)
-        if self._coordinating and (
-            self.keep_last is not None or self.keep_every_steps or self.keep_best
-        ):
+        if self._coordinating and self._retention.active:
             self._retain()
 
     def _record_failure(self, step: int, e: BaseException, seconds: float) -> None:
@@ -1382,82 +1143,31 @@ class CheckpointManager:
         pending saves are the same on every rank), and each outcome is agreed there unless
         ``agree`` is False (a rank leaving alone).
         """
-        while self._pending:
-            step, fut = self._pending[0]
-            if not wait and not fut.done():
-                return
-            # Off the list before recording: recording may raise (on_save_error="raise"),
-            # and a failure must be reported exactly once.
-            self._pending.pop(0)
+        for step, fut in self._pending.finished(wait=wait):
             exc = fut.exception()
-            if self._ranks is not None and agree:
-                exc = self._agreed_outcome(step, exc)
+            if agree:
+                exc = self._ranks.outcome(
+                    exc, path=self.path(step), step=step, forget_forks=self._forget_forks
+                )
             if exc is None:
                 self._record_ok(step, fut.result())
-            elif isinstance(exc, TardigradeError) and exc.committed is True:
+                continue
+            failure = failure_of(exc)
+            if failure is Failure.COMMITTED:
                 self._record_ok(step, None, fut.blocking_seconds, exc)
-            elif isinstance(exc, (InvalidArgumentError, UnsupportedTypeError)):
-                # A programming error found in the background (a collective save learns only
-                # there that a rank cannot flatten its state, or that the ranks' states
-                # differ): raised whatever on_save_error says, as a synchronous save raises it.
+            elif failure is Failure.MISUSE:
+                # A collective save learns only in the background that a rank cannot flatten
+                # its state, or that the ranks' states differ.
                 seconds = fut.blocking_seconds
                 self.stats.append(SaveStats(step, 0, seconds, seconds, False, str(exc)))
                 raise exc
             else:
                 self._record_failure(step, exc, fut.blocking_seconds)
 
-    # What a rank's background save ended with, as agreed: the largest any rank reports wins.
-    _SAVED, _FAILED, _LOST = 0, 1, 2
-
-    def _agreed_outcome(self, step: int, exc: BaseException | None) -> BaseException | None:
-        """This rank's outcome of the save of ``step``, made a failure if it failed anywhere.
-
-        The ranks learn a collective save's outcome together, so they normally agree already;
-        a rank that lost the others after rank 0 committed does not. Without this, rank 0
-        could count a save (and delete older checkpoints for it) that another rank reports
-        failed. A save that lost the ranks on the forked group (a DistributedError: a timeout,
-        a dead peer) leaves that group in an unknown state: every rank drops it, and the next
-        async save forks a new one.
-        """
-        assert self._ranks is not None and self._async is not None
-        mine = self._SAVED
-        if exc is not None:
-            mine = self._LOST if isinstance(exc, DistributedError) else self._FAILED
-        try:
-            worst = self._ranks.agree_max(
-                mine,
-                f"CheckpointManager({self.directory!r}) (agreeing a background save's outcome)",
-            )
-        except TardigradeError as e:
-            # The job's own group is gone too; the next collective call raises again.
-            return exc if exc is not None else e
-        if worst == self._LOST:
+    def _forget_forks(self) -> None:
+        """Drop the gloo groups forked for background saves (a lost save left them unusable)."""
+        if self._async is not None:
             self._async.forget_forks()
-        if worst != self._SAVED:
-            # Failed somewhere, yet perhaps after rank 0 committed: rank 0 knows, and a rank
-            # that could not tell (it lost rank 0) learns it here. A committed save counts as
-            # saved on every rank, failed or not.
-            committed = exc is None or getattr(exc, "committed", False) is True
-            try:
-                anywhere = self._ranks.agree_max(
-                    int(committed),
-                    f"CheckpointManager({self.directory!r}) (agreeing whether a failed "
-                    "background save committed)",
-                )
-            except TardigradeError:
-                anywhere = int(committed)
-            if anywhere:
-                if isinstance(exc, TardigradeError) and exc.committed is not True:
-                    exc.committed = True
-                    exc.args = (f"{exc} Another rank found it committed: it counts as saved.",)
-                return exc
-        if worst != self._SAVED and exc is None:
-            return SaveError(
-                f"{self.path(step)}: the save of step {step} failed on another rank of the "
-                "job (its log names the cause); it is not counted as saved on any rank. "
-                "Earlier checkpoints are intact."
-            )
-        return exc
 
     def wait(self) -> None:
         """Block until in-flight saves are committed (or failed and reported).
@@ -1501,22 +1211,9 @@ class CheckpointManager:
         Checkpoints of an abandoned timeline (above a step restored explicitly) are neither
         ranked nor deleted here; this run replaces them as it saves those steps again.
         """
-        abandoned = [s for s in steps if s in self._abandoned]
-        steps = [s for s in steps if s not in self._abandoned]
-        if not steps:
-            return set(abandoned)
-        # The newest checkpoint a restore can read is never deleted because of newer ones that
-        # it cannot (damaged since, or written by a reader-incompatible writer).
-        keep = {steps[-1], next((s for s in reversed(steps) if self._readable(s)), steps[-1])}
-        if self.keep_last is not None:
-            keep.update(steps[-self.keep_last :])
-        if self.keep_every_steps is not None:
-            keep.update(s for s in steps if s % self.keep_every_steps == 0)
-        if self.keep_best is not None:
-            ranked = [(m, s) for s in steps if (m := self._metric(s)) is not None]
-            ranked.sort(reverse=self.best_mode == "max")
-            keep.update(s for _, s in ranked[: self.keep_best])
-        return keep | set(abandoned)
+        return self._retention.keep(
+            steps, readable=self._readable, metric=self._metric, abandoned=self._abandoned
+        )
 
     def _retain(self) -> None:
         try:
@@ -1530,13 +1227,18 @@ class CheckpointManager:
                 e,
             )
             return
-        keep = self.keep(steps)
         # A step being loaded, or with a save of ours in flight (a replace: force=True or an
         # abandoned step), is not deleted under that reader or writer.
-        busy = self._loading | {s for s, _ in self._pending}
+        busy = self._loading | self._pending.steps()
         if self._uploader is not None:  # not retired before it reached the remote tier
             busy |= {s for n in self._uploader.pinned() if (s := step_in_name(n)) is not None}
-        doomed_steps = [s for s in steps if s not in keep and s not in busy]
+        doomed_steps = self._retention.retire(
+            steps,
+            readable=self._readable,
+            metric=self._metric,
+            abandoned=self._abandoned,
+            busy=busy,
+        )
         if not doomed_steps or not self._still_ours("removing old checkpoints"):
             return
         for s in doomed_steps:

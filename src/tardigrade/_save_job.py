@@ -43,7 +43,11 @@ from .storage import Storage, storage_for
 
 @dataclass(frozen=True)
 class SaveResult:
-    """What a committed save did: where, how many bytes, how long the caller was blocked."""
+    """What a committed save did: where, how many bytes, how long the caller was blocked.
+
+    Unlike :class:`~tardigrade.SaveStats` (one attempt of a ``CheckpointManager``, failed ones
+    included, without path or files), it describes one save that committed.
+    """
 
     path: str
     step: int | None

@@ -1,0 +1,19 @@
+"""CheckpointManager: when to save, what to keep, and resuming from the newest good checkpoint.
+
+It unifies Paddle's ``CheckpointConfig`` (one directory per job, numbered checkpoints, step and
+epoch intervals, a maximum kept, automatic restore of the latest), Caffe2's
+``CheckpointManager`` (failed saves do not kill the job, per-save timing stats) and CNTK's
+"external state" (anything with ``state_dict()`` in the state tree).
+
+``CheckpointManager`` (``_checkpoint_manager``) is a facade over small collaborators, each in
+its own module: the argument checks (``_options``), the save policy (``_policy``, pure),
+retention (``_retention``, pure), the background saves in flight and what their endings count
+as (``_pending``), the agreement between ranks (``_agreement``: a null one in a single
+process, so that path never asks whether it runs alone), pre-flight and the directory lock
+(``_preflight``), the preemption signals (``_signals``) and the per-save records (``_stats``).
+"""
+
+from ._checkpoint_manager import CheckpointManager
+from ._stats import ManagerStats, SaveStats
+
+__all__ = ["CheckpointManager", "ManagerStats", "SaveStats"]

@@ -1,0 +1,70 @@
+"""The manager's arguments, checked where they are given: each refusal names the argument."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import InvalidArgumentError
+
+
+def check_directory(v: Any) -> str | os.PathLike[str]:
+    if not isinstance(v, (str, os.PathLike)):
+        raise InvalidArgumentError(f"directory must be a path or URL, got {v!r}")
+    return v
+
+
+def check_positive(name: str, v: Any, kind: type = int) -> Any:
+    """``v`` if it is a positive ``kind`` (an int also passes for a float) or None."""
+    if v is None:
+        return None
+    ok = (type(v) is int or (kind is float and type(v) is float)) and v > 0
+    if not ok:
+        raise InvalidArgumentError(f"{name} must be a positive {kind.__name__} or None, got {v!r}")
+    return v
+
+
+def check_one_of(name: str, v: Any, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        allowed = " or ".join(repr(c) for c in choices)
+        raise InvalidArgumentError(f"{name} must be {allowed}, got {v!r}")
+    return v
+
+
+def check_flag(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise InvalidArgumentError(f"{name} must be a bool, got {v!r}")
+    return v
+
+
+def check_best_metric(keep_best: int | None, metric: Any) -> str | None:
+    """The metric ``keep_best`` ranks by; required with it."""
+    if keep_best is not None and not isinstance(metric, str):
+        raise InvalidArgumentError("keep_best needs best_metric: the metric name to rank by")
+    return metric
+
+
+def check_signals(signals: Iterable[int]) -> tuple[int, ...]:
+    """``save_on_signals`` as a tuple, each a signal a handler can catch."""
+    try:
+        out = tuple(signals)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"save_on_signals must be a tuple of signals, got {signals!r}"
+        ) from None
+    valid = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+    for sig in out:
+        if sig not in valid:
+            raise InvalidArgumentError(
+                f"save_on_signals: {sig!r} is not a signal that can be caught (SIGKILL and "
+                "SIGSTOP cannot be)"
+            )
+    return out
+
+
+def check_step(v: Any) -> int:
+    if type(v) is not int or v < 0:
+        raise InvalidArgumentError(f"step must be a non-negative int, got {v!r}")
+    return v

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from torch import nn
 import tardigrade as tg
 from tardigrade.cli import main as cli
 from tardigrade.errors import TardigradeError
+from tardigrade.storage import base as storage_base
 from tardigrade.testing import FaultyStorage
 
 from ._fault_matrix import Family, Outcome, every_fault
@@ -228,9 +230,26 @@ def prepare_leftover(faulty: FaultyStorage) -> None:
     w.close()
 
 
+@contextlib.contextmanager
+def past_the_grace_period() -> Iterator[None]:
+    """Inside, tidy's clock reads an hour and a minute later: a store's leftovers (their saves
+    dead or retired) are older than its grace period, as when an operator runs gc later."""
+    real = storage_base._clock
+    storage_base._clock = lambda: real() + storage_base.GRACE_SECONDS + 60
+    try:
+        yield
+    finally:
+        storage_base._clock = real
+
+
 def gc(faulty: FaultyStorage, attempt: int) -> Outcome:
+    """`tardigrade gc`, past the grace period: what it leaves then, it leaves for good."""
     err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+    with (
+        past_the_grace_period(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(err),
+    ):
         rc = cli(["gc", faulty.root])
     if rc != 0:
         return Outcome(error=TardigradeError(f"tardigrade gc exited {rc}: {err.getvalue()}"))

@@ -40,6 +40,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
 from ..format.checksum import Hasher
+from . import base as _base
 from .base import (
     _SAVE_DATA,
     GRACE_SECONDS,
@@ -53,7 +54,6 @@ from .base import (
     Tidied,
     Writer,
 )
-from . import base as _base
 from .lease import ObjectLease
 
 log = logging.getLogger("tardigrade")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,10 +18,9 @@ from torch import nn
 import tardigrade as tg
 from tardigrade.cli import main as cli
 from tardigrade.errors import TardigradeError
-from tardigrade.storage import base as storage_base
 from tardigrade.testing import FaultyStorage
 
-from ._fault_matrix import Family, Outcome, every_fault
+from ._fault_matrix import Family, Outcome, every_fault, past_the_grace_period
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -230,36 +228,33 @@ def prepare_leftover(faulty: FaultyStorage) -> None:
     w.close()
 
 
-@contextlib.contextmanager
-def past_the_grace_period() -> Iterator[None]:
-    """Inside, tidy's clock reads an hour and a minute later: a store's leftovers (their saves
-    dead or retired) are older than its grace period, as when an operator runs gc later."""
-    real = storage_base._clock
-    storage_base._clock = lambda: real() + storage_base.GRACE_SECONDS + 60
-    try:
-        yield
-    finally:
-        storage_base._clock = real
-
-
 def gc(faulty: FaultyStorage, attempt: int) -> Outcome:
-    """`tardigrade gc`, past the grace period: what it leaves then, it leaves for good."""
     err = io.StringIO()
-    with (
-        past_the_grace_period(),
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(err),
-    ):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         rc = cli(["gc", faulty.root])
     if rc != 0:
         return Outcome(error=TardigradeError(f"tardigrade gc exited {rc}: {err.getvalue()}"))
     return Outcome(value=rc)
 
 
+def gc_later(faulty: FaultyStorage, attempt: int) -> Outcome:
+    """`tardigrade gc` once the leftover (another process's) is past a store's grace period."""
+    with past_the_grace_period():
+        return gc(faulty, attempt)
+
+
 def tidy_leftovers(faulty: FaultyStorage) -> None:
     """The design's cleanup once the fault is gone: `tardigrade gc` (or the next manager)
-    removes what dead saves left and takes over a lease this process could not release."""
+    removes what dead saves left and takes over a lease this process could not release. It
+    runs at once: what a run of this process left (a save that failed, a retired checkpoint
+    not all deleted) it abandoned, so a store's grace period does not apply."""
     out = gc(faulty, 1)
+    assert out.error is None, out
+
+
+def tidy_later(faulty: FaultyStorage) -> None:
+    """As :func:`tidy_leftovers`, past a store's grace period (another process's leftovers)."""
+    out = gc_later(faulty, 1)
     assert out.error is None, out
 
 
@@ -306,7 +301,7 @@ FAMILIES = {
         then=manager_goes_on,
     ),
     "restore": Family("restore", prepare_two, restore, tidy_leftovers, restored_what_it_says),
-    "gc": Family("gc", prepare_leftover, gc, tidy_leftovers),
+    "gc": Family("gc", prepare_leftover, gc_later, tidy_later),
 }
 
 

@@ -238,8 +238,8 @@ class Storage(abc.ABC):
     def abandon(self, staging: str) -> None:
         """Let go of ``staging`` without removing it: its save ended without committing and
         its ``abort`` failed, or its outcome is unknown. Whatever marks it as a live save's
-        (a POSIX staging directory's flock) is dropped, so ``tidy`` takes it for a dead
-        writer's leftover. Never raises."""
+        (a POSIX staging directory's flock) is dropped, or (a store) it is recorded in this
+        process, so ``tidy`` takes it for a dead writer's leftover. Never raises."""
         return None
 
     # Whether move() works: POSIX directories rename; object stores cannot.
@@ -286,10 +286,10 @@ class Storage(abc.ABC):
     ) -> list[Tidied]:
         """Clean up after writers that died: their staging, half-done replaces and deletes.
 
-        Only what no live writer holds, and never a committed checkpoint. A store's saves
-        leave nothing once aborted; what a crashed one left is not removed yet. ``progress``
-        is called with each leftover once it is dealt with (``tardigrade gc`` draws its bar).
-        """
+        Only what no live writer holds, and never a committed checkpoint (a store, which
+        cannot tell, waits out a grace period: see :meth:`ManifestLastCommit.tidy`).
+        ``progress`` is called with each leftover once it is dealt with (``tardigrade gc``
+        draws its bar)."""
         return []
 
     @abc.abstractmethod
@@ -341,6 +341,8 @@ class ManifestLastCommit(Storage):
     conditional create: of two writers, exactly one commits. A prefix without a manifest holds
     no checkpoint; ``abort`` deletes the save's own objects. Replacing puts the new manifest
     only if the old one is still the version read (if-match), then deletes the old data.
+    ``tidy`` removes what saves that never committed left once older than a grace period
+    (``gc_grace_seconds``), or at once where this process saw the save fail (``abandon``).
     """
 
     def begin(self, name: str, save_id: str) -> str:
@@ -407,9 +409,11 @@ class ManifestLastCommit(Storage):
                 continue
             if name.startswith("."):
                 continue
-            data = [(n, None) for n in self.list(name) if _SAVE_DATA.match(n)]
+            data: list[tuple[str, Stat | None]] = [
+                (n, None) for n in self.list(name) if _SAVE_DATA.match(n)
+            ]
             if data:
-                yield name, list(data)
+                yield name, data
         if probes:
             yield "", probes
 

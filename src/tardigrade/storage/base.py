@@ -72,6 +72,11 @@ def _clock() -> float:
     return time.time()
 
 
+def grace_cutoff(grace_seconds: float) -> float:
+    """The POSIX time before which a leftover is past a grace period of ``grace_seconds``."""
+    return _clock() - grace_seconds
+
+
 # Saves this process saw end without committing and without cleaning up (``abandon``):
 # (the root's tidy scope, staging) -> when.
 _abandoned: dict[tuple[str, str], float] = {}
@@ -434,8 +439,7 @@ class ManifestLastCommit(Storage):
         that. An object whose age the store does not report counts as young. A probe goes at
         once (no save ever names one). One item per name dealt with, to ``progress`` too.
         """
-        now = _clock()
-        cutoff = now - self.gc_grace_seconds
+        cutoff = grace_cutoff(self.gc_grace_seconds)
         with _abandoned_lock:
             gone = {
                 staging: when + CLOCK_SKEW_SECONDS

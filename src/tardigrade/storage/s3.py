@@ -40,7 +40,6 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
 from ..format.checksum import Hasher
-from . import base as _base
 from .base import (
     _SAVE_DATA,
     GRACE_SECONDS,
@@ -53,6 +52,7 @@ from .base import (
     Stat,
     Tidied,
     Writer,
+    grace_cutoff,
 )
 from .lease import ObjectLease
 
@@ -928,7 +928,7 @@ class S3Storage(ManifestLastCommit):
         ``gc_grace_seconds``, default 1 h, or of a save this process saw fail), and then the
         incomplete multipart uploads older than the grace period (a save killed mid-upload)."""
         done = super().tidy(dry_run=dry_run, progress=progress)
-        cutoff = datetime.fromtimestamp(_base._clock() - self.config.grace, timezone.utc)
+        cutoff = datetime.fromtimestamp(grace_cutoff(self.config.grace), timezone.utc)
         try:
             uploads = self._uploads()
         except TardigradeError as e:

@@ -304,7 +304,7 @@ class TestStoreTidy:
         storage = store(root_url, gc_grace_seconds=3600)
         later(monkeypatch, -100)
         storage.abandon("step-2")  # this process's save of step-2 failed 100 s ago
-        monkeypatch.undo()
+        later(monkeypatch, 0)
         late = self.other_process_s_save(storage, "step-2", "d" * 32)  # then another's began
         assert storage.tidy() == [] and storage.exists(late)
 

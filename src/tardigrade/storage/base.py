@@ -337,6 +337,15 @@ class Storage(abc.ABC):
 _SAVE_DATA = re.compile(r"^[0-9a-f]{16}\.")
 
 
+def _due(st: Stat, cutoff: float, abandoned: float | None) -> bool:
+    """Whether ``tidy`` may remove a save's data object: written before ``cutoff`` (past the
+    grace period), or before ``abandoned`` (when this process abandoned its save, plus clock
+    skew). One of unknown age counts as young unless abandoned."""
+    if st.modified is not None and st.modified <= cutoff:
+        return True
+    return abandoned is not None and (st.modified is None or st.modified <= abandoned)
+
+
 class ManifestLastCommit(Storage):
     """The commit strategy of object stores, which cannot rename (and copy is not atomic).
 
@@ -459,6 +468,13 @@ class ManifestLastCommit(Storage):
                     if progress is not None:
                         progress(done[-1])
                 continue
+            abandoned = gone.get(name)
+            if all(st is not None for _, st in objects):  # ages known: no manifest read
+                objects = [
+                    (n, st) for n, st in objects if st is not None and _due(st, cutoff, abandoned)
+                ]
+                if not objects:
+                    continue
             keep = self._committed_files(name)
             if keep is None:
                 continue
@@ -467,11 +483,7 @@ class ManifestLastCommit(Storage):
                 if n in keep[0] or n.startswith(keep[1]):
                     continue
                 st = st or self.stat(f"{name}/{n}")
-                if st is None or st.is_dir:
-                    continue
-                old = st.modified is not None and st.modified <= cutoff
-                mine = name in gone and (st.modified is None or st.modified <= gone[name])
-                if old or mine:
+                if st is not None and not st.is_dir and _due(st, cutoff, abandoned):
                     dead.append((f"{name}/{n}", st.size))
             if not dead:
                 continue

@@ -228,8 +228,14 @@ class Catalog:
             self.storage.move(name, doomed)
             self.storage.delete(doomed)
         else:
-            self.storage.delete(f"{name}/{MANIFEST}")
-            self.storage.delete(name)
+            try:
+                self.storage.delete(f"{name}/{MANIFEST}")
+                self.storage.delete(name)
+            except BaseException:
+                # No live save's data: the next tidy in this process removes what is left,
+                # without the grace period, once the manifest is gone (never before).
+                self.storage.abandon(name)
+                raise
 
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None

@@ -37,6 +37,7 @@ from tardigrade._catalog import Catalog
 from tardigrade.errors import TardigradeError
 from tardigrade.format.manifest import MANIFEST
 from tardigrade.storage import LocalStorage, Storage
+from tardigrade.storage import base as storage_base
 from tardigrade.storage.lease import LOCK
 from tardigrade.testing import ERRORS, FaultyStorage
 
@@ -145,6 +146,19 @@ def laid_down(faulty: FaultyStorage, family: Family) -> Callable[[], None]:
             inner.put(name, data, mode="overwrite")
 
     return again
+
+
+@contextlib.contextmanager
+def past_the_grace_period() -> Iterator[None]:
+    """Inside, tidy's clock reads an hour and a minute later: a store's leftovers (of saves
+    dead, failed in another process, or retired) are older than its grace period, as when
+    `tardigrade gc` runs later; a save this process saw fail goes without it anyway."""
+    real = storage_base._clock
+    storage_base._clock = lambda: real() + storage_base.GRACE_SECONDS + 60
+    try:
+        yield
+    finally:
+        storage_base._clock = real
 
 
 def leftovers(storage: Storage) -> list[str]:

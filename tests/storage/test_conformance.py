@@ -8,12 +8,16 @@ before the commit, exactly one of two racing commits wins, abort leaves nothing)
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import threading
 import time
 
 import pytest
+import torch
 
+import tardigrade as tg
 from tardigrade.errors import (
     CheckpointExistsError,
     CheckpointLockedError,
@@ -21,7 +25,9 @@ from tardigrade.errors import (
     TardigradeError,
 )
 from tardigrade.format.checksum import Hasher
-from tardigrade.storage import PreconditionFailed, Storage
+from tardigrade.storage import ManifestLastCommit, PreconditionFailed, Stat, Storage, open_root
+from tardigrade.storage import base as storage_base
+from tardigrade.storage.base import Tidied
 
 MANIFEST = b'{"format":"tardigrade","save_id":"0123456789abcdef0123456789abcdef"}'
 
@@ -208,3 +214,125 @@ class TestLease:
         lease.acquire()
         assert lease.generation == 8 and lease.held
         lease.release()
+
+
+def committed(root_url: str, storage: Storage, name: str) -> list[str]:
+    """Save a real checkpoint ``name`` (tidy reads its manifest); its objects."""
+    sep = "/" if "://" in root_url else os.sep
+    tg.save(f"{root_url}{sep}{name}", {"w": torch.ones(3)})
+    return sorted(storage.list(name))
+
+
+class TestTidy:
+    """What ``tidy`` removes of saves that never committed, and when (see
+    ``ManifestLastCommit.tidy``; POSIX staging directories go by their flock instead)."""
+
+    def test_stat_says_when_an_object_was_written(self, storage: Storage) -> None:
+        before = time.time()
+        write(storage, "a/b.bin", b"x")
+        st = storage.stat("a/b.bin")
+        # Every backend here knows it; a store's clock may differ from this machine's a little.
+        assert st is not None and st.modified is not None
+        assert before - 5 <= st.modified <= time.time() + 5
+
+    def test_a_save_this_process_abandoned_goes_at_the_next_tidy(
+        self, root_url: str, storage: Storage
+    ) -> None:
+        """Whatever the grace period: a save that failed here is no live save."""
+        kept = committed(root_url, storage, "ckpt")
+        for name in ("ckpt", "other"):  # a failed replace, a failed first save
+            staging = storage.begin(name, "b" * 32)
+            write(storage, f"{staging}/{storage.data_name('data-0.bin', 'b' * 32)}", b"dead")
+            storage.abandon(staging)  # its abort failed too (``_write.end_staging``)
+        done = storage.tidy()
+        assert done and all(t.action == "removed" for t in done)
+        assert storage.list() == ["ckpt"]
+        assert sorted(storage.list("ckpt")) == kept
+        assert storage.tidy() == []
+        tg.verify(f"{root_url}/ckpt" if "://" in root_url else os.path.join(root_url, "ckpt"))
+
+
+def store(root_url: str, **options: float) -> ManifestLastCommit:
+    """The backend of ``root_url`` with ``options``; only object stores (manifest-last)."""
+    if "://" not in root_url:
+        pytest.skip("a POSIX directory tells a live save from a dead one by its flock")
+    opened = open_root(root_url, options)
+    assert isinstance(opened, ManifestLastCommit)
+    return opened
+
+
+def later(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Move tidy's clock ``seconds`` on from now (no sleeping)."""
+    monkeypatch.setattr(storage_base, "_clock", lambda: time.time() + seconds)
+
+
+class TestStoreTidy:
+    """A store cannot tell a dead save from a live one: a zombie writer whose lease expired may
+    still upload, then commit. Its data must outlive every tidy until the grace period is past,
+    or that commit would make a checkpoint that is committed and unloadable."""
+
+    def other_process_s_save(self, storage: Storage, name: str, save_id: str) -> str:
+        """A data object of a save by another process (not abandoned here), no manifest."""
+        data = f"{name}/{storage.data_name('data-0.bin', save_id)}"
+        write(storage, data, b"a live save's bytes")
+        return data
+
+    def test_young_data_of_another_process_survive_until_past_the_grace_period(
+        self, root_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        storage = store(root_url, gc_grace_seconds=3600)
+        kept = committed(root_url, storage, "ckpt")
+        first = self.other_process_s_save(storage, "step-2", "b" * 32)
+        beside = self.other_process_s_save(storage, "ckpt", "c" * 32)  # a replace
+        storage.put(".probe-0123", b"", mode="overwrite")  # a preflight whose delete failed
+        done = storage.tidy()
+        assert [t.name for t in done] == [".probe-0123"]  # probes go at once
+        assert storage.exists(first) and storage.exists(beside)
+        later(monkeypatch, 3500)
+        assert storage.tidy() == [] and storage.exists(first) and storage.exists(beside)
+        later(monkeypatch, 3700)
+        assert len(storage.tidy(dry_run=True)) == 2 and storage.exists(first)
+        seen: list[Tidied] = []
+        done = storage.tidy(progress=seen.append)
+        assert sorted(t.name for t in done) == ["ckpt", "step-2"] and seen == done
+        assert not storage.exists(first) and not storage.exists(beside)
+        assert storage.list() == ["ckpt"] and sorted(storage.list("ckpt")) == kept
+
+    def test_what_a_zombie_writes_after_this_process_abandoned_its_save_survives(
+        self, root_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        storage = store(root_url, gc_grace_seconds=3600)
+        later(monkeypatch, -100)
+        storage.abandon("step-2")  # this process's save of step-2 failed 100 s ago
+        later(monkeypatch, 0)
+        late = self.other_process_s_save(storage, "step-2", "d" * 32)  # then another's began
+        assert storage.tidy() == [] and storage.exists(late)
+
+    def test_an_object_of_unknown_age_counts_as_young(
+        self, root_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        storage = store(root_url, gc_grace_seconds=3600)
+        data = self.other_process_s_save(storage, "step-2", "b" * 32)
+        real_stat = type(storage).stat
+
+        def ageless(self: Storage, name: str) -> Stat | None:
+            st = real_stat(self, name)  # type: ignore[arg-type]
+            return None if st is None else dataclasses.replace(st, modified=None)
+
+        # The generic listing, whose stat says no age (a store's own listing may know it).
+        monkeypatch.setattr(type(storage), "stat", ageless)
+        monkeypatch.setattr(type(storage), "tidy_candidates", ManifestLastCommit.tidy_candidates)
+        later(monkeypatch, 10 * 3600)
+        assert storage.tidy() == [] and storage.exists(data)
+        storage.abandon("step-2")  # unless this process abandoned its save
+        assert [t.name for t in storage.tidy()] == ["step-2"] and not storage.exists(data)
+
+    def test_a_committed_checkpoint_s_data_are_never_removed(
+        self, root_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        storage = store(root_url, gc_grace_seconds=0)
+        kept = committed(root_url, storage, "ckpt")
+        storage.abandon("ckpt")  # e.g. a save whose outcome was unknown, committed after all
+        later(monkeypatch, 10 * 3600)
+        assert storage.tidy() == [] and sorted(storage.list("ckpt")) == kept
+        tg.verify(f"{root_url}/ckpt")

@@ -20,7 +20,7 @@ from tardigrade.cli import main as cli
 from tardigrade.errors import TardigradeError
 from tardigrade.testing import FaultyStorage
 
-from ._fault_matrix import Family, Outcome, every_fault
+from ._fault_matrix import Family, Outcome, every_fault, past_the_grace_period
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -237,10 +237,24 @@ def gc(faulty: FaultyStorage, attempt: int) -> Outcome:
     return Outcome(value=rc)
 
 
+def gc_later(faulty: FaultyStorage, attempt: int) -> Outcome:
+    """`tardigrade gc` once the leftover (another process's) is past a store's grace period."""
+    with past_the_grace_period():
+        return gc(faulty, attempt)
+
+
 def tidy_leftovers(faulty: FaultyStorage) -> None:
     """The design's cleanup once the fault is gone: `tardigrade gc` (or the next manager)
-    removes what dead saves left and takes over a lease this process could not release."""
+    removes what dead saves left and takes over a lease this process could not release. It
+    runs at once: what a run of this process left (a save that failed, a retired checkpoint
+    not all deleted) it abandoned, so a store's grace period does not apply."""
     out = gc(faulty, 1)
+    assert out.error is None, out
+
+
+def tidy_later(faulty: FaultyStorage) -> None:
+    """As :func:`tidy_leftovers`, past a store's grace period (another process's leftovers)."""
+    out = gc_later(faulty, 1)
     assert out.error is None, out
 
 
@@ -287,7 +301,7 @@ FAMILIES = {
         then=manager_goes_on,
     ),
     "restore": Family("restore", prepare_two, restore, tidy_leftovers, restored_what_it_says),
-    "gc": Family("gc", prepare_leftover, gc, tidy_leftovers),
+    "gc": Family("gc", prepare_leftover, gc_later, tidy_later),
 }
 
 

@@ -28,7 +28,14 @@ from tardigrade.errors import TardigradeError
 from tardigrade.testing import FaultyStorage
 
 from ..distributed._harness import make_state, run_ranks
-from ._fault_matrix import INJECTED, committed, errors_for, leftovers, wipe
+from ._fault_matrix import (
+    INJECTED,
+    committed,
+    errors_for,
+    leftovers,
+    past_the_grace_period,
+    wipe,
+)
 from .conftest import BACKENDS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
@@ -101,6 +108,7 @@ def collective_matrix(
                     if after.get("step-1") != before["step-1"]:
                         problems.append(f"{where}: step-1 was modified or lost")
                     with (
+                        past_the_grace_period(),  # the other rank's abandon is not seen here
                         contextlib.redirect_stdout(io.StringIO()),
                         contextlib.redirect_stderr(io.StringIO()),
                     ):

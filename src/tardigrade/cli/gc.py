@@ -28,7 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Remove the .tmp-* directories that interrupted saves and deletes left in DIR, and "
             "put back a checkpoint that a crashed replace had moved aside. Refuses (exit 1) "
             "while a live job holds the directory's lock. Committed checkpoints are never "
-            "touched."
+            "touched. On an object store (s3://, an fsspec URL) a save's data objects go once "
+            "older than the grace period (--storage-option gc_grace_seconds=N, default 3600): "
+            "a younger one may be a live save's."
         ),
     )
     p.add_argument(

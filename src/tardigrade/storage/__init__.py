@@ -6,8 +6,9 @@ process), ``s3://bucket/prefix`` to :class:`S3Storage` (its client, from the ``s
 imported on first use). Any other scheme that an fsspec filesystem serves (``gs://``,
 ``az://``, ...) goes to :class:`FsspecStorage` (fsspec imported on first use; a missing package
 is an error naming what to install). A scheme nobody serves is refused with a message naming
-it. ``storage_options`` go to the backend: s3 settings, an fsspec filesystem's arguments;
-local directories and ``memory://`` take none.
+it. ``storage_options`` go to the backend: s3 settings, an fsspec filesystem's arguments
+(and ``gc_grace_seconds``); local directories take none, ``memory://`` only
+``gc_grace_seconds``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ __all__ = [
 # Schemes and the backend that serves each: a root URL (or directory) -> a Storage there.
 _BACKENDS: dict[str, Callable[[str, Mapping[str, Any]], Storage]] = {
     "file": lambda root, options: LocalStorage(_no_options(root, options)),
-    "memory": lambda root, options: MemoryStorage(_no_options(root, options)),
+    "memory": lambda root, options: MemoryStorage(root, options),
     "s3": lambda root, options: S3Storage(root, options),
 }
 
@@ -56,9 +57,9 @@ def _no_options(root: str, options: Mapping[str, Any]) -> str:
     for another location, e.g. the S3 tier's credentials given to a local directory), refused
     as pandas does rather than silently ignored."""
     if options:
-        kind = "memory://" if root.startswith("memory://") else "local directories"
         raise InvalidArgumentError(
-            f"{root}: storage options {sorted(options)} were given, but {kind} take none; "
+            f"{root}: storage options {sorted(options)} were given, but local directories "
+            "take none; "
             "they are for URLs of stores such as s3://. Pass them with the location they "
             "belong to (e.g. upload_storage_options= for CheckpointManager's upload_to)."
         )

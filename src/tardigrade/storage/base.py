@@ -28,10 +28,13 @@ from __future__ import annotations
 
 import abc
 import errno
+import json
 import logging
 import re
+import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -57,6 +60,28 @@ PERMANENT_ERRNOS = frozenset(
 
 PutMode = Literal["create", "if_match", "overwrite"]
 
+# The age below which a store's tidy leaves a save's data objects alone (see
+# ManifestLastCommit.tidy): a save may upload for a long time, and a zombie's may still commit.
+GRACE_SECONDS = 3600.0
+# How far a store's clock (its objects' modification times) may run ahead of this machine's.
+CLOCK_SKEW_SECONDS = 5.0
+
+
+def _clock() -> float:
+    """Now, as a POSIX timestamp (tests move it on instead of sleeping)."""
+    return time.time()
+
+
+def grace_cutoff(grace_seconds: float) -> float:
+    """The POSIX time before which a leftover is past a grace period of ``grace_seconds``."""
+    return _clock() - grace_seconds
+
+
+# Saves this process saw end without committing and without cleaning up (``abandon``):
+# (the root's tidy scope, staging) -> when.
+_abandoned: dict[tuple[str, str], float] = {}
+_abandoned_lock = threading.Lock()
+
 
 class PreconditionFailed(StorageError):
     """A conditional put found another version (or, creating, an object) in place."""
@@ -79,6 +104,8 @@ class Stat:
     version: str
     is_dir: bool = False
     is_link: bool = False  # a symbolic link (POSIX), never followed: not a checkpoint's file
+    # When it was last written (POSIX timestamp), where the backend knows; None if it does not.
+    modified: float | None = None
 
 
 def staging_name(name: str, save_id: str) -> str:
@@ -216,8 +243,8 @@ class Storage(abc.ABC):
     def abandon(self, staging: str) -> None:
         """Let go of ``staging`` without removing it: its save ended without committing and
         its ``abort`` failed, or its outcome is unknown. Whatever marks it as a live save's
-        (a POSIX staging directory's flock) is dropped, so ``tidy`` takes it for a dead
-        writer's leftover. Never raises."""
+        (a POSIX staging directory's flock) is dropped, or (a store) it is recorded in this
+        process, so ``tidy`` takes it for a dead writer's leftover. Never raises."""
         return None
 
     # Whether move() works: POSIX directories rename; object stores cannot.
@@ -264,10 +291,10 @@ class Storage(abc.ABC):
     ) -> list[Tidied]:
         """Clean up after writers that died: their staging, half-done replaces and deletes.
 
-        Only what no live writer holds, and never a committed checkpoint. A store's saves
-        leave nothing once aborted; what a crashed one left is not removed yet. ``progress``
-        is called with each leftover once it is dealt with (``tardigrade gc`` draws its bar).
-        """
+        Only what no live writer holds, and never a committed checkpoint (a store, which
+        cannot tell, waits out a grace period: see :meth:`ManifestLastCommit.tidy`).
+        ``progress`` is called with each leftover once it is dealt with (``tardigrade gc``
+        draws its bar)."""
         return []
 
     @abc.abstractmethod
@@ -310,6 +337,15 @@ class Storage(abc.ABC):
 _SAVE_DATA = re.compile(r"^[0-9a-f]{16}\.")
 
 
+def _due(st: Stat, cutoff: float, abandoned: float | None) -> bool:
+    """Whether ``tidy`` may remove a save's data object: written before ``cutoff`` (past the
+    grace period), or before ``abandoned`` (when this process abandoned its save, plus clock
+    skew). One of unknown age counts as young unless abandoned."""
+    if st.modified is not None and st.modified <= cutoff:
+        return True
+    return abandoned is not None and (st.modified is None or st.modified <= abandoned)
+
+
 class ManifestLastCommit(Storage):
     """The commit strategy of object stores, which cannot rename (and copy is not atomic).
 
@@ -319,6 +355,8 @@ class ManifestLastCommit(Storage):
     conditional create: of two writers, exactly one commits. A prefix without a manifest holds
     no checkpoint; ``abort`` deletes the save's own objects. Replacing puts the new manifest
     only if the old one is still the version read (if-match), then deletes the old data.
+    ``tidy`` removes what saves that never committed left once older than a grace period
+    (``gc_grace_seconds``), or at once where this process saw the save fail (``abandon``).
     """
 
     def begin(self, name: str, save_id: str) -> str:
@@ -356,6 +394,43 @@ class ManifestLastCommit(Storage):
         mine = self.data_name("", save_id)
         self.delete_many([f"{name}/{n}" for n in self.list(name) if n.startswith(mine)])
 
+    # -- cleanup: what saves that never committed left -------------------------------------
+
+    # Age (seconds) below which tidy leaves a save's data objects alone; a backend sets it from
+    # its ``gc_grace_seconds`` storage option.
+    gc_grace_seconds: float = GRACE_SECONDS
+
+    @property
+    def tidy_scope(self) -> str:
+        """What tells this root from others in the record of abandoned saves (its URL)."""
+        return self.root
+
+    def abandon(self, staging: str) -> None:
+        """A save into ``staging`` ended without committing and did not clean up: ``tidy``
+        in this process removes what it wrote so far without waiting for the grace period."""
+        with _abandoned_lock:
+            _abandoned[(self.tidy_scope, staging)] = _clock()
+
+    def tidy_candidates(self) -> Iterator[tuple[str, list[tuple[str, Stat | None]]]]:
+        """What ``tidy`` looks at: (name, [(object, its Stat or None)]) for each name that
+        holds a save's data objects (named ``<save id>.<file>``), and ("", [(probe, Stat)])
+        for the probes at the root. A Stat of None is read only if needed. This lists the
+        root and each name in it; a store with a recursive listing overrides it."""
+        probes: list[tuple[str, Stat | None]] = []
+        for name in self.list():
+            if name.startswith(PROBE_PREFIX):
+                probes.append((name, None))
+                continue
+            if name.startswith("."):
+                continue
+            data: list[tuple[str, Stat | None]] = [
+                (n, None) for n in self.list(name) if _SAVE_DATA.match(n)
+            ]
+            if data:
+                yield name, data
+        if probes:
+            yield "", probes
+
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
     ) -> list[Tidied]:
@@ -365,43 +440,77 @@ class ManifestLastCommit(Storage):
         probe whose delete failed. Only objects named as a save's data are touched under a
         name, never a manifest, a listed file or anything else.
 
-        A store cannot tell a dead save from a live one (no flock), so this is for the holder
-        of the root's lease (a manager, `tardigrade gc`) with none of its own saves in flight:
-        under the one-writer rule nobody else saves into the root meanwhile.
+        A store cannot tell a dead save from a live one (no flock): a zombie writer whose
+        lease expired may still upload, and then commit its manifest; had its data been
+        deleted meanwhile, that checkpoint would be committed and unloadable. So a data
+        object goes only once older than the grace period (``gc_grace_seconds``), or at once
+        if it belongs to a save this process saw fail (``abandon``) and was written before
+        that. An object whose age the store does not report counts as young. A probe goes at
+        once (no save ever names one). One item per name dealt with, to ``progress`` too.
         """
-        done = []
-        for name in self.list():
-            if name.startswith(PROBE_PREFIX):
-                st = self.stat(name)
-                if st is not None and not st.is_dir:
+        cutoff = grace_cutoff(self.gc_grace_seconds)
+        with _abandoned_lock:
+            gone = {
+                staging: when + CLOCK_SKEW_SECONDS
+                for (scope, staging), when in _abandoned.items()
+                if scope == self.tidy_scope
+            }
+        done: list[Tidied] = []
+        for name, objects in self.tidy_candidates():
+            if not name:  # probes at the root
+                for probe, st in objects:
+                    st = st or self.stat(probe)
+                    if st is None or st.is_dir:
+                        continue
                     if not dry_run:
-                        self.delete(name)
-                    done.append(Tidied(name, "removed", st.size))
+                        self.delete(probe)
+                    done.append(Tidied(probe, "removed", st.size))
                     if progress is not None:
                         progress(done[-1])
                 continue
-            if name.startswith("."):
-                continue
-            listed: set[str] | dict[str, int] = set()
-            if self.exists(f"{name}/{MANIFEST}"):
-                # A committed checkpoint: only data of other saves (one that failed replacing
-                # it, its outcome unknown) goes; one whose manifest does not read is left alone.
-                where = f"{name}/{MANIFEST}"
-                try:
-                    listed = parse(self.read_bytes(where, limits.MAX_MANIFEST_BYTES), where).files
-                except TardigradeError as e:
-                    log.warning("tardigrade: leaving %s as it is: %s", self.url(name), e)
+            abandoned = gone.get(name)
+            if all(st is not None for _, st in objects):  # ages known: no manifest read
+                objects = [
+                    (n, st) for n, st in objects if st is not None and _due(st, cutoff, abandoned)
+                ]
+                if not objects:
                     continue
-            dead = [n for n in self.list(name) if _SAVE_DATA.match(n) and n not in listed]
+            keep = self._committed_files(name)
+            if keep is None:
+                continue
+            dead: list[tuple[str, int]] = []
+            for n, st in objects:
+                if n in keep[0] or n.startswith(keep[1]):
+                    continue
+                st = st or self.stat(f"{name}/{n}")
+                if st is not None and not st.is_dir and _due(st, cutoff, abandoned):
+                    dead.append((f"{name}/{n}", st.size))
             if not dead:
                 continue
-            nbytes = sum(st.size for n in dead if (st := self.stat(f"{name}/{n}")) is not None)
             if not dry_run:
-                self.delete_many([f"{name}/{n}" for n in dead])
-            done.append(Tidied(name, "removed", nbytes))
+                self.delete_many([n for n, _ in dead])
+            done.append(Tidied(name, "removed", sum(size for _, size in dead)))
             if progress is not None:
                 progress(done[-1])
         return done
+
+    def _committed_files(self, name: str) -> tuple[set[str], str] | None:
+        """What of ``name``'s objects a committed checkpoint owns: (the files its manifest
+        lists, the data-name prefix of the save that committed it); nothing if no manifest is
+        there; None if its manifest does not read (left alone: evidence)."""
+        where = f"{name}/{MANIFEST}"
+        if not self.exists(where):
+            return set(), "\0"
+        try:
+            raw = self.read_bytes(where, limits.MAX_MANIFEST_BYTES)
+            files = set(parse(raw, where).files)
+            save_id = json.loads(raw).get("save_id")
+        except (TardigradeError, ValueError) as e:
+            log.warning("tardigrade: leaving %s as it is: %s", self.url(name), e)
+            return None
+        if isinstance(save_id, str) and save_id:
+            return files, self.data_name("", save_id)
+        return files, "\0"
 
     def describe(self, name: str) -> str | None:
         """As :meth:`Storage.describe`; data a save left without committing is nothing."""

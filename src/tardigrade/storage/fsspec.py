@@ -39,11 +39,13 @@ import logging
 import threading
 import uuid
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
 from ..format.checksum import Hasher
 from .base import (
+    GRACE_SECONDS,
     PROBE_PREFIX,
     ManifestLastCommit,
     PreconditionFailed,
@@ -65,6 +67,9 @@ RANGE_BYTES = 16 * 1024 * 1024
 HASHED_BYTES = 1024 * 1024
 # Version tokens filesystems report in ``info()``, best first.
 _TOKENS = ("generation", "version_id", "VersionId", "ETag", "etag", "md5Hash", "content_md5")
+# Times filesystems report in ``info()``: of the last write, best first, then of creation (an
+# object store's objects are written once).
+_TIMES = ("mtime", "LastModified", "last_modified", "updated", "modified", "created")
 
 # Per filesystem: whether it enforces create-only, and whether it honours autocommit=False
 # (each probed once).
@@ -221,7 +226,10 @@ class FsspecStorage(ManifestLastCommit):
     """Checkpoints under any URL an fsspec filesystem serves; see the module docstring.
 
     ``storage_options`` go to the filesystem (``fsspec.core.url_to_fs(root, **options)``),
-    e.g. ``{"token": "anon"}`` for gcsfs or ``{"account_name": ...}`` for adlfs.
+    e.g. ``{"token": "anon"}`` for gcsfs or ``{"account_name": ...}`` for adlfs; all but
+    ``gc_grace_seconds``, Tardigrade's own: the age below which ``tidy`` (``tardigrade gc``,
+    a manager's cleanup) leaves a save's data objects alone, 1 hour by default as on S3,
+    because another process's save may still be running (a zombie's could still commit).
 
     Example::
 
@@ -230,7 +238,9 @@ class FsspecStorage(ManifestLastCommit):
 
     def __init__(self, root: str, options: Mapping[str, Any] | None = None) -> None:
         self.root = root.rstrip("/")
-        self.fs, self._base = _filesystem(self.root, options or {})
+        options = dict(options or {})
+        self.gc_grace_seconds = float(options.pop("gc_grace_seconds", GRACE_SECONDS))
+        self.fs, self._base = _filesystem(self.root, options)
 
     def path(self, name: str) -> str:
         """``name``'s path on the filesystem."""
@@ -294,7 +304,7 @@ class FsspecStorage(ManifestLastCommit):
         if info.get("type") == "directory":
             # Some stores keep listing a prefix as a folder after its last object is gone.
             return Stat(0, "", is_dir=True) if self.list(name) else None
-        return Stat(int(info.get("size") or 0), self._version(name, info))
+        return Stat(int(info.get("size") or 0), self._version(name, info), modified=_modified(info))
 
     def list(self, name: str = "") -> list[str]:
         where = self.path(name)
@@ -442,6 +452,23 @@ class FsspecStorage(ManifestLastCommit):
     def preflight(self) -> None:
         super().preflight()
         self._enforces_create()
+
+
+def _modified(info: Mapping[str, Any]) -> float | None:
+    """When the object of ``info`` was last written (POSIX timestamp), if the filesystem says:
+    a datetime (s3fs, adlfs, fsspec's memory filesystem), a number, or ISO 8601 text (gcsfs)."""
+    for key in _TIMES:
+        when = info.get(key)
+        if isinstance(when, datetime):
+            return when.timestamp()
+        if isinstance(when, (int, float)) and not isinstance(when, bool):
+            return float(when)
+        if isinstance(when, str):
+            try:
+                return datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
 
 
 def _mark_closed(f: Any) -> None:

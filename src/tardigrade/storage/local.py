@@ -445,7 +445,13 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(e.errno, f"cannot stat {self._path(name)}: {e.strerror}") from e
         version = f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
-        return Stat(st.st_size, version, stat.S_ISDIR(st.st_mode), stat.S_ISLNK(st.st_mode))
+        return Stat(
+            st.st_size,
+            version,
+            stat.S_ISDIR(st.st_mode),
+            stat.S_ISLNK(st.st_mode),
+            modified=st.st_mtime,
+        )
 
     def put(
         self, name: str, data: bytes, *, mode: PutMode = "create", expect: str | None = None

@@ -4,6 +4,11 @@ A real backend, not a mock: objects appear whole when their writer closes (never
 written), conditional puts (create-only, if-match) hold under concurrent writers, and it
 commits as object stores do (manifest last, created only if none exists). Buckets live as long
 as the process: ``memory://bucket/a`` names the same objects wherever it is opened.
+
+Its ``tidy`` has no grace period by default (``gc_grace_seconds=0``): an in-process store
+holds no other process's saves, no zombie writer can reach it, and users' fast unit tests
+expect what a failed save left to go at the next cleanup. Pass ``gc_grace_seconds`` (the only
+storage option it takes) to try the grace period of a real store.
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ from __future__ import annotations
 import errno
 import itertools
 import threading
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError
 from ..format.checksum import Hasher
@@ -25,6 +33,7 @@ SCHEME = "memory://"
 class _Object:
     data: bytes
     version: str
+    modified: float  # when it was put (POSIX timestamp)
 
 
 class _Bucket:
@@ -89,9 +98,22 @@ class MemoryReader(Reader):
 
 
 class MemoryStorage(ManifestLastCommit):
-    """Objects of a ``memory://bucket/prefix`` root, keyed by their names under it."""
+    """Objects of a ``memory://bucket/prefix`` root, keyed by their names under it.
 
-    def __init__(self, root: str) -> None:
+    ``options`` may hold ``gc_grace_seconds`` (default 0: see the module docstring), e.g.
+    ``MemoryStorage("memory://bucket/ckpts", {"gc_grace_seconds": 3600})``.
+    """
+
+    def __init__(self, root: str, options: Mapping[str, Any] | None = None) -> None:
+        options = dict(options or {})
+        self.gc_grace_seconds = float(options.pop("gc_grace_seconds", 0.0))
+        if options:
+            raise InvalidArgumentError(
+                f"{root}: storage options {sorted(options)} were given, but memory:// takes "
+                "none but gc_grace_seconds; they are for URLs of stores such as s3://. Pass "
+                "them with the location they belong to (e.g. upload_storage_options= for "
+                "CheckpointManager's upload_to)."
+            )
         if not root.startswith(SCHEME):
             raise InvalidArgumentError(f"{root}: a memory:// URL is expected")
         bucket, _, prefix = root[len(SCHEME) :].partition("/")
@@ -108,7 +130,7 @@ class MemoryStorage(ManifestLastCommit):
     def _store(self, key: str, data: bytes) -> str:
         version = str(next(_versions))
         with self._bucket.lock:
-            self._bucket.objects[key] = _Object(data, version)
+            self._bucket.objects[key] = _Object(data, version, time.time())
         return version
 
     def open_writer(self, name: str, *, size_hint: int | None = None) -> Writer:
@@ -139,7 +161,7 @@ class MemoryStorage(ManifestLastCommit):
                 raise PreconditionFailed(
                     errno.ESTALE, f"{self.url(name)}: changed since it was read; nothing written"
                 )
-            self._bucket.objects[key] = _Object(bytes(data), version)
+            self._bucket.objects[key] = _Object(bytes(data), version, time.time())
         return version
 
     def stat(self, name: str) -> Stat | None:
@@ -147,7 +169,7 @@ class MemoryStorage(ManifestLastCommit):
         with self._bucket.lock:
             obj = self._bucket.objects.get(key)
             if obj is not None:
-                return Stat(len(obj.data), obj.version)
+                return Stat(len(obj.data), obj.version, modified=obj.modified)
             under = f"{key}/" if key else ""
             if any(k.startswith(under) for k in self._bucket.objects):
                 return Stat(0, "", is_dir=True)

@@ -27,7 +27,6 @@ How the contract maps onto S3:
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import queue
@@ -40,11 +39,10 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
-from ..format import limits
 from ..format.checksum import Hasher
-from ..format.manifest import MANIFEST, parse
 from .base import (
     _SAVE_DATA,
+    GRACE_SECONDS,
     PROBE_PREFIX,
     TMP_PREFIX,
     ManifestLastCommit,
@@ -54,6 +52,7 @@ from .base import (
     Stat,
     Tidied,
     Writer,
+    grace_cutoff,
 )
 from .lease import ObjectLease
 
@@ -67,7 +66,6 @@ PART_BYTES = 8 * 1024 * 1024  # a multipart upload's part (S3's minimum is 5 MiB
 PARTS_IN_FLIGHT = 8  # parts uploading at once per writer
 RANGE_BYTES = 8 * 1024 * 1024  # a large read is split into GETs of this size, run in parallel
 RANGE_THREADS = 8
-GRACE_SECONDS = 3600.0  # gc leaves younger leftovers alone: their save may still be running
 
 _OPTIONS = {
     "endpoint": "URL of the S3 server (default: AWS, or AWS_ENDPOINT_URL)",
@@ -223,9 +221,6 @@ class _Config:
 _stores: dict[tuple[Any, ...], Any] = {}
 _probed: dict[tuple[str | None, str], bool] = {}
 _buckets_seen: set[tuple[str | None, str]] = set()
-# Stagings of saves this process saw fail without cleaning up: (endpoint, bucket, prefix,
-# name) -> when (see S3Storage.abandon).
-_abandoned: dict[tuple[str | None, str, str, str], float] = {}
 _shared_lock = threading.Lock()
 _range_pool: ThreadPoolExecutor | None = None
 
@@ -820,7 +815,11 @@ class S3Storage(ManifestLastCommit):
     def stat(self, name: str) -> Stat | None:
         meta = self._head(name, "stat")
         if meta is not None:
-            return Stat(int(meta["size"]), str(meta.get("e_tag") or meta.get("version") or ""))
+            return Stat(
+                int(meta["size"]),
+                str(meta.get("e_tag") or meta.get("version") or ""),
+                modified=meta["last_modified"].timestamp() if meta.get("last_modified") else None,
+            )
         if self._holds_objects(name, "stat"):
             return Stat(0, "", is_dir=True)
         return None
@@ -892,63 +891,44 @@ class S3Storage(ManifestLastCommit):
 
     # -- cleanup -------------------------------------------------------------------------
 
-    def abandon(self, staging: str) -> None:
-        """A save into ``staging`` failed and its abort did too: what it wrote there so far
-        may be removed by ``tidy`` in this process without waiting for the grace period."""
-        with _shared_lock:
-            _abandoned[(self.config.endpoint, self.bucket, self.prefix, staging)] = time.time()
+    @property
+    def gc_grace_seconds(self) -> float:  # type: ignore[override]
+        return self.config.grace
+
+    @property
+    def tidy_scope(self) -> str:
+        # One bucket name may be two buckets on two endpoints.
+        return f"{self.config.endpoint or ''} {self.root}"
+
+    def tidy_candidates(self) -> Iterator[tuple[str, list[tuple[str, Stat | None]]]]:
+        """As :meth:`ManifestLastCommit.tidy_candidates`, from one recursive listing (a
+        listing per name would be a request per checkpoint), which also gives each object's
+        size and age, and sees checkpoints at any depth."""
+        found: dict[str, list[tuple[str, Stat | None]]] = {}
+        for meta in self._walk("", "gc: list"):
+            path: str = meta["path"]
+            ckpt, _, base = path.rpartition("/")
+            if ckpt:
+                if not _SAVE_DATA.match(base):
+                    continue
+            elif not base.startswith((PROBE_PREFIX, f"{TMP_PREFIX}probe-")):
+                continue
+            st = Stat(
+                int(meta["size"]),
+                str(meta.get("e_tag") or meta.get("version") or ""),
+                modified=meta["last_modified"].timestamp(),
+            )
+            found.setdefault(ckpt, []).append((base, st))
+        yield from found.items()
 
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
     ) -> list[Tidied]:
-        """Remove what saves that never committed left: their data objects (under a name
-        without a manifest, or under a committed checkpoint whose manifest names another
-        save), a preflight's probe, and incomplete multipart uploads.
-
-        A store cannot tell a dead save from a live one (a zombie whose lease expired may
-        still upload, and then commit), so data objects and uploads are removed only once
-        older than the grace period (``gc_grace_seconds``, default 1 h), except those of a
-        save this process saw fail (``abandon``). Objects a committed manifest names, and
-        checkpoints whose manifest does not read, are never touched.
-        """
-        now = datetime.now(timezone.utc)
-        cutoff = now - timedelta(seconds=self.config.grace)
-        with _shared_lock:
-            gone = {
-                k[3]: datetime.fromtimestamp(t + 5, timezone.utc)  # 5 s of clock skew
-                for k, t in _abandoned.items()
-                if k[:3] == (self.config.endpoint, self.bucket, self.prefix)
-            }
-        done: list[Tidied] = []
-        doomed: list[str] = []
-        committed: dict[str, str | None] = {}
-        for meta in self._walk("", "gc: list"):
-            path: str = meta["path"]
-            ckpt, _, base = path.rpartition("/")
-            if not ckpt and base.startswith((PROBE_PREFIX, f"{TMP_PREFIX}probe-")):
-                doomed.append(path)  # a probe whose delete failed
-                done.append(Tidied(path, "removed", int(meta["size"])))
-                continue
-            if not _SAVE_DATA.match(base):
-                continue
-            if meta["last_modified"] > cutoff and not (
-                ckpt in gone and meta["last_modified"] <= gone[ckpt]
-            ):
-                continue
-            if ckpt not in committed:
-                committed[ckpt] = self._committed_save(ckpt)
-            mine = committed[ckpt]
-            if mine is None or base.startswith(mine):
-                continue
-            doomed.append(path)
-            done.append(Tidied(path, "removed", int(meta["size"])))
-        # One item of ``done`` per doomed object so far; deleted a batch at a time, so that
-        # ``progress`` follows a cleanup of many objects.
-        for i in range(0, len(doomed), 1000):
-            if not dry_run:
-                self.delete_many(doomed[i : i + 1000])
-            for t in done[i : i + 1000] if progress is not None else ():
-                progress(t)
+        """As :meth:`ManifestLastCommit.tidy` (data objects once older than the grace period,
+        ``gc_grace_seconds``, default 1 h, or of a save this process saw fail), and then the
+        incomplete multipart uploads older than the grace period (a save killed mid-upload)."""
+        done = super().tidy(dry_run=dry_run, progress=progress)
+        cutoff = datetime.fromtimestamp(grace_cutoff(self.config.grace), timezone.utc)
         try:
             uploads = self._uploads()
         except TardigradeError as e:
@@ -969,21 +949,6 @@ class S3Storage(ManifestLastCommit):
             if progress is not None:
                 progress(done[-1])
         return done
-
-    def _committed_save(self, ckpt: str) -> str | None:
-        """The data-name prefix of the save committed as ``ckpt``: ``"\\0"`` (matching no
-        data) if nothing committed there, None if its manifest does not read (left alone)."""
-        where = f"{ckpt}/{MANIFEST}"
-        if self._head(where, "gc: stat") is None:
-            return "\0"
-        try:
-            raw = self.read_bytes(where, limits.MAX_MANIFEST_BYTES)
-            parse(raw, where)
-            save_id = json.loads(raw).get("save_id")
-        except TardigradeError as e:
-            log.warning("tardigrade: leaving %s as it is: %s", self.url(ckpt), e)
-            return None
-        return self.data_name("", save_id) if isinstance(save_id, str) and save_id else None
 
     def _boto(self) -> Any:
         if getattr(self, "_boto_client", None) is not None:

@@ -296,6 +296,19 @@ class FaultyStorage(Storage):
         self.inner.move(src, dst)
         self._after(late)
 
+    # A store's tidy runs over this wrapper's primitives, with the inner store's grace period
+    # and its record of abandoned saves (``abandon`` goes to the inner store).
+    tidy_candidates = ManifestLastCommit.tidy_candidates
+    _committed_files = ManifestLastCommit._committed_files
+
+    @property
+    def gc_grace_seconds(self) -> float:
+        return float(getattr(self.inner, "gc_grace_seconds", 0.0))
+
+    @property
+    def tidy_scope(self) -> str:
+        return str(getattr(self.inner, "tidy_scope", self.inner.root))
+
     def tidy(self, *, dry_run: bool = False, progress: Any = None) -> list[Tidied]:
         if self._store:
             return ManifestLastCommit.tidy(self, dry_run=dry_run, progress=progress)  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from tardigrade.storage import Storage, open_root
 
 BACKENDS = ["local", "memory", "s3", "fsspec"]
+STORES = ["memory", "s3", "fsspec"]  # the backends without rename: manifest-last commit
 FSSPEC_SCHEME = "tgfs"
 
 
@@ -76,24 +77,31 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         )
 
 
+def _root(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if kind == "local":
+        yield str(tmp_path / "root")
+        return
+    if kind == "s3":
+        server = request.getfixturevalue("s3_env")
+        url = f"s3://{server.bucket}/t-{uuid.uuid4().hex[:12]}/root"
+    elif kind == "fsspec":
+        url = f"{FSSPEC_SCHEME}://test-{uuid.uuid4().hex}/root"
+    else:
+        url = f"memory://test-{uuid.uuid4().hex}/root"
+    yield url
+    open_root(url).delete("")
+
+
 @pytest.fixture(params=BACKENDS)
 def root_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh, empty root of one backend: a directory of checkpoints, by URL."""
-    if request.param == "local":
-        yield str(tmp_path / "root")
-    elif request.param == "s3":
-        server = request.getfixturevalue("s3_env")
-        url = f"s3://{server.bucket}/t-{uuid.uuid4().hex[:12]}/root"
-        yield url
-        open_root(url).delete("")
-    elif request.param == "fsspec":
-        url = f"{FSSPEC_SCHEME}://test-{uuid.uuid4().hex}/root"
-        yield url
-        open_root(url).delete("")
-    else:
-        url = f"memory://test-{uuid.uuid4().hex}/root"
-        yield url
-        open_root(url).delete("")
+    yield from _root(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=STORES)
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty root of one object store (manifest-last commit), by URL."""
+    yield from _root(request.param, request, tmp_path)
 
 
 @pytest.fixture

@@ -253,9 +253,8 @@ class TestTidy:
 
 
 def store(root_url: str, **options: float) -> ManifestLastCommit:
-    """The backend of ``root_url`` with ``options``; only object stores (manifest-last)."""
-    if "://" not in root_url:
-        pytest.skip("a POSIX directory tells a live save from a dead one by its flock")
+    """The object store (manifest-last) at ``root_url``, with ``options``. (A POSIX directory
+    tells a live save from a dead one by its flock: these tests are for stores only.)"""
     opened = open_root(root_url, options)
     assert isinstance(opened, ManifestLastCommit)
     return opened
@@ -278,10 +277,10 @@ class TestStoreTidy:
         return data
 
     def test_young_data_of_another_process_survive_until_past_the_grace_period(
-        self, root_url: str, monkeypatch: pytest.MonkeyPatch
+        self, store_url: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        storage = store(root_url, gc_grace_seconds=3600)
-        kept = committed(root_url, storage, "ckpt")
+        storage = store(store_url, gc_grace_seconds=3600)
+        kept = committed(store_url, storage, "ckpt")
         first = self.other_process_s_save(storage, "step-2", "b" * 32)
         beside = self.other_process_s_save(storage, "ckpt", "c" * 32)  # a replace
         storage.put(".probe-0123", b"", mode="overwrite")  # a preflight whose delete failed
@@ -299,9 +298,9 @@ class TestStoreTidy:
         assert storage.list() == ["ckpt"] and sorted(storage.list("ckpt")) == kept
 
     def test_what_a_zombie_writes_after_this_process_abandoned_its_save_survives(
-        self, root_url: str, monkeypatch: pytest.MonkeyPatch
+        self, store_url: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        storage = store(root_url, gc_grace_seconds=3600)
+        storage = store(store_url, gc_grace_seconds=3600)
         later(monkeypatch, -100)
         storage.abandon("step-2")  # this process's save of step-2 failed 100 s ago
         later(monkeypatch, 0)
@@ -309,9 +308,9 @@ class TestStoreTidy:
         assert storage.tidy() == [] and storage.exists(late)
 
     def test_an_object_of_unknown_age_counts_as_young(
-        self, root_url: str, monkeypatch: pytest.MonkeyPatch
+        self, store_url: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        storage = store(root_url, gc_grace_seconds=3600)
+        storage = store(store_url, gc_grace_seconds=3600)
         data = self.other_process_s_save(storage, "step-2", "b" * 32)
         real_stat = type(storage).stat
 
@@ -328,11 +327,11 @@ class TestStoreTidy:
         assert [t.name for t in storage.tidy()] == ["step-2"] and not storage.exists(data)
 
     def test_a_committed_checkpoint_s_data_are_never_removed(
-        self, root_url: str, monkeypatch: pytest.MonkeyPatch
+        self, store_url: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        storage = store(root_url, gc_grace_seconds=0)
-        kept = committed(root_url, storage, "ckpt")
+        storage = store(store_url, gc_grace_seconds=0)
+        kept = committed(store_url, storage, "ckpt")
         storage.abandon("ckpt")  # e.g. a save whose outcome was unknown, committed after all
         later(monkeypatch, 10 * 3600)
         assert storage.tidy() == [] and sorted(storage.list("ckpt")) == kept
-        tg.verify(f"{root_url}/ckpt")
+        tg.verify(f"{store_url}/ckpt")

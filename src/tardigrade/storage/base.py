@@ -174,6 +174,9 @@ class Storage(abc.ABC):
     """A root under which checkpoints live. Names use '/' and are relative to the root."""
 
     root: str
+    # Whether a name is a directory exactly when objects lie under it (an object store's
+    # prefixes), so that finding an object under a name says it is a directory.
+    implicit_directories = False
 
     # -- the byte primitives -------------------------------------------------------------
 
@@ -358,6 +361,8 @@ class ManifestLastCommit(Storage):
     ``tidy`` removes what saves that never committed left once older than a grace period
     (``gc_grace_seconds``), or at once where this process saw the save fail (``abandon``).
     """
+
+    implicit_directories = True
 
     def begin(self, name: str, save_id: str) -> str:
         return name  # nothing to prepare: the data go where they stay

@@ -245,6 +245,10 @@ class FaultyStorage(Storage):
         """Whether the inner backend commits manifest-last (an object store)."""
         return isinstance(self.inner, ManifestLastCommit)
 
+    @property
+    def implicit_directories(self) -> bool:  # type: ignore[override]
+        return self.inner.implicit_directories
+
     def begin(self, name: str, save_id: str) -> str:
         late = self._op("begin", self.url(name))
         staging = self.inner.begin(name, save_id)

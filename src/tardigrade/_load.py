@@ -9,12 +9,12 @@ byte lands in live state -> check file sizes, allocate -> plan and read the chun
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._apply import _Applier
 from ._match import Key, _entry_paths, _Matcher, _plan_reads, _select, _stored_shape
-from ._open import _check_refs, open_manifest
+from ._open import _check_refs, manifest_at, open_manifest
 from ._read import DEFAULT_READ_THREADS, _check_sizes, _empty, _read_chunks
 from ._tree import decode, path_str
 from ._validate import standin
@@ -100,13 +100,47 @@ def load(
         workers=workers,
         storage_options=storage_options,
     )
+    return _on_ranks(
+        lambda rank: _load(path, rank=rank, per_rank_fallback=per_rank_fallback, **kw),  # type: ignore[arg-type]
+        process_group,
+        timeout,
+    )
+
+
+def load_from(
+    view: Callable[[], Storage],
+    name: str,
+    *,
+    into: Any,
+    verify: bool | str,
+    process_group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Any:
+    """``load`` of checkpoint ``name`` of the storage ``view()`` makes on each rank, a view no
+    location names (the RAM tier's overlay of a rank's share on the directory); collective as
+    ``load`` is, ``view()``'s error included."""
+    check_read_options(verify, "rank0")
+
+    def one(rank: int) -> Any:
+        storage = view()
+        m = manifest_at(storage, name)
+        return load_opened(
+            storage, name, m, into=into, keys=None, strict=True, verify=verify,
+            workers=DEFAULT_READ_THREADS, rank=rank, per_rank_fallback="rank0",
+        )  # fmt: skip
+
+    return _on_ranks(one, process_group, timeout)
+
+
+def _on_ranks(one: Callable[[int], Any], process_group: Any, timeout: float) -> Any:
+    """``one(rank)`` on every rank of ``process_group`` (or once, as rank 0, without one)."""
     ranks = Ranks.current(process_group, timeout=timeout)
     if ranks is None:
-        return _load(path, rank=0, per_rank_fallback=per_rank_fallback, **kw)  # type: ignore[arg-type]
+        return one(0)
     out: list[Any] = []
 
     def local() -> bytes:
-        out.append(_load(path, rank=ranks.rank, per_rank_fallback=per_rank_fallback, **kw))  # type: ignore[arg-type]
+        out.append(one(ranks.rank))
         return b""
 
     # Every rank reads on its own; the exchange makes a failure on one rank fail them all.

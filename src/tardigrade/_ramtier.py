@@ -16,6 +16,13 @@ checkpoint is (with the manifest the disk save committed), so the RAM tier never
 the directory does not. A synchronous save has no staging copy; its RAM copy is read back from
 the committed checkpoint (``copy_in``).
 
+In a distributed job each rank keeps its own share: the data files it wrote (and the
+manifest), in a namespace of its own (the rank is part of its name), copied from the committed
+checkpoint in the directory by a background thread once every rank has recorded the save
+(``copy_in_background``). A restart restores from the RAM tier only when every rank holds the
+same save there (the manager agrees on it); each rank then reads its own files from memory and
+the others' from the directory (``overlay``).
+
 Namespaced per checkpoint directory and user: ``<base>/tardigrade-<uid>-<hash of the directory's
 absolute path or URL>``, so two jobs on one node never share one, and a restart of the same job
 (same directory) finds its own. Bounded: the newest checkpoint only (the previous one is removed
@@ -38,12 +45,12 @@ from typing import Any
 
 from ._catalog import STEP_NAME, Catalog
 from ._save_job import SaveJob, SaveResult, file_header
-from ._tiers import copy_checkpoint
+from ._tiers import CopyPlan
 from ._write import ABORT, END
 from .errors import InvalidArgumentError, SaveError, StorageError
 from .format import limits
 from .format.jsonio import loads_strict
-from .format.manifest import MANIFEST
+from .format.manifest import MANIFEST, parse
 from .storage import LocalStorage, PreconditionFailed, Storage
 from .storage.local import free_bytes, private_directory
 
@@ -86,21 +93,29 @@ def _save_id(storage: Storage, name: str) -> str | None:
 
 
 class RamTier:
-    """The RAM tier of the checkpoint directory ``directory``, under ``base``.
+    """The RAM tier of the checkpoint directory ``directory``, under ``base``; ``rank``: the
+    rank of a distributed job whose share this is (None in a single process).
 
     The caller holds ``directory``'s lock: one job per directory, so one writer here too.
     Raises StorageError when ``base`` cannot hold it (missing, not writable, not ours).
     """
 
-    def __init__(self, directory: str, base: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        directory: str,
+        base: str | os.PathLike[str] | None = None,
+        rank: int | None = None,
+    ) -> None:
         base = os.path.abspath(os.fspath(DEFAULT_BASE if base is None else base))
-        self.directory = directory
-        self.root = os.path.join(base, namespace(directory))
+        # What the namespace belongs to: the directory, or one rank's share of it.
+        self.directory = directory if rank is None else f"{directory} (rank {rank})"
+        self.root = os.path.join(base, namespace(self.directory))
         self._make_root(base)
         self.storage = LocalStorage(self.root)
         self.catalog = Catalog(self.storage)
         self.stats = RamTierStats(self.root)
         self._lock = threading.Lock()  # stats and retention: the save thread and the caller's
+        self._copying: threading.Thread | None = None  # copy_in_background's
         # A killed writer's staging directory: ours to remove (the directory's lock is ours).
         self.catalog.tidy()
 
@@ -134,18 +149,41 @@ class RamTier:
         """A copy of the next async save into this tier, written from its staged blocks."""
         return RamMirror(self)
 
-    def copy_in(self, src: Storage, name: str) -> None:
-        """Copy checkpoint ``name``, just committed in ``src``, here (a synchronous save's)."""
+    def copy_in(self, src: Storage, name: str, files: Callable[[str], bool] | None = None) -> None:
+        """Copy checkpoint ``name``, just committed in ``src``, here (a synchronous save's);
+        ``files``: only the data files it accepts (a rank's share), with the whole manifest."""
         try:
-            self._make_room(self._tree_bytes(src, name), keep=None)
-            copy_checkpoint(src, name, self.storage, replace=True)
+            copy = CopyPlan.of(src, name, self.storage, replace=True)
+            if copy is not None:
+                need = sum(n for f, n in copy.sizes.items() if files is None or files(f))
+                self._make_room(need, keep=None)
+                staging = self.storage.begin(name, copy.save_id)
+                try:
+                    copy.copy_files(staging, files)
+                    copy.commit(staging)
+                except BaseException:
+                    copy.abort(staging)
+                    raise
         except Exception as e:
             self._failed(name, e)
             return
         self._stored(name)
 
-    def _tree_bytes(self, storage: Storage, name: str) -> int:
-        return Catalog(storage).size(name)
+    def copy_in_background(
+        self, src: Storage, name: str, files: Callable[[str], bool] | None = None
+    ) -> None:
+        """``copy_in`` in a thread of its own, after the previous one finished."""
+        self.wait()
+        self._copying = threading.Thread(
+            target=self.copy_in, args=(src, name, files), name="tardigrade-ram-tier", daemon=True
+        )
+        self._copying.start()
+
+    def wait(self) -> None:
+        """Wait for ``copy_in_background``'s copy, if one runs."""
+        copying, self._copying = self._copying, None
+        if copying is not None:
+            copying.join()
 
     def _free_bytes(self) -> int:
         return free_bytes(self.root)
@@ -222,6 +260,7 @@ class RamTier:
         the directory: the RAM tier never restores a step the directory does not hold (say,
         after someone emptied the directory to start afresh).
         """
+        self.wait()  # a copy still being made counts once it is committed
         try:
             if not self.catalog.committed(name):
                 return None
@@ -233,12 +272,30 @@ class RamTier:
             return None
         return self.storage.url(name)
 
+    def overlay(self, name: str, disk: Storage) -> Storage:
+        """A read-only view of checkpoint ``name``: each file from this tier where it holds
+        it (this rank's share), else from ``disk`` under the name it has there."""
+        ours, there = (
+            list(
+                parse(
+                    storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES),
+                    storage.url(f"{name}/{MANIFEST}"),
+                ).files
+            )
+            for storage in (self.storage, disk)
+        )
+        # The same files in the same order in both manifests: only their names may differ (a
+        # store's are prefixed by the save's id).
+        renames = {f"{name}/{a}": f"{name}/{b}" for a, b in zip(ours, there, strict=True)}
+        return _Overlay(self.storage, disk, renames)
+
     def restored(self) -> None:
         with self._lock:
             self.stats.restored += 1
 
     def close(self, *, clean: bool) -> None:
         """``clean``: remove everything here (the job ended normally)."""
+        self.wait()
         if clean:
             try:
                 self.storage.delete("")
@@ -246,6 +303,40 @@ class RamTier:
                 log.warning("tardigrade: could not remove the RAM tier %s: %s", self.root, e)
                 return
             log.info("tardigrade: removed the RAM tier %s", self.root)
+
+
+class _Overlay(Storage):
+    """Reads from ``top`` where it holds a name, else from ``base`` (``renames``: the names
+    that differ there). Read-only: a view to restore from, never saved into."""
+
+    def __init__(self, top: Storage, base: Storage, renames: dict[str, str]) -> None:
+        self.top, self.base, self.renames = top, base, renames
+        self.root = top.root
+
+    def _where(self, name: str) -> tuple[Storage, str]:
+        if self.top.exists(name):
+            return self.top, name
+        return self.base, self.renames.get(name, name)
+
+    def open_reader(self, name: str) -> Any:
+        storage, there = self._where(name)
+        return storage.open_reader(there)
+
+    def stat(self, name: str) -> Any:
+        storage, there = self._where(name)
+        return storage.stat(there)
+
+    def list(self, name: str = "") -> list[str]:
+        return self.top.list(name)
+
+    def url(self, name: str) -> str:
+        storage, there = self._where(name)
+        return storage.url(there)
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise StorageError(errno.EROFS, f"{self.root}: a read-only view of the RAM tier")
+
+    open_writer = put = delete = begin = commit = abort = lease = _read_only  # type: ignore[assignment]
 
 
 def _shared(done: Callable[[], None] | None) -> Callable[[], None] | None:
@@ -403,12 +494,13 @@ def _drain(q: queue.SimpleQueue[Any]) -> None:
             block.done()
 
 
-def open_ram_tier(directory: str, ram_tier: Any) -> RamTier | None:
-    """The manager's ``ram_tier=`` argument: False/None (off), True (``/dev/shm``) or a path."""
+def open_ram_tier(directory: str, ram_tier: Any, rank: int | None = None) -> RamTier | None:
+    """The manager's ``ram_tier=`` argument: False/None (off), True (``/dev/shm``) or a path;
+    ``rank``: this process's rank in a distributed job."""
     if ram_tier is None or ram_tier is False:
         return None
     if ram_tier is True:
-        return RamTier(directory)
+        return RamTier(directory, rank=rank)
     if isinstance(ram_tier, (str, os.PathLike)):
         base = os.path.abspath(os.fspath(ram_tier))
         if base == directory or base.startswith(directory.rstrip(os.sep) + os.sep):
@@ -417,7 +509,7 @@ def open_ram_tier(directory: str, ram_tier: Any) -> RamTier | None:
                 f"{directory}; pass a directory on a memory filesystem elsewhere (such as "
                 "/dev/shm, the default with ram_tier=True)"
             )
-        return RamTier(directory, ram_tier)
+        return RamTier(directory, ram_tier, rank=rank)
     raise InvalidArgumentError(
         f"ram_tier must be True, False or a directory on a memory filesystem, got {ram_tier!r}"
     )

@@ -11,15 +11,23 @@ are, so the copy verifies like the original. A copy that fails removes what it w
 
 ``Uploader`` runs such copies in a background thread for ``CheckpointManager(upload_to=...)``:
 a checkpoint counts as uploaded once its remote manifest is committed; a failed copy is logged,
-counted and retried with backoff, never raised into training.
+counted and retried with backoff, never raised into training. In a distributed job every rank
+runs one, over a fork of the job's group (its own gloo group: the upload threads' collectives
+never interleave with training's): rank 0 begins each copy, every rank copies the data files it
+wrote (``CopyPlan.copy_files``), and rank 0 commits the manifest only once every rank reported
+its files copied; a failure on any rank fails the copy on every rank, and rank 0 removes what
+was written.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
+import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,51 +60,112 @@ def _renamed(doc: Any, names: dict[str, str], depth: int = 0) -> Any:
     return doc
 
 
-def copy_checkpoint(src: Storage, name: str, dst: Storage, *, replace: bool = False) -> str:
+def copy_checkpoint(
+    src: Storage,
+    name: str,
+    dst: Storage,
+    *,
+    replace: bool = False,
+    files: Callable[[str], bool] | None = None,
+) -> str:
     """Copy the committed checkpoint ``name`` of ``src`` to ``dst`` under the same name.
 
     Returns ``"copied"``, or ``"present"`` when ``dst`` already holds this very save (same
     save id). A different checkpoint already committed there raises CheckpointExistsError
     unless ``replace``. The source must verify its manifest; the bytes of its data files are
     copied as they are (their checksums are checked by whoever loads or verifies the copy).
+    ``files``: copy only the data files it accepts (one rank's share), and commit the whole
+    manifest all the same: a partial copy, for a tier that reads the rest elsewhere.
     """
-    where = src.url(f"{name}/{MANIFEST}")
-    raw = src.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
-    manifest = parse(raw, where)
-    doc = loads_strict(raw, where)
-    save_id = doc.get("save_id")
-    if not isinstance(save_id, str) or not save_id:
-        raise CorruptCheckpointError(f"{where}: the manifest has no save_id; cannot copy it")
-    if dst.exists(f"{name}/{MANIFEST}"):
-        there_at = dst.url(f"{name}/{MANIFEST}")
-        there = loads_strict(
-            dst.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES), there_at
-        )
-        if isinstance(there, dict) and there.get("save_id") == save_id:
-            return "present"
-        if not replace:
-            raise CheckpointExistsError(
-                f"{dst.url(name)}: another checkpoint (save {there.get('save_id')!r}) is "
-                f"committed there; not replacing it with {src.url(name)}."
-            )
-    names = {file: dst.data_name(file.split(".", 1)[1] if _stored(file, save_id) else file,
-                                 save_id) for file in manifest.files}  # fmt: skip
-    staging = dst.begin(name, save_id)
+    copy = CopyPlan.of(src, name, dst, replace=replace)
+    if copy is None:
+        return "present"
+    staging = dst.begin(name, copy.save_id)
     try:
-        for file, size in manifest.files.items():
-            _copy_file(src, f"{name}/{file}", dst, f"{staging}/{names[file]}", size)
-        doc.pop("manifest_checksum", None)
-        body = dumps(_renamed(doc, names))
-        new = seal(body) if b'"manifest_checksum"' in raw[-200:] else body
-        parse(new, dst.url(f"{name}/{MANIFEST}"))  # what is committed validates as a load will
-        dst.commit(staging, name, new, save_id=save_id, replace=replace)
+        copy.copy_files(staging, files)
+        copy.commit(staging)
     except BaseException:
-        try:
-            dst.abort(staging, name, save_id)
-        except Exception as e:
-            log.warning("tardigrade: cleaning up a failed copy to %s: %s", dst.url(name), e)
+        copy.abort(staging)
         raise
     return "copied"
+
+
+@dataclass
+class CopyPlan:
+    """One copy of checkpoint ``name`` from ``src`` to ``dst``, in the phases that ranks split
+    between them: every rank copies its own files (``copy_files``), one commits (``commit``).
+    ``names`` maps each data file to its name in ``dst``."""
+
+    src: Storage
+    name: str
+    dst: Storage
+    replace: bool
+    raw: bytes
+    doc: dict[str, Any]
+    save_id: str
+    sizes: dict[str, int]
+    names: dict[str, str]
+
+    @classmethod
+    def of(cls, src: Storage, name: str, dst: Storage, *, replace: bool) -> CopyPlan | None:
+        """The copy of ``name``; None when ``dst`` already holds this very save."""
+        where = src.url(f"{name}/{MANIFEST}")
+        raw = src.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+        manifest = parse(raw, where)
+        doc = loads_strict(raw, where)
+        save_id = doc.get("save_id")
+        if not isinstance(save_id, str) or not save_id:
+            raise CorruptCheckpointError(f"{where}: the manifest has no save_id; cannot copy it")
+        if dst.exists(f"{name}/{MANIFEST}"):
+            there_at = dst.url(f"{name}/{MANIFEST}")
+            there = loads_strict(
+                dst.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES), there_at
+            )
+            if isinstance(there, dict) and there.get("save_id") == save_id:
+                return None
+            if not replace:
+                raise CheckpointExistsError(
+                    f"{dst.url(name)}: another checkpoint (save {there.get('save_id')!r}) is "
+                    f"committed there; not replacing it with {src.url(name)}."
+                )
+        names = {file: dst.data_name(file.split(".", 1)[1] if _stored(file, save_id) else file,
+                                     save_id) for file in manifest.files}  # fmt: skip
+        return cls(src, name, dst, replace, raw, doc, save_id, dict(manifest.files), names)
+
+    def copy_files(self, staging: str, files: Callable[[str], bool] | None = None) -> None:
+        """Copy the data files (those ``files`` accepts) into ``staging`` (``dst.begin``'s)."""
+        for file, size in self.sizes.items():
+            if files is None or files(file):
+                _copy_file(
+                    self.src, f"{self.name}/{file}", self.dst, f"{staging}/{self.names[file]}", size
+                )
+
+    def commit(self, staging: str) -> None:
+        """Commit the manifest, its file names rewritten for ``dst`` and its checksum resealed."""
+        doc = dict(self.doc)
+        doc.pop("manifest_checksum", None)
+        body = dumps(_renamed(doc, self.names))
+        new = seal(body) if b'"manifest_checksum"' in self.raw[-200:] else body
+        parse(new, self.dst.url(f"{self.name}/{MANIFEST}"))  # what is committed loads
+        self.dst.commit(staging, self.name, new, save_id=self.save_id, replace=self.replace)
+
+    def abort(self, staging: str) -> None:
+        """Remove what this copy wrote (every rank's, on a store); never raises."""
+        try:
+            self.dst.abort(staging, self.name, self.save_id)
+        except Exception as e:
+            log.warning(
+                "tardigrade: cleaning up a failed copy to %s: %s", self.dst.url(self.name), e
+            )
+
+
+_RANK_FILE = re.compile(r"(?:^|\.)data-r(\d+)-")
+
+
+def file_rank(file: str) -> int:
+    """The rank that wrote data file ``file`` of a collective save (0 for a single process's)."""
+    m = _RANK_FILE.search(file)
+    return int(m.group(1)) if m else 0
 
 
 def _stored(file: str, save_id: str) -> bool:
@@ -150,7 +219,9 @@ class Uploader:
     copy is retried ``retries`` times with backoff, then given up (logged, counted); an upload
     never raises into the caller. ``keep_last_remote`` retires older remote checkpoints after
     each upload (manifest first, then data, as everywhere), while ``lease`` (the remote root's,
-    held by the caller) is still held.
+    held by the caller) is still held. With ``ranks`` (a fork of a job's group, owned by this
+    uploader) every rank's uploader is submitted the same names in the same order and copies
+    its own share of each (see the module docstring); rank 0 retires.
     """
 
     def __init__(
@@ -162,8 +233,11 @@ class Uploader:
         retries: int = 3,
         backoff_seconds: float = 2.0,
         lease: Any = None,
+        ranks: Any = None,
     ) -> None:
         self.local = local
+        # A forked ``Ranks`` (this thread's own group) in a distributed job, else None.
+        self.ranks = ranks
         self.remote = remote
         self.lease = lease  # the remote root's one-writer lease, checked before deleting
         self.keep_last_remote = keep_last_remote
@@ -205,15 +279,8 @@ class Uploader:
 
     def _upload(self, name: str) -> None:
         for attempt in range(self.retries + 1):
-            if not self._exists(name):
-                log.warning(
-                    "tardigrade: not uploading %s: it is gone from %s (retired meanwhile)",
-                    name,
-                    self.local.root,
-                )
-                return
             try:
-                copy_checkpoint(self.local, name, self.remote)
+                copied = self._copy(name)
             except Exception as e:  # whatever it is, the uploads go on (and training too)
                 self.stats.failed += 1
                 self.stats.last_error = str(e)
@@ -231,12 +298,69 @@ class Uploader:
                     return
                 time.sleep(self.backoff * 2**attempt)
                 continue
+            if not copied:
+                log.warning(
+                    "tardigrade: not uploading %s: it is gone from %s (retired meanwhile)",
+                    name,
+                    self.local.root,
+                )
+                return
             self.stats.uploaded.append(name)
-            try:
-                self._retain()
-            except Exception as e:
-                log.warning("tardigrade: retention in %s: %s", self.remote.root, e)
+            if self.ranks is None or self.ranks.coordinator:
+                try:
+                    self._retain()
+                except Exception as e:
+                    log.warning("tardigrade: retention in %s: %s", self.remote.root, e)
             return
+
+    def _copy(self, name: str) -> bool:
+        """One attempt at uploading ``name``; False when it is gone from the local tier."""
+        if self.ranks is None:
+            if not self._exists(name):
+                return False
+            copy_checkpoint(self.local, name, self.remote)
+            return True
+        ranks = self.ranks
+        what = f"upload of {self.local.url(name)} to {self.remote.url(name)}"
+        plan: list[CopyPlan | None] = [None]
+
+        def begin() -> bytes:
+            # Rank 0 decides and prepares; every rank goes by its answer.
+            if not self._exists(name):
+                return json.dumps({"gone": True}).encode()
+            plan[0] = CopyPlan.of(self.local, name, self.remote, replace=False)
+            if plan[0] is None:
+                return json.dumps({"present": True}).encode()
+            return json.dumps({"staging": self.remote.begin(name, plan[0].save_id)}).encode()
+
+        agreed = json.loads(ranks.broadcast(what + ": begin", begin))
+        if "gone" in agreed or "present" in agreed:
+            return "present" in agreed
+        staging = agreed["staging"]
+
+        def mine() -> bytes:
+            if plan[0] is None:
+                plan[0] = CopyPlan.of(self.local, name, self.remote, replace=False)
+            if plan[0] is None:
+                raise CheckpointExistsError(f"{self.remote.url(name)}: committed meanwhile")
+            plan[0].copy_files(staging, lambda f: file_rank(f) % ranks.size == ranks.rank)
+            return b""
+
+        def commit() -> bytes:
+            assert plan[0] is not None
+            plan[0].commit(staging)
+            return b""
+
+        try:
+            # Every rank's files are in place (or its error is raised on every rank) before
+            # rank 0 commits the manifest.
+            ranks.all_gather(what + ": copying each rank's files", mine)
+            ranks.broadcast(what + ": commit", commit)
+        except BaseException:
+            if ranks.coordinator and plan[0] is not None:
+                plan[0].abort(staging)  # every rank is done writing: all_gather returned
+            raise
+        return True
 
     def _exists(self, name: str) -> bool:
         try:
@@ -279,4 +403,5 @@ class Uploader:
         self._queue.put(None)
         if done:
             self._thread.join()
+            self.ranks = None  # frees the forked group
         return done

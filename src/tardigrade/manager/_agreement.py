@@ -19,6 +19,7 @@ from typing import Any
 
 from .._async import AsyncCheckpointer, SaveFuture
 from .._save_job import SaveOptions
+from .._tiers import file_rank
 from .._tree import flatten
 from ..distributed._collectives import Ranks
 from ..distributed._save import stage_collective
@@ -47,8 +48,12 @@ class Agreement(abc.ABC):
     collective: dict[str, Any]
     """The arguments that make ``tg.save``/``tg.load`` collective over the manager's ranks."""
 
-    uploads: bool
-    """Whether a second tier (``upload_to``, ``ram_tier``) is supported."""
+    rank: int | None
+    """This process's rank in a distributed job; None in a single process."""
+
+    share: Callable[[str], bool] | None
+    """Which data files of this job's saves this rank wrote (None: all of them): its share
+    of a checkpoint in the RAM tier."""
 
     @abc.abstractmethod
     def shared(self, what: str, here: Callable[[], Any]) -> Any:
@@ -114,6 +119,15 @@ class Agreement(abc.ABC):
         """Wait until every rank is here."""
 
     @abc.abstractmethod
+    def everywhere(self, mine: bool, what: str) -> bool:
+        """Whether ``mine`` is true on every rank."""
+
+    @abc.abstractmethod
+    def fork(self) -> Ranks | None:
+        """The ranks over a group of their own, for a background thread's collectives (the
+        uploads'); None in a single process. Collective: every rank calls it here."""
+
+    @abc.abstractmethod
     def async_saves(self, requested: bool, max_staging_bytes: int | None) -> bool:
         """Whether this manager's saves run in the background, ``requested`` as they were."""
 
@@ -138,7 +152,8 @@ class SingleProcess(Agreement):
     """One process: every decision is its own; nothing is sent anywhere."""
 
     coordinator = True
-    uploads = True
+    rank = None
+    share = None
 
     def __init__(self) -> None:
         self.collective: dict[str, Any] = {}
@@ -180,6 +195,12 @@ class SingleProcess(Agreement):
     def barrier(self, what: str) -> None:
         pass
 
+    def everywhere(self, mine: bool, what: str) -> bool:
+        return mine
+
+    def fork(self) -> Ranks | None:
+        return None
+
     def async_saves(self, requested: bool, max_staging_bytes: int | None) -> bool:
         return requested
 
@@ -202,8 +223,6 @@ class SingleProcess(Agreement):
 class RankGroup(Agreement):
     """The ranks of the manager's process group (every call is a collective)."""
 
-    uploads = False
-
     # What a rank's background save ended with, as agreed: the largest any rank reports wins.
     _SAVED, _FAILED, _LOST = 0, 1, 2
 
@@ -212,6 +231,8 @@ class RankGroup(Agreement):
         self.ranks = ranks
         self.coordinator = ranks.coordinator
         self.collective = {"process_group": process_group, "timeout": timeout}
+        self.rank: int | None = ranks.rank
+        self.share = functools.partial(_written_by, rank=ranks.rank, size=ranks.size)
 
     def shared(self, what: str, here: Callable[[], Any]) -> Any:
         return json.loads(self.ranks.broadcast(what, lambda: json.dumps(here()).encode()))
@@ -317,6 +338,12 @@ class RankGroup(Agreement):
     def barrier(self, what: str) -> None:
         self.ranks.barrier(what)
 
+    def everywhere(self, mine: bool, what: str) -> bool:
+        return not self.ranks.agree_max(int(not mine), what)
+
+    def fork(self) -> Ranks | None:
+        return self.ranks.fork()
+
     def async_saves(self, requested: bool, max_staging_bytes: int | None) -> bool:
         if not requested or max_staging_bytes is None:
             return requested
@@ -345,11 +372,15 @@ class RankGroup(Agreement):
         options: SaveOptions,
         mirror: Any = None,
     ) -> SaveFuture:
-        assert mirror is None  # the RAM tier is refused in a distributed job
+        assert mirror is None  # a rank's RAM tier copies from the directory (_record_ok)
         stage = functools.partial(stage_collective, path=path, state=state, options=options)
         fut = saver.save_collective(self.ranks, path, stage)
         assert fut is not None
         return fut
+
+
+def _written_by(file: str, *, rank: int, size: int) -> bool:
+    return file_rank(file) % size == rank
 
 
 def agreement(name: str, process_group: Any, timeout: float) -> Agreement:

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._async import AsyncCheckpointer
 from .._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_name, step_name
-from .._load import load
+from .._load import load, load_from
 from .._match import Key
 from .._open import open_manifest
 from .._ramtier import RamTier, RamTierStats, open_ram_tier
@@ -358,20 +358,24 @@ class CheckpointManager:
 
     def _start_uploads(self, upload_to: str | os.PathLike[str]) -> None:
         try:
-            if not self._ranks.uploads:
-                raise InvalidArgumentError(
-                    "upload_to is not supported in a distributed job yet; upload from one "
-                    "process, or save to the remote location directly "
-                    "(CheckpointManager('s3://...'))"
-                )
             remote = open_root(upload_to, self._upload_storage_options)
-            try:
-                remote.preflight()
-            except TardigradeError as e:
-                log.error("tardigrade: uploads to %s will fail: %s", remote.root, e)
-            # One job uploads into a remote root, as one job saves into a directory.
-            self._remote_lock = remote.lease(lease_seconds=self._lock.lease)
-            self._remote_lock.acquire()
+
+            def check_and_lock() -> None:
+                try:
+                    remote.preflight()
+                except TardigradeError as e:
+                    log.error("tardigrade: uploads to %s will fail: %s", remote.root, e)
+                # One job uploads into a remote root, as one job saves into a directory.
+                self._remote_lock = remote.lease(lease_seconds=self._lock.lease)
+                self._remote_lock.acquire()
+
+            # Rank 0's lease stands for the job; its error is raised on every rank.
+            self._ranks.on_coordinator(
+                f"CheckpointManager({self.directory!r}): upload_to={remote.root!r}",
+                check_and_lock,
+            )
+            # In a distributed job the upload threads agree over a group of their own.
+            ranks = self._ranks.fork()
         except BaseException:
             self._close(meet=False)
             raise
@@ -380,18 +384,31 @@ class CheckpointManager:
             remote,
             keep_last_remote=self.keep_last_remote,
             lease=self._remote_lock,
+            ranks=ranks,
         )
 
     def _open_ram_tier(self, ram_tier: Any) -> None:
+        error: BaseException | None = None
         try:
-            if not self._ranks.uploads:
-                raise InvalidArgumentError(
-                    "ram_tier is not supported in a distributed job yet; pass ram_tier=False"
-                )
-            self._ram = open_ram_tier(self.directory, ram_tier)
-        except BaseException:
+            self._ram = open_ram_tier(self.directory, ram_tier, rank=self._ranks.rank)
+        except BaseException as e:
+            error = e
+        try:
+            # Every rank has one, or none goes on: a restore agrees over all of them.
+            everywhere = self._ranks.everywhere(
+                error is None, f"CheckpointManager({self.directory!r}): ram_tier={ram_tier!r}"
+            )
+        except BaseException as e:
+            error = error or e
+            everywhere = False
+        if error is None and not everywhere:
+            error = InvalidArgumentError(
+                f"ram_tier={ram_tier!r}: another rank of the job could not open its RAM tier "
+                "(its error says why); fix it there, or pass ram_tier=False"
+            )
+        if error is not None:
             self._close(meet=False)
-            raise
+            raise error
 
     @property
     def ram_tier_stats(self) -> RamTierStats | None:
@@ -405,21 +422,47 @@ class CheckpointManager:
 
     def _load_candidate(self, s: int) -> str:
         """Restore step ``s`` into the live state: from the RAM tier's copy when it holds this
-        very save (fastest tier first), else (or when that copy fails) from the directory.
-        Returns where it was read."""
+        very save (fastest tier first; on every rank, in a distributed job), else (or when
+        that copy fails) from the directory. Returns where it was read."""
         name = step_name(s)
         ram = self._ram.copy_of(name, self._catalog.storage) if self._ram is not None else None
+        if self._ram is not None and self._ranks.rank is not None:
+            # Each rank holds its own share: read from memory only when every rank holds this
+            # save there (a rank restarted elsewhere, or whose copy failed, has none).
+            held = self._ranks.everywhere(
+                ram is not None,
+                f"CheckpointManager({self.directory!r}).restore(): {name} in every RAM tier",
+            )
+            if ram is not None and not held:
+                log.info(
+                    "tardigrade: not every rank holds %s in its RAM tier; reading %s",
+                    name,
+                    self.path(s),
+                )
+            ram = ram if held else None
         touched = False  # whether a failed read of the RAM copy left bytes in the live state
         if ram is not None:
             assert self._ram is not None
+            tier = self._ram
             try:
-                load(ram, into=self.state, verify="all")
-                self._ram.restored()
+                if self._ranks.rank is None:
+                    load(ram, into=self.state, verify="all")
+                else:
+                    load_from(
+                        lambda: tier.overlay(name, self._catalog.storage),
+                        name,
+                        into=self.state,
+                        verify="all",
+                        **self._ranks.collective,
+                    )
+                tier.restored()
                 return ram
             except StateMismatchError:
                 raise
             except Exception as e:
-                touched = bool(getattr(e, "live_overwritten", not isinstance(e, TardigradeError)))
+                touched = self._ranks.live_touched(
+                    e, f"CheckpointManager({self.directory!r}).restore() (from the RAM tier)"
+                )
                 log.warning(
                     "tardigrade: restoring %s from the RAM tier failed (%s); reading %s instead",
                     name,
@@ -454,7 +497,7 @@ class CheckpointManager:
         if uploader.close(self.upload_timeout):
             self._uploader = None
             # Retention spared what was still uploading; it catches up now.
-            if self._retention.active:
+            if self._retention.active and self._coordinating:
                 self._retain()
         else:
             self._uploader = None
@@ -663,7 +706,10 @@ class CheckpointManager:
         # below would take for a dead writer's leftover: let it commit (or fail) first.
         self._drain(wait=True)
         if step is None:
-            self._download_newer()
+            # Into the directory the ranks share: rank 0 downloads, for every rank.
+            self._ranks.on_coordinator(
+                f"CheckpointManager({self.directory!r}).restore(): download", self._download_newer
+            )
         # Rank 0 cleans up and lists; every rank then tries the same candidates in order.
         found = self._agreed(
             f"CheckpointManager({self.directory!r}).restore({step!r})",
@@ -931,7 +977,13 @@ class CheckpointManager:
                 storage_options=self._storage_options,
             )
             if self._async is not None and not sync:
-                mirror = None if self._ram is None else self._ram.mirror()
+                # A rank's share of a collective save is copied from the directory instead
+                # (``_record_ok``): the mirror tees one process's staged files.
+                mirror = (
+                    self._ram.mirror()
+                    if self._ram is not None and self._ranks.rank is None
+                    else None
+                )
                 fut = self._ranks.submit(
                     self._async, self.path(step), self.state, options, mirror=mirror
                 )
@@ -951,7 +1003,7 @@ class CheckpointManager:
                     metrics=metrics,
                     **self._collective,
                 )
-                if self._ram is not None and self._async is None:
+                if self._ram is not None and self._async is None and self._ranks.rank is None:
                     # No staging copy to take it from: read back from the directory. (A
                     # preemption's synchronous save is not copied: the job stops next.)
                     self._ram.copy_in(self._catalog.storage, step_name(step))
@@ -1113,6 +1165,11 @@ class CheckpointManager:
                 s.blocking_seconds,
                 s.total_seconds,
                 s.throughput_gbps,
+            )
+        if self._ram is not None and self._ranks.rank is not None:
+            # Every rank records the save here, once committed: each copies its own files.
+            self._ram.copy_in_background(
+                self._catalog.storage, step_name(step), files=self._ranks.share
             )
         if self._uploader is not None:
             self._uploader.submit(step_name(step))

@@ -149,8 +149,9 @@ class CheckpointManager:
             training thread; it counts as uploaded once its remote manifest is committed. A
             failed upload is logged, counted in ``uploads`` and retried, never raised.
             ``restore()`` first downloads the remote tier's newest checkpoint when it is newer
-            than the newest here (a fresh machine with an empty ``directory``). Single process
-            only for now.
+            than the newest here (a fresh machine with an empty ``directory``). In a
+            distributed job each rank uploads the data files it wrote and rank 0 commits the
+            remote manifest once every rank's are there; rank 0 downloads for every rank.
         ``keep_last_remote``: retention of the remote tier (None: keep every upload).
         ``upload_timeout``: seconds ``close()`` waits for pending uploads (default 600).
         ``storage_options``: options for the backend of a URL ``directory`` (for ``s3://``:
@@ -167,8 +168,10 @@ class CheckpointManager:
             It holds the newest checkpoint only, is namespaced by this directory's path (a
             restart finds it, another job does not), and is removed by ``close()`` (not on a
             crash, nor on a ``with`` block left by an exception). A failed copy (a full
-            ``/dev/shm``) is logged and counted in ``ram_tier_stats``, never raised. Single
-            process only for now. See docs/storage.md.
+            ``/dev/shm``) is logged and counted in ``ram_tier_stats``, never raised. In a
+            distributed job each rank keeps its own files of the newest checkpoint (copied
+            from ``directory`` in the background), and a restart reads from memory only when
+            every rank holds that save. See docs/storage.md.
 
     In a distributed job the constructor, ``step``, ``save``, ``stop_at_boundary``,
     ``restore``, ``steps``, ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are

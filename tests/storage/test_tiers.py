@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tardigrade as tg
-from tardigrade._tiers import copy_checkpoint
+from tardigrade._tiers import copy_checkpoint, file_rank
 from tardigrade.errors import CheckpointExistsError, CorruptCheckpointError
 from tardigrade.storage import open_root
 from tardigrade.testing import FaultyStorage
@@ -181,3 +181,11 @@ def test_a_remote_checkpoint_that_cannot_be_downloaded_leaves_the_local_restore(
     assert [p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".")] == [
         "step-000000001"
     ]  # nothing of the failed download is left
+
+
+def test_the_rank_that_wrote_a_file_is_read_from_its_name_on_a_directory_and_a_store() -> None:
+    # A distributed upload sends each rank's own files; a single process's are rank 0's.
+    assert file_rank("data-r00001-00000-of-00002.safetensors") == 1
+    assert file_rank("0123456789abcdef.data-r00012-00001-of-00002.safetensors") == 12
+    assert file_rank("data-00000-of-00001.safetensors") == 0
+    assert file_rank("0123456789abcdef.data-00000-of-00001.safetensors") == 0

@@ -21,8 +21,10 @@ import pytest
 import torch
 
 import tardigrade as tg
+from tardigrade._load import load_from
 from tardigrade._ramtier import RamTier, namespace
 from tardigrade.errors import InvalidArgumentError, StorageError
+from tardigrade.storage import open_root
 
 SRC = Path(tg.__file__).resolve().parents[1]
 
@@ -377,3 +379,29 @@ def test_a_restore_from_the_ram_tier_says_so_in_the_log(
         mgr.wait()
         assert mgr.restore() == 1
     assert any("from the RAM tier" in r.getMessage() for r in caplog.records)
+
+
+def test_a_ranks_share_in_memory_reads_the_other_files_from_the_store_under_their_names(
+    shm: Path,
+) -> None:
+    """A distributed job's rank keeps only its own files (and the manifest) in its RAM tier; a
+    restore reads the rest from the directory, a store whose names carry the save's id."""
+    url = f"memory://ram-{uuid.uuid4().hex[:12]}/run"
+    disk = open_root(url)
+    tg.save(f"{url}/step-000000001", state_at(1))
+    name = "step-000000001"
+    # Rank 0 wrote none of the data files: its tier holds the manifest alone.
+    none = RamTier(url, shm, rank=0)
+    none.copy_in(disk, name, files=lambda f: False)
+    assert os.listdir(Path(none.root) / name) == ["manifest.json"]
+    assert none.copy_of(name, disk) is not None  # the same save as the directory's
+    tree = load_from(lambda: none.overlay(name, disk), name, into=None, verify="all")
+    assert torch.equal(tree["w"], state_at(1)["w"])
+    # Rank 1 wrote them all: with the store's data gone, its tier alone restores the step.
+    every = RamTier(url, shm, rank=1)
+    assert every.root != none.root  # one namespace per rank
+    every.copy_in(disk, name)
+    disk.delete_many([f"{name}/{n}" for n in disk.list(name) if n != "manifest.json"])
+    tree = load_from(lambda: every.overlay(name, disk), name, into=None, verify="all")
+    assert torch.equal(tree["w"], state_at(1)["w"]) and tree["step"] == 1
+    disk.delete("")

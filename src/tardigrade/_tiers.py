@@ -168,6 +168,64 @@ def file_rank(file: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+def copy_on_ranks(
+    ranks: Any,
+    src: Storage,
+    name: str,
+    dst: Storage,
+    *,
+    gone: Callable[[], bool] | None = None,
+) -> str:
+    """``copy_checkpoint`` shared by the ranks of ``ranks`` (a ``Ranks``; every rank calls
+    it): rank 0 reads the manifest and begins, every rank copies its share of the data files
+    (those its rank wrote, by their names), and rank 0 commits once every rank's are in place.
+
+    Returns ``"copied"``, ``"present"`` (``dst`` holds this save already) or ``"gone"``
+    (rank 0's ``gone()`` said ``src`` no longer holds it). An error on any rank is raised on
+    every rank, and nothing is committed: rank 0 removes what every rank wrote.
+    """
+    what = f"copy of {src.url(name)} to {dst.url(name)}"
+    plan: list[CopyPlan | None] = [None]
+
+    def begin() -> bytes:
+        # Rank 0 decides and prepares; every rank goes by its answer.
+        if gone is not None and gone():
+            return json.dumps({"gone": True}).encode()
+        plan[0] = CopyPlan.of(src, name, dst, replace=False)
+        if plan[0] is None:
+            return json.dumps({"present": True}).encode()
+        return json.dumps({"staging": dst.begin(name, plan[0].save_id)}).encode()
+
+    agreed = json.loads(ranks.broadcast(what + ": begin", begin))
+    if "gone" in agreed or "present" in agreed:
+        return "gone" if "gone" in agreed else "present"
+    staging = agreed["staging"]
+
+    def mine() -> bytes:
+        if plan[0] is None:
+            plan[0] = CopyPlan.of(src, name, dst, replace=False)
+        if plan[0] is None:
+            raise CheckpointExistsError(f"{dst.url(name)}: committed meanwhile")
+        plan[0].copy_files(staging, lambda f: file_rank(f) % ranks.size == ranks.rank)
+        return b""
+
+    def commit() -> bytes:
+        assert plan[0] is not None
+        plan[0].commit(staging)
+        return b""
+
+    try:
+        # Every rank's files are in place (or its error is raised on every rank) before rank
+        # 0 commits the manifest.
+        ranks.all_gather(what + ": copying each rank's files", mine)
+        ranks.broadcast(what + ": commit", commit)
+    except BaseException:
+        if ranks.coordinator and plan[0] is not None:
+            plan[0].abort(staging)  # every rank is done writing: all_gather returned
+        raise
+    return "copied"
+
+
 def _stored(file: str, save_id: str) -> bool:
     """Whether ``file`` is already a store's save-unique name (``<save id>.<file>``)."""
     return file.startswith(f"{save_id[:16]}.")
@@ -320,47 +378,10 @@ class Uploader:
                 return False
             copy_checkpoint(self.local, name, self.remote)
             return True
-        ranks = self.ranks
-        what = f"upload of {self.local.url(name)} to {self.remote.url(name)}"
-        plan: list[CopyPlan | None] = [None]
-
-        def begin() -> bytes:
-            # Rank 0 decides and prepares; every rank goes by its answer.
-            if not self._exists(name):
-                return json.dumps({"gone": True}).encode()
-            plan[0] = CopyPlan.of(self.local, name, self.remote, replace=False)
-            if plan[0] is None:
-                return json.dumps({"present": True}).encode()
-            return json.dumps({"staging": self.remote.begin(name, plan[0].save_id)}).encode()
-
-        agreed = json.loads(ranks.broadcast(what + ": begin", begin))
-        if "gone" in agreed or "present" in agreed:
-            return "present" in agreed
-        staging = agreed["staging"]
-
-        def mine() -> bytes:
-            if plan[0] is None:
-                plan[0] = CopyPlan.of(self.local, name, self.remote, replace=False)
-            if plan[0] is None:
-                raise CheckpointExistsError(f"{self.remote.url(name)}: committed meanwhile")
-            plan[0].copy_files(staging, lambda f: file_rank(f) % ranks.size == ranks.rank)
-            return b""
-
-        def commit() -> bytes:
-            assert plan[0] is not None
-            plan[0].commit(staging)
-            return b""
-
-        try:
-            # Every rank's files are in place (or its error is raised on every rank) before
-            # rank 0 commits the manifest.
-            ranks.all_gather(what + ": copying each rank's files", mine)
-            ranks.broadcast(what + ": commit", commit)
-        except BaseException:
-            if ranks.coordinator and plan[0] is not None:
-                plan[0].abort(staging)  # every rank is done writing: all_gather returned
-            raise
-        return True
+        outcome = copy_on_ranks(
+            self.ranks, self.local, name, self.remote, gone=lambda: not self._exists(name)
+        )
+        return outcome != "gone"
 
     def _exists(self, name: str) -> bool:
         try:

@@ -59,8 +59,11 @@ def upload_rank(rank: int, world: int, local: str, remote: str) -> dict[str, Any
 
 
 def restore_rank(rank: int, world: int, local: str, remote: str) -> dict[str, Any]:
+    # Each rank downloads its own share: reading the other rank's data files fails here.
+    faulty = FaultyStorage(remote)  # faulty://1 on both ranks
+    faulty.fail("open_reader", where=f"data-r{1 - rank:05d}", error="EACCES", times=1000)
     state = make_state(rank, world, 0.0)
-    with tg.CheckpointManager(local, state, upload_to=remote) as mgr:
+    with tg.CheckpointManager(local, state, upload_to=faulty.root) as mgr:
         step = mgr.restore()
         return {"step": step, "value": state_value(state, rank), "steps": mgr.steps()}
 

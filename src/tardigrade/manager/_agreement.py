@@ -19,11 +19,12 @@ from typing import Any
 
 from .._async import AsyncCheckpointer, SaveFuture
 from .._save_job import SaveOptions
-from .._tiers import file_rank
+from .._tiers import copy_checkpoint, copy_on_ranks, file_rank
 from .._tree import flatten
 from ..distributed._collectives import Ranks
 from ..distributed._save import stage_collective
 from ..errors import DistributedError, SaveError, TardigradeError
+from ..storage import Storage
 
 log = logging.getLogger("tardigrade")
 
@@ -123,6 +124,11 @@ class Agreement(abc.ABC):
         """Whether ``mine`` is true on every rank."""
 
     @abc.abstractmethod
+    def copy(self, src: Storage, name: str, dst: Storage) -> str:
+        """Copy checkpoint ``name`` of ``src`` to ``dst`` (``copy_checkpoint``), each rank its
+        share of the data files; its error on every rank."""
+
+    @abc.abstractmethod
     def fork(self) -> Ranks | None:
         """The ranks over a group of their own, for a background thread's collectives (the
         uploads'); None in a single process. Collective: every rank calls it here."""
@@ -197,6 +203,9 @@ class SingleProcess(Agreement):
 
     def everywhere(self, mine: bool, what: str) -> bool:
         return mine
+
+    def copy(self, src: Storage, name: str, dst: Storage) -> str:
+        return copy_checkpoint(src, name, dst)
 
     def fork(self) -> Ranks | None:
         return None
@@ -340,6 +349,9 @@ class RankGroup(Agreement):
 
     def everywhere(self, mine: bool, what: str) -> bool:
         return not self.ranks.agree_max(int(not mine), what)
+
+    def copy(self, src: Storage, name: str, dst: Storage) -> str:
+        return copy_on_ranks(self.ranks, src, name, dst)
 
     def fork(self) -> Ranks | None:
         return self.ranks.fork()

@@ -24,7 +24,7 @@ from .._open import open_manifest
 from .._ramtier import RamTier, RamTierStats, open_ram_tier
 from .._save import save
 from .._save_job import SaveOptions, SaveResult
-from .._tiers import Uploader, UploadStats, copy_checkpoint
+from .._tiers import Uploader, UploadStats
 from ..distributed._collectives import DEFAULT_TIMEOUT
 from ..errors import (
     CheckpointExistsError,
@@ -151,7 +151,7 @@ class CheckpointManager:
             ``restore()`` first downloads the remote tier's newest checkpoint when it is newer
             than the newest here (a fresh machine with an empty ``directory``). In a
             distributed job each rank uploads the data files it wrote and rank 0 commits the
-            remote manifest once every rank's are there; rank 0 downloads for every rank.
+            remote manifest once every rank's are there; a download is shared the same way.
         ``keep_last_remote``: retention of the remote tier (None: keep every upload).
         ``upload_timeout``: seconds ``close()`` waits for pending uploads (default 600).
         ``storage_options``: options for the backend of a URL ``directory`` (for ``s3://``:
@@ -515,22 +515,32 @@ class CheckpointManager:
             )
 
     def _download_newer(self) -> None:
-        """Copy the remote tier's newest checkpoint here when it is newer than ours."""
+        """Copy the remote tier's newest checkpoint here when it is newer than ours (rank 0
+        decides; in a distributed job every rank downloads its share into the directory)."""
         if self._uploader is None:
             return
         remote = Catalog(self._uploader.remote)
-        try:
-            theirs = remote.steps()
-        except TardigradeError as e:
-            log.warning("tardigrade: cannot list %s: %s", remote.root, e)
+
+        def newer() -> str | None:
+            try:
+                theirs = remote.steps()
+            except TardigradeError as e:
+                log.warning("tardigrade: cannot list %s: %s", remote.root, e)
+                return None
+            ours = self._steps_here()
+            if not theirs or (ours and ours[-1] >= theirs[-1]):
+                return None
+            return step_name(theirs[-1])
+
+        name = self._agreed(
+            f"CheckpointManager({self.directory!r}).restore(): the remote tier's newest", newer
+        )
+        if name is None:
             return
-        ours = self._steps_here()
-        if not theirs or (ours and ours[-1] >= theirs[-1]):
-            return
-        name = step_name(theirs[-1])
         try:
-            copy_checkpoint(remote.storage, name, self._catalog.storage)
-            log.info("tardigrade: downloaded %s from %s", name, remote.root)
+            self._ranks.copy(remote.storage, name, self._catalog.storage)
+            if self._coordinating:
+                log.info("tardigrade: downloaded %s from %s", name, remote.root)
         except Exception as e:  # the local tier still restores what it has
             log.warning("tardigrade: downloading %s from %s failed: %s", name, remote.root, e)
 
@@ -709,10 +719,7 @@ class CheckpointManager:
         # below would take for a dead writer's leftover: let it commit (or fail) first.
         self._drain(wait=True)
         if step is None:
-            # Into the directory the ranks share: rank 0 downloads, for every rank.
-            self._ranks.on_coordinator(
-                f"CheckpointManager({self.directory!r}).restore(): download", self._download_newer
-            )
+            self._download_newer()
         # Rank 0 cleans up and lists; every rank then tries the same candidates in order.
         found = self._agreed(
             f"CheckpointManager({self.directory!r}).restore({step!r})",

@@ -25,7 +25,7 @@ import tardigrade as tg
 from tardigrade.storage import open_root
 from tardigrade.testing import FaultyStorage
 
-from ._harness import run_ranks
+from ._harness import run_ranks, run_ranks_and_exits
 from .test_manager_distributed import make_state, set_state, state_value
 
 pytestmark = pytest.mark.distributed
@@ -72,9 +72,12 @@ def test_each_rank_uploads_its_files_and_new_machines_restore_on_two_ranks_and_o
     tmp_path: Path, remote: tuple[str, dict[str, str]]
 ) -> None:
     url, env = remote
-    out = run_ranks(upload_rank, 2, str(tmp_path / "run"), url, env=env, timeout=120)
+    out, exits = run_ranks_and_exits(
+        upload_rank, 2, str(tmp_path / "run"), url, env=env, timeout=120
+    )
     names = ["step-000000001", "step-000000002", "step-000000003"]
     assert out == [{"uploaded": names, "failed": 0}] * 2, out
+    assert exits == [0, 0]  # the uploads' own gloo group was freed before the ranks' teardown
     root = open_root(url)
     # Remote retention (keep_last_remote=2) on rank 0; local retention caught up at close.
     assert [n for n in root.list() if n.startswith("step-")] == names[1:]

@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 from .._async import AsyncCheckpointer, StagingReservation
@@ -896,25 +897,28 @@ class CheckpointManager:
                 metrics=metrics,
                 storage_options=self._storage_options,
             )
+            held = self._uploader.held() if self._uploader is not None else nullcontext()
             if self._async is not None and not sync:
                 mirror = None if self._ram is None else self._ram.mirror()
-                fut = self._ranks.submit(
-                    self._async, self.path(step), self.state, options, mirror=mirror
-                )
+                with held:  # training waits on the staging copy: uploads wait too
+                    fut = self._ranks.submit(
+                        self._async, self.path(step), self.state, options, mirror=mirror
+                    )
                 fut.observed = True  # the manager reports the outcome itself
                 self._pending.add(step, fut)
             else:
                 if self._async is not None:
                     self._drain(wait=True)
-                res = save(
-                    self.path(step),
-                    self.state,
-                    overwrite=replace,
-                    step=step,
-                    epoch=epoch,
-                    metrics=metrics,
-                    **self._collective,
-                )
+                with held:  # training waits on the whole save: uploads wait too
+                    res = save(
+                        self.path(step),
+                        self.state,
+                        overwrite=replace,
+                        step=step,
+                        epoch=epoch,
+                        metrics=metrics,
+                        **self._collective,
+                    )
                 if self._ram is not None and self._async is None:
                     # No staging copy to take it from: read back from the directory. (A
                     # preemption's synchronous save is not copied: the job stops next.)

@@ -431,6 +431,7 @@ class AsyncCheckpointer:
         self._forks: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._staged_saves = 0  # saves staged so far (a StagingReservation stops after one)
         _live.add(self)
 
     def reserve(self, state_or_nbytes: Any) -> int:
@@ -581,6 +582,7 @@ class AsyncCheckpointer:
             fut.blocking_seconds = job.blocking_seconds
             fut._staged.set()
             self._last = fut
+            self._staged_saves += 1
             return fut
 
     def save_collective(
@@ -639,6 +641,7 @@ class AsyncCheckpointer:
             fut.blocking_seconds = blocking
             fut._staged.set()
             self._last = fut
+            self._staged_saves += 1
             return fut
 
     def forget_forks(self) -> None:
@@ -676,6 +679,54 @@ class AsyncCheckpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class StagingReservation:
+    """Keeps an AsyncCheckpointer's staging reserved for a state that grows lazily, until a
+    save has staged it.
+
+    In a fresh run the optimizer's moments (two thirds of an Adam state) appear at its first
+    ``step()``, after a reservation made for the parameters alone; a later first save would
+    fault them in while training waits. Sizing the state costs a ``state_dict()`` walk (2-5
+    ms for a 250M-parameter model with Adam, 0.05-0.3 s with 4000 tensors), so ``tick()``
+    (called once per training step) re-reserves on the 1st, 2nd, 4th, 8th, ... call only:
+    the moments are found right after the first optimizer step, or after a few steps that a
+    gradient scaler skipped. Reserving is idempotent: an unchanged state reserves nothing.
+    Once a save staged the state the pool holds it whole, and ``tick()`` costs nothing. A
+    save due at the first tick (step 0 of a fresh run) is not helped: the moments did not
+    exist before.
+    """
+
+    def __init__(
+        self, saver: AsyncCheckpointer, state: Any, need: Callable[[Any], Any] | None = None
+    ) -> None:
+        self._saver = saver
+        self._state = state
+        self._need = need if need is not None else (lambda s: s)
+        self._ticks = 0
+        self._since = saver._staged_saves
+
+    def restart(self) -> None:
+        """Reserve now, and grow with the state again from here (at the start, and after a
+        restore replaced the state's tensors)."""
+        self._ticks = 0
+        self._since = self._saver._staged_saves
+        self._reserve()
+
+    def tick(self) -> None:
+        """One training step passed without a save staging the state."""
+        if self._saver._staged_saves != self._since:
+            return  # a save staged the whole state: the pool holds it
+        self._ticks += 1
+        if self._ticks & (self._ticks - 1) == 0:
+            self._reserve()
+
+    def _reserve(self) -> None:
+        try:
+            self._saver.reserve(self._need(self._state))
+        except TardigradeError as e:
+            # The first save reports it (a leaf the format cannot store, ...).
+            log.debug("tardigrade: not reserving staging memory: %s", e)
 
 
 _default: AsyncCheckpointer | None = None

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -63,6 +65,38 @@ def test_a_failed_read_of_the_lease_record_never_takes_a_live_lease(store: Fault
             contender.acquire()  # once the record reads, it names the live holder
     finally:
         holder.release()
+
+
+def test_a_takeover_right_after_reading_an_expired_record_leaves_one_holder(
+    store: FaultyStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two contenders for an expired lease: B takes it over while A is between reading the
+    old record and its conditional put. A must fail (its put names the old record's version),
+    never overwrite B's record: a version read after the record's bytes named B's record."""
+    root = store.inner
+    expired = {"owner": "dead", "generation": 4, "heartbeat": time.time() - 3600}
+    root.put(".lock", json.dumps({**expired, "lease_seconds": 30.0}).encode(), mode="create")
+    a, b = ObjectLease(root), ObjectLease(root)
+    read_bytes = root.read_bytes
+    raced = []
+
+    def read_then_b_takes_over(name: str, limit: int) -> bytes:
+        raw = read_bytes(name, limit)
+        if not raced:
+            raced.append(True)
+            b.acquire()  # B reads the same expired record and takes the lease
+        return raw
+
+    monkeypatch.setattr(root, "read_bytes", read_then_b_takes_over)
+    try:
+        with pytest.raises(CheckpointLockedError, match="another job is writing"):
+            a.acquire()
+        assert raced and b.held and not a.held
+        b.check()  # the record is still B's
+        assert b.generation == 5
+    finally:
+        b.release()
+        a.release()
 
 
 def test_a_failed_read_in_check_neither_proves_nor_loses_the_lease(store: FaultyStorage) -> None:

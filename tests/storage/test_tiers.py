@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import tardigrade as tg
-from tardigrade._tiers import copy_checkpoint, file_rank
+from tardigrade import _async
+from tardigrade._tiers import Uploader, copy_checkpoint, file_rank
 from tardigrade.errors import CheckpointExistsError, CorruptCheckpointError
+from tardigrade.manager import _checkpoint_manager as _manager
 from tardigrade.storage import open_root
 from tardigrade.testing import FaultyStorage
 
@@ -142,6 +144,62 @@ def test_one_job_uploads_into_a_remote_root(tmp_path: Path, remote_url: str) -> 
             pass
     with tg.CheckpointManager(tmp_path / "b", state_at(0), upload_to=remote_url):
         pass  # free once the first job closed
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_uploads_wait_while_training_waits_on_a_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """On a few cores an upload running beside a save's staging copy slowed it (a tiered
+    save blocked training ~2x as long as a local one, measured): the manager holds the copies
+    while training waits, the staging copy of an async save or the whole of a sync save."""
+    url = f"memory://tier-{uuid.uuid4().hex[:12]}/remote"
+    state = state_at(0)
+    open_while: list[bool] = []  # whether uploads could copy while training waited
+    with tg.CheckpointManager(tmp_path / "run", state, async_save=async_save, upload_to=url) as mgr:
+        uploader = mgr._uploader
+        assert uploader is not None
+        if async_save:
+            stage_copy = _async.stage_copy
+
+            def recording_stage_copy(*args: Any, **kwargs: Any) -> None:
+                open_while.append(uploader._go.is_set())
+                stage_copy(*args, **kwargs)
+
+            monkeypatch.setattr(_async, "stage_copy", recording_stage_copy)
+        else:
+            save = _manager.save
+
+            def recording_save(*args: Any, **kwargs: Any) -> Any:
+                open_while.append(uploader._go.is_set())
+                return save(*args, **kwargs)
+
+            monkeypatch.setattr(_manager, "save", recording_save)
+        for step in (1, 2, 3):
+            state["w"].fill_(float(step))
+            assert mgr.save(step)
+        assert uploader._go.is_set()  # and open again after each save
+        assert uploader.wait(60)
+    assert open_while == [False] * 3
+    assert tg.load(f"{url}/step-000000003")["step"] == 0
+    assert float(tg.load(f"{url}/step-000000003")["w"][0]) == 3.0
+
+
+def test_a_held_uploader_copies_nothing_until_released(tmp_path: Path) -> None:
+    local = open_root(tmp_path / "local")
+    tg.save(local.url("step-000000001"), state_at(1))
+    remote = open_root(f"memory://tier-{uuid.uuid4().hex[:12]}/remote")
+    uploader = Uploader(local, remote)
+    try:
+        with uploader.held():
+            uploader.submit("step-000000001")
+            assert not uploader.wait(0.5)  # paused before its first chunk
+            assert not remote.exists("step-000000001/MANIFEST")
+        assert uploader.wait(60)
+        assert uploader.stats.uploaded == ["step-000000001"]
+    finally:
+        uploader.close(60)
+    assert tg.verify(remote.url("step-000000001")).files == 1
 
 
 def test_a_memory_directory_in_front_of_a_disk_directory(tmp_path: Path) -> None:

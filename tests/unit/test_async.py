@@ -701,6 +701,38 @@ def test_manager_reserves_the_optimizer_state_created_after_it(tmp_path: Path) -
     assert_same(loaded["optim"]["state"], optim.state_dict()["state"])
 
 
+def test_a_staging_reservation_grows_with_the_state_until_a_save_stages_it(
+    tmp_path: Path,
+) -> None:
+    """The reservation the manager keeps, on a bare AsyncCheckpointer: ``tick()`` sizes the
+    state on its 1st, 2nd, 4th, 8th, ... call, nothing after a save staged it, and
+    ``restart()`` (after a restore) reserves at once and grows again."""
+    model = _CountingModel()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": optim}
+    with tg.AsyncCheckpointer() as ckpt:
+        reservation = _async.StagingReservation(ckpt, state)
+        reservation.restart()
+        assert model.sized == 1
+        _train_step(model, optim)  # the moments appear
+        for _ in range(9):
+            reservation.tick()
+        assert model.sized == 1 + 4  # ticks 1, 2, 4 and 8
+        assert ckpt.wait_reserved(timeout=60)
+        reserved = ckpt.staging
+        assert reserved.allocated_bytes >= sum(ckpt.pool.plan(_async.image_sizes(state)))
+        ckpt.save(tmp_path / "a", state)
+        ckpt.wait()
+        assert ckpt.staging.allocations == reserved.allocations
+        sized = model.sized
+        for _ in range(20):
+            reservation.tick()
+        assert model.sized == sized
+        reservation.restart()
+        reservation.tick()
+        assert model.sized == sized + 2
+
+
 def _file_sizes_match_headers(path: Path) -> None:
     """Every data file is exactly its header plus the tensors its header lists."""
     for f in tg.read_manifest(path)["files"]:

@@ -14,9 +14,10 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
-from .._async import AsyncCheckpointer
+from .._async import AsyncCheckpointer, StagingReservation
 from .._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_name, step_name
 from .._load import load, load_from
 from .._match import Key
@@ -269,9 +270,7 @@ class CheckpointManager:
         self.restored_from: str | None = None  # where restore() read its checkpoint
         self.keep_last_remote = check_positive("keep_last_remote", keep_last_remote)
         self.upload_timeout = check_positive("upload_timeout", upload_timeout, float)
-        # step() calls since construction or restore(), or None once an async save has staged
-        # the whole state (see ``_regrow_staging``).
-        self._step_calls: int | None = 0
+        self._staging: StagingReservation | None = None  # with async saves
         signals = check_signals(save_on_signals)
         # In a single process, the null agreement: nothing talks to other ranks.
         self._ranks = agreement(f"CheckpointManager({self.directory!r})", process_group, timeout)
@@ -289,7 +288,9 @@ class CheckpointManager:
             self._preemption.stop_listening()
             self._lock.release()
             raise
-        self._reserve_staging()
+        if self._async is not None:
+            self._staging = StagingReservation(self._async, self.state, self._ranks.staging_need)
+            self._staging.restart()
         if upload_to is not None:
             self._start_uploads(upload_to)
         if ram_tier is not False:
@@ -313,40 +314,6 @@ class CheckpointManager:
     def _coordinating(self) -> bool:
         """Whether this process does the directory's housekeeping (rank 0, or the only one)."""
         return self._ranks.coordinator
-
-    def _reserve_staging(self) -> None:
-        """Start faulting in the async staging memory for ``state``, in the background.
-
-        So the first async save copies into touched memory instead of faulting it in while
-        training waits. Only sizes are computed here (no tensor is copied). Called again after
-        ``restore`` and from ``step`` (``_regrow_staging``): state created lazily (optimizer
-        moments) exists only from then on.
-        """
-        if self._async is None:
-            return
-        try:
-            self._async.reserve(self._ranks.staging_need(self.state))
-        except TardigradeError as e:
-            # The first save reports it (a leaf the format cannot store, ...).
-            log.debug("tardigrade: not reserving staging memory: %s", e)
-
-    def _regrow_staging(self) -> None:
-        """Reserve staging for state created since the last reservation, until a save stages it.
-
-        In a fresh run the optimizer's moments (two thirds of an Adam state) appear at its first
-        ``step()``, after the manager reserved for the parameters alone; a later first save
-        would fault them in while training waits. Sizing the state costs a ``state_dict()``
-        walk (2-5 ms for a 250M-parameter model with Adam, 0.05-0.3 s with 4000 tensors), so it
-        is done on the 1st, 2nd, 4th, 8th, ... ``step()`` call only: the moments are found
-        right after the first optimizer step, or after a few steps that a gradient scaler
-        skipped. Reserving is idempotent: an unchanged state reserves nothing. A save due at
-        the first call (step 0 of a fresh run) is not helped: the moments did not exist before.
-        """
-        if self._step_calls is None:
-            return
-        self._step_calls += 1
-        if self._step_calls & (self._step_calls - 1) == 0:
-            self._reserve_staging()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -789,8 +756,8 @@ class CheckpointManager:
                     log.info("tardigrade: restored %s", source)
                 else:
                     log.info("tardigrade: restored %s from the RAM tier (%s)", self.path(s), source)
-            self._step_calls = 0
-            self._reserve_staging()
+            if self._staging is not None:
+                self._staging.restart()  # the restored state may have grown (moments)
             return s
         if damaged is not None:
             raise CorruptCheckpointError(
@@ -866,8 +833,8 @@ class CheckpointManager:
             return saved
         due = level == DUE or self._policy.due_by_count(step, epoch, self._last_epoch)
         saved = due and self._save(step, epoch, metrics, sync=False)
-        if not saved:
-            self._regrow_staging()
+        if not saved and self._staging is not None:
+            self._staging.tick()
         self._advance(step, epoch)
         return saved
 
@@ -986,6 +953,7 @@ class CheckpointManager:
                 metrics=metrics,
                 storage_options=self._storage_options,
             )
+            held = self._uploader.held() if self._uploader is not None else nullcontext()
             if self._async is not None and not sync:
                 # A rank's share of a collective save is copied from the directory instead
                 # (``_record_ok``): the mirror tees one process's staged files.
@@ -994,25 +962,25 @@ class CheckpointManager:
                     if self._ram is not None and self._ranks.rank is None
                     else None
                 )
-                fut = self._ranks.submit(
-                    self._async, self.path(step), self.state, options, mirror=mirror
-                )
+                with held:  # training waits on the staging copy: uploads wait too
+                    fut = self._ranks.submit(
+                        self._async, self.path(step), self.state, options, mirror=mirror
+                    )
                 fut.observed = True  # the manager reports the outcome itself
                 self._pending.add(step, fut)
-                # The pool now holds staging for the whole state: no more sizing in step().
-                self._step_calls = None
             else:
                 if self._async is not None:
                     self._drain(wait=True)
-                res = save(
-                    self.path(step),
-                    self.state,
-                    overwrite=replace,
-                    step=step,
-                    epoch=epoch,
-                    metrics=metrics,
-                    **self._collective,
-                )
+                with held:  # training waits on the whole save: uploads wait too
+                    res = save(
+                        self.path(step),
+                        self.state,
+                        overwrite=replace,
+                        step=step,
+                        epoch=epoch,
+                        metrics=metrics,
+                        **self._collective,
+                    )
                 if self._ram is not None and self._async is None and self._ranks.rank is None:
                     # No staging copy to take it from: read back from the directory. (A
                     # preemption's synchronous save is not copied: the job stops next.)

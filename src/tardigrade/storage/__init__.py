@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
 from ..format.manifest import check_name
-from . import fsspec as _fsspec
 from .base import ManifestLastCommit, PreconditionFailed, Reader, Stat, Storage, Writer
-from .fsspec import FsspecStorage
 from .local import LocalStorage
 from .memory import MemoryStorage
-from .s3 import S3Storage
+
+if TYPE_CHECKING:
+    from .fsspec import FsspecStorage
+    from .s3 import S3Storage
 
 __all__ = [
     "FsspecStorage",
@@ -48,8 +49,30 @@ __all__ = [
 _BACKENDS: dict[str, Callable[[str, Mapping[str, Any]], Storage]] = {
     "file": lambda root, options: LocalStorage(_no_options(root, options)),
     "memory": lambda root, options: MemoryStorage(root, options),
-    "s3": lambda root, options: S3Storage(root, options),
+    "s3": lambda root, options: _s3().S3Storage(root, options),
 }
+
+
+# The store backends are imported on first use: commands that only read a local manifest
+# (``tardigrade inspect``, ``ls``) start without them.
+def _s3() -> Any:
+    from . import s3
+
+    return s3
+
+
+def _fsspec() -> Any:
+    from . import fsspec
+
+    return fsspec
+
+
+def __getattr__(name: str) -> Any:
+    if name == "S3Storage":
+        return _s3().S3Storage
+    if name == "FsspecStorage":
+        return _fsspec().FsspecStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _no_options(root: str, options: Mapping[str, Any]) -> str:
@@ -85,7 +108,7 @@ def _location(location: Any) -> str:
     if not isinstance(location, str):
         raise InvalidArgumentError(f"checkpoint path must be text, got {location!r}")
     scheme = _scheme(location)
-    if scheme not in _BACKENDS and not _fsspec.serves(scheme, location):
+    if scheme not in _BACKENDS and not _fsspec().serves(scheme, location):
         raise InvalidArgumentError(
             f"{location}: unknown storage scheme {scheme}://; this build stores checkpoints "
             f"in local directories (a path or file://), in S3 buckets (s3://), in memory:// "
@@ -126,4 +149,5 @@ def through_fsspec(location: str) -> bool:
 
 
 def _backend(scheme: str) -> Callable[[str, Mapping[str, Any]], Storage]:
-    return _BACKENDS.get(scheme, FsspecStorage)
+    backend = _BACKENDS.get(scheme)
+    return backend if backend is not None else _fsspec().FsspecStorage

@@ -114,9 +114,11 @@ class ObjectLease(Lease):
             return {}, st.version
         if not isinstance(rec, dict):
             return {}, st.version
-        # The version read with the bytes: a stat after the read could name a newer record.
-        again = self.storage.stat(LOCK)
-        return rec, (again.version if again is not None else None)
+        # The version stated before the bytes were read: a put conditional on it fails if
+        # the record changed since, whichever bytes were read. (A version stated after the
+        # read could name a newer record, another contender's, and a put on it would
+        # overwrite that record with a decision taken on the old one: two holders.)
+        return rec, st.version
 
     def read(self) -> dict[str, Any] | None:
         return self._read()[0]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cli_start, distributed, loop, same_node, store
+from .measure import freeze_imports
 from .report import Target, summarise, table, targets, targets_table
 from .run import Options, run
 from .state import DEFAULT_STATE_BYTES, parse_size
@@ -156,6 +157,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    freeze_imports()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = args.out or RESULTS / f"{stamp}.json"
     opts = Options(

@@ -56,7 +56,7 @@ import tardigrade as tg
 from tardigrade.distributed._launch import loopback_store
 
 from . import plan_scale
-from .measure import measure, settle
+from .measure import freeze_imports, measure, settle
 from .raw import Scratch, raw_write_direct, remove, warm
 from .report import Target, stats
 from .state import DEPTH
@@ -372,6 +372,7 @@ def _rank_main(
     writer: multiprocessing.connection.Connection,
 ) -> None:
     try:
+        freeze_imports()
         # One compute thread per rank: the ranks share this machine's cores.
         torch.set_num_threads(1)
         os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
@@ -400,6 +401,7 @@ def _reshard_main(
     """Started with the ranks (its imports overlap theirs); loads once ``inbox`` says what the
     full tensors' ends must be, i.e. once the ranks have written their checkpoints."""
     try:
+        freeze_imports()
         expected = json.loads(inbox.recv_bytes())
         inbox.close()
         torch.set_num_threads(1)

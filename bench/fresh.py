@@ -83,7 +83,7 @@ def _child(conn: Connection, *args: Any) -> None:
 
 
 _SERVER = multiprocessing.get_context("forkserver")
-_SERVER.set_forkserver_preload(["bench.fresh"])
+_SERVER.set_forkserver_preload(["bench.fresh", "bench.frozen"])
 
 
 def first_save_in_fresh_process(

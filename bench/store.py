@@ -175,7 +175,9 @@ def run(opts: StoreOptions, log: Callable[[str], None]) -> dict[str, Any]:
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
-        server.stop()
+        # At once: its data is removed next (SIGTERM with clients connected took the whole
+        # 10 s grace period here).
+        server.stop(grace=0)
         shutil.rmtree(tmp, ignore_errors=True)
     return {"nbytes": nbytes, "samples": samples}
 

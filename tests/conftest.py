@@ -47,7 +47,9 @@ def s3_server() -> Iterator[S3Server]:
         server.start()
         yield server
     finally:
-        server.stop(grace=2)  # its data is removed next; up to 10 s at the end of a worker
+        # At once (SIGKILL): its data is removed next, and a SIGTERM with clients connected
+        # can take the whole grace period, at the end of every worker.
+        server.stop(grace=0)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -60,7 +62,7 @@ def own_s3_server(tmp_path: Path) -> Iterator[S3Server]:
         server.start()
         yield server
     finally:
-        server.stop()
+        server.stop(grace=0)  # its data lies in tmp_path: nothing to shut down cleanly for
 
 
 @pytest.fixture

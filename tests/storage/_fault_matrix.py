@@ -216,6 +216,9 @@ def every_fault(
     (``single``, ``outage``) and how each surfaced (``raised``, ``counted``, ``logged``)."""
     inner = faulty.inner
     again_as_before = laid_down(faulty, family)
+    # What every trial starts from: again_as_before() puts back these very bytes, so they are
+    # read once, not before every trial (a store reads each object over the network).
+    before = committed(inner)
     start = len(faulty.ops)
     probe = family.run(faulty, 0)
     ops = faulty.ops[start:]
@@ -233,7 +236,6 @@ def every_fault(
                 f"{' and an outage after it' if outage else ''}"
             )
             again_as_before()
-            before = committed(inner)
             fired = len(faulty.injected)
             with warnings_logged() as logged:
                 faulty.fail(op, nth=seen[op], error=error, outage=outage)

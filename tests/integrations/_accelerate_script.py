@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     a = p.parse_args()
     torch.set_num_threads(1)
+    _common.use_forkserver_under_ranks()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)

@@ -77,6 +77,7 @@ def main() -> None:
     args = p.parse_args()
     KILL_AT = args.kill_at
     torch.set_num_threads(1)
+    _common.use_forkserver_under_ranks()
     # Each rank its own random streams (dropout differs per rank), as in real jobs: a resume
     # must give every rank back its own RNGs, not rank 0's. (DDP starts every rank from rank
     # 0's parameters.)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -16,29 +20,122 @@ HERE = Path(__file__).parent
 SRC = str(HERE.parents[1] / "src")
 
 
-def run(script: str, *args: object, expect_kill: bool = False, ranks: int = 0) -> None:
-    """Run ``script`` in a fresh interpreter, or on ``ranks`` gloo ranks under torchrun."""
+def run(
+    script: str, *args: object, expect_kill: bool = False, ranks: int = 0, timeout: float = 300
+) -> None:
+    """Run ``script`` in a fresh interpreter, or on ``ranks`` gloo ranks under torchrun.
+
+    A run still going after ``timeout`` seconds fails with every process's Python stack (see
+    _stacks/sitecustomize.py); whatever way the run ends, no process of it is left behind.
+    """
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    paths = (SRC, str(HERE / "_stacks"), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env["PYTHONFAULTHANDLER"] = "1"  # a fatal signal (SIGABRT, SIGSEGV) prints the stacks too
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     launch = [sys.executable]
     if ranks:
         launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
-    proc = subprocess.run(
-        [*launch, str(HERE / script), *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    # Output to files, not pipes: stack dumps are appended under a header per process, and a
+    # stuck grandchild holding a pipe open cannot block reading it.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("a+") as err:
+        proc = subprocess.Popen(
+            [*launch, str(HERE / script), *map(str, args)],
+            stdout=out,
+            stderr=err,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _dump_stacks(proc.pid, err)
+            raise AssertionError(
+                f"{script} {' '.join(map(str, args))} did not end within {timeout} s; "
+                f"every process's stacks and the end of stderr:\n{_tail(err, 20000)}"
+            ) from None
+        except BaseException:  # pytest-timeout or Ctrl-C: say where the run was, then stop it
+            _dump_stacks(proc.pid, err)
+            print(_tail(err, 20000), file=sys.stderr)
+            raise
+        finally:
+            _kill_tree(proc)
+        stderr = _tail(err, 3000)
     if expect_kill:
         # torchrun ends the other ranks and exits 1 when one is killed.
         killed = 1 if ranks else -signal.SIGKILL
-        assert proc.returncode == killed, proc.stderr[-3000:]
+        assert returncode == killed, stderr
         if ranks:
-            assert "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
+            assert "Signal 9 (SIGKILL)" in stderr, stderr
     else:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert returncode == 0, stderr
+
+
+def _tail(f: IO[str], n: int) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()[-n:]
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun starts each rank in a session of its own,
+    so a process group would miss them), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        found.append(p)
+        todo += sorted(children.get(p, []))
+    return found
+
+
+def _dump_stacks(pid: int, err: IO[str]) -> None:
+    """Append each live process's stacks to ``err``, under a header naming it."""
+    for p in _descendants(pid):
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        state = status.split("State:", 1)[-1].split("\n", 1)[0].strip()
+        err.write(f"\n--- stacks of pid {p} ({state}): {cmd[:300]}\n")
+        err.flush()
+        try:
+            os.kill(p, signal.SIGUSR1)
+        except ProcessLookupError:
+            continue
+        time.sleep(1)  # the handler writes from the process itself
+        spy = shutil.which("py-spy")  # native frames too, where it is installed
+        if spy:
+            done = subprocess.run(
+                [spy, "dump", "--native", "--pid", str(p)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            err.write(done.stdout + done.stderr)
+            err.flush()
+
+
+def _kill_tree(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is not None:
+        return  # ended (and reaped: its pid may be another process's now)
+    for p in reversed(_descendants(proc.pid)):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def steps(out: Path) -> dict[int, str]:

@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--best", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
+    _common.use_forkserver_under_ranks()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     args = TrainingArguments(

@@ -78,6 +78,7 @@ def main() -> None:
         sampler=sampler,
         num_workers=a.workers,
         generator=sampler.generator,
+        persistent_workers=_common.under_ranks(),
     )
     counter = Counter()
     ranks = accelerator.num_processes

@@ -92,6 +92,7 @@ def main() -> None:
         sampler=sampler,
         num_workers=args.workers,
         generator=sampler.generator,
+        persistent_workers=_common.under_ranks(),
     )
     model = Model(out=str(out))
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: DDP over gloo

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import IO
 
@@ -17,6 +18,7 @@ import torch
 import tardigrade as tg
 
 HERE = Path(__file__).parent
+_MARK = "TARDIGRADE_TEST_RUN"
 SRC = str(HERE.parents[1] / "src")
 
 
@@ -32,6 +34,9 @@ def run(
     paths = (SRC, str(HERE / "_stacks"), env.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PYTHONFAULTHANDLER"] = "1"  # a fatal signal (SIGABRT, SIGSEGV) prints the stacks too
+    # Every process of the run inherits this mark; what outlives the run is found by it.
+    mark = f"{_MARK}={uuid.uuid4().hex}"
+    env[_MARK] = mark.split("=", 1)[1]
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     launch = [sys.executable]
     if ranks:
@@ -61,6 +66,7 @@ def run(
             raise
         finally:
             _kill_tree(proc)
+            _kill_marked(mark)
         stderr = _tail(err, 3000)
     if expect_kill:
         # torchrun ends the other ranks and exits 1 when one is killed.
@@ -125,6 +131,41 @@ def _dump_stacks(pid: int, err: IO[str]) -> None:
             )
             err.write(done.stdout + done.stderr)
             err.flush()
+
+
+def _kill_marked(mark: str) -> None:
+    """SIGKILL every process left with ``mark`` in its environment. A rank killed with its
+    DataLoader workers running leaves them behind for good under the fork server (see
+    _common.use_forkserver_under_ranks): their parent is the server, alive, so their watchdog
+    never sees the rank die, and they keep the server alive in turn. Orphans are children of
+    init, outside the run's process tree."""
+    needle = mark.encode() + b"\0"
+    killed: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue  # ended meanwhile, or not ours to read
+        if needle in environ:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+            except ProcessLookupError:
+                pass
+    # Gone once the kernel has taken them down (a zombie init has yet to reap counts as gone).
+    deadline = time.monotonic() + 30
+    while killed and time.monotonic() < deadline:
+        killed = [p for p in killed if _alive(p)]
+        time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _kill_tree(proc: subprocess.Popen[str]) -> None:

@@ -133,6 +133,7 @@ def main() -> None:
         logging_strategy="no",
         report_to="none",
         dataloader_num_workers=a.workers,
+        dataloader_persistent_workers=_common.under_ranks(),
         use_cpu=True,
         seed=0,
         disable_tqdm=True,

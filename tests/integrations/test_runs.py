@@ -24,6 +24,13 @@ def test_a_run_past_its_timeout_fails_with_every_process_stack_and_leaves_none(
     assert not [pid for pid in (parent, child) if _running(pid)]
 
 
+def test_processes_a_run_leaves_behind_are_killed(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    run("_hang_script.py", pids, "--orphan")
+    _, orphan = map(int, pids.read_text().split())
+    assert not _running(orphan)
+
+
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

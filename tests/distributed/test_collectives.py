@@ -266,7 +266,7 @@ def test_collectives_on_three_ranks() -> None:
         assert (
             "did not call commit vote; every rank of the group must call it" in (missing["message"])
         )
-        assert 1.5 < results[rank]["missing_caller_s"] < 3.5
+        assert results[rank]["missing_caller_s"] > 1.5  # waited (the message says how long)
     assert "missing_caller" not in results[2]
 
 
@@ -274,7 +274,9 @@ def test_collectives_on_three_ranks() -> None:
 
 
 def latency_then_death(rank: int, world_size: int, how: str) -> dict[str, Any]:
-    ranks = Ranks.current(timeout=10)
+    # A timeout far beyond the harness's 60 s: the survivor must see the death at once (the
+    # connection closing), not by waiting.
+    ranks = Ranks.current(timeout=600)
     assert ranks is not None
     for _ in range(50):
         ranks.agree_max(0)
@@ -292,12 +294,10 @@ def latency_then_death(rank: int, world_size: int, how: str) -> dict[str, Any]:
             os._exit(3)
         return b"alive"
 
-    start = time.monotonic()
     died = failure(lambda: ranks.all_gather("write shards", local))
     return {
         "agree_max_ms": elapsed / n * 1e3,
         "died": died,
-        "died_s": time.monotonic() - start,
         "env": os.environ.get("TG_PROBE"),
     }
 
@@ -308,12 +308,11 @@ def test_agree_max_latency_and_a_rank_that_dies(how: str) -> None:
     assert dead == {"died": -signal.SIGKILL if how == "sigkill" else 3}
     assert "error" not in survivor, survivor
     assert survivor["env"] == how
+    # Its latency is a number for `make bench` (the distributed part), not a bound here.
     print(f"agree_max on 2 gloo ranks: {survivor['agree_max_ms']:.3f} ms per call (mean of 1000)")
-    assert survivor["agree_max_ms"] < 5.0
     assert survivor["died"]["type"] == "DistributedError"
     assert survivor["died"]["message"].startswith("write shards: rank 0 of 2 ")
     assert "A rank died, hangs, or did not call write shards" in survivor["died"]["message"]
-    assert survivor["died_s"] < 10.5
 
 
 # -- in this process: no group, and a group of one -------------------------------------------
@@ -449,17 +448,16 @@ def test_an_oserror_keeps_its_class_and_errno_across_ranks() -> None:
 
 def one_rank_hangs(rank: int, world_size: int) -> str:
     if rank == 1:
-        time.sleep(600)
+        threading.Event().wait()  # for ever: a harness that waited would never return
     return "done"
 
 
 def test_the_harness_kills_ranks_that_outlive_the_timeout() -> None:
-    start = time.monotonic()
+    # Killed, not waited for: otherwise this test hangs until its pytest timeout fails it.
     with pytest.raises(
         pytest.fail.Exception,
         match=r"run_ranks: rank\(s\) \[(0, )?1\] of 2 did not finish within 10 s",
     ):
         run_ranks(one_rank_hangs, 2, timeout=10)
-    assert time.monotonic() - start < 30  # killed, not waited for
     with pytest.raises(ValueError, match="top-level function"):
         run_ranks(lambda rank, world_size: None, 2)

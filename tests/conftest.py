@@ -10,8 +10,11 @@ stopped by its pid at the end of the session.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import tempfile
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +39,17 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"fault matrix: {sum(_WORKER_FAULTS.values())} faults injected: "
             + ", ".join(f"{k} {v}" for k, v in sorted(_WORKER_FAULTS.items()))
         )
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A directory of our own on /dev/shm (the RAM tier's default base), removed afterwards."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("this machine has no /dev/shm")
+    base = Path("/dev/shm") / f"tardigrade-test-{uuid.uuid4().hex[:12]}"
+    base.mkdir()
+    yield base
+    subprocess.run(["rm", "-rf", str(base)], check=False)
 
 
 @pytest.fixture(scope="session")

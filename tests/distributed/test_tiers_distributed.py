@@ -140,17 +140,6 @@ def test_an_upload_failing_on_one_rank_commits_nothing_remote_and_is_counted_eve
     assert [n for n in os.listdir(remote) if n.startswith(("step-", ".tmp"))] == []
 
 
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    """A directory of our own on /dev/shm (the RAM tier's default base), removed afterwards."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("this machine has no /dev/shm")
-    base = Path("/dev/shm") / f"tardigrade-test-{uuid.uuid4().hex[:12]}"
-    base.mkdir()
-    yield base
-    subprocess.run(["rm", "-rf", str(base)], check=False)
-
-
 def ram_job_rank(rank: int, world: int, local: str, shm: str, last: int) -> dict[str, Any]:
     """Restore, report where from, save up to step ``last``, then die with SIGKILL (both ranks)."""
     state = make_state(rank, world, 0.0)

@@ -39,17 +39,6 @@ def ram_root(directory: Path, base: str = "/dev/shm") -> Path:
 
 
 @pytest.fixture
-def shm(tmp_path: Path) -> Iterator[Path]:
-    """A directory of our own on /dev/shm (the RAM tier's default base), removed afterwards."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("this machine has no /dev/shm")
-    base = Path("/dev/shm") / f"tardigrade-test-{uuid.uuid4().hex[:12]}"
-    base.mkdir()
-    yield base
-    subprocess.run(["rm", "-rf", str(base)], check=False)
-
-
-@pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs mounted for the test (root only), unmounted afterwards."""
     where = tmp_path / "tiny-shm"

@@ -145,16 +145,25 @@ class Catalog:
 
     def steps(self) -> list[int]:
         """The steps of the committed ``step-N`` checkpoints, ascending."""
-        out = []
-        for n in self.names():
-            m = STEP_NAME.match(n)
-            if m and self.committed(n):
-                out.append(int(m.group(1)))
-        return sorted(out)
+        return self.scan()[0]
 
     def uncommitted_steps(self) -> list[str]:
         """``step-N`` entries without a manifest: saves that never committed, or copies."""
-        return [n for n in self.names() if STEP_NAME.match(n) and not self.committed(n)]
+        return self.scan()[1]
+
+    def scan(self) -> tuple[list[int], list[str]]:
+        """``steps()`` and ``uncommitted_steps()`` from one listing (a restore needs both, and
+        on a store each listing and each step's stat is a request)."""
+        committed, uncommitted = [], []
+        for n in self.names():
+            m = STEP_NAME.match(n)
+            if m is None:
+                continue
+            if self.committed(n):
+                committed.append(int(m.group(1)))
+            else:
+                uncommitted.append(n)
+        return sorted(committed), uncommitted
 
     def size(self, name: str) -> int:
         """Bytes of every object under ``name``, recursively (one definition for ls and gc)."""

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._catalog import STEP_NAME, Catalog
+from ._load import load, load_from
 from ._save_job import SaveJob, SaveResult, file_header
 from ._tiers import CopyPlan
 from ._write import ABORT, END
@@ -109,6 +110,7 @@ class RamTier:
         base = os.path.abspath(os.fspath(DEFAULT_BASE if base is None else base))
         # What the namespace belongs to: the directory, or one rank's share of it.
         self.directory = directory if rank is None else f"{directory} (rank {rank})"
+        self.rank = rank
         self.root = os.path.join(base, namespace(self.directory))
         self._make_root(base)
         self.storage = LocalStorage(self.root)
@@ -145,9 +147,23 @@ class RamTier:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def mirror(self) -> RamMirror:
-        """A copy of the next async save into this tier, written from its staged blocks."""
-        return RamMirror(self)
+    def mirror(self) -> RamMirror | None:
+        """A copy of the next async save into this tier, written from its staged blocks; None
+        for a rank's share, which ``saved`` copies from the directory instead (the staged
+        blocks of a collective save are not one rank's files)."""
+        return RamMirror(self) if self.rank is None else None
+
+    def saved(
+        self, src: Storage, name: str, *, files: Callable[[str], bool] | None, teed: bool
+    ) -> None:
+        """Checkpoint ``name`` was just committed in ``src``: keep it here. A rank's share
+        (``files``) is copied in the background, on every rank. In a single process the copy
+        came from the staging when ``teed`` (an async save; a preemption's synchronous save is
+        not copied either: the job stops next), else it is made now."""
+        if self.rank is not None:
+            self.copy_in_background(src, name, files=files)
+        elif not teed:
+            self.copy_in(src, name)
 
     def copy_in(self, src: Storage, name: str, files: Callable[[str], bool] | None = None) -> None:
         """Copy checkpoint ``name``, just committed in ``src``, here (a synchronous save's);
@@ -270,6 +286,19 @@ class RamTier:
         except Exception as e:  # unreadable on either side: the directory's copy is restored
             log.warning("tardigrade: not restoring %s from the RAM tier: %s", name, e)
             return None
+        return self.storage.url(name)
+
+    def restore(self, name: str, disk: Storage, state: Any, collective: dict[str, Any]) -> str:
+        """Restore ``name`` from this tier into ``state``, every byte verified: this process's
+        whole copy, or each rank's share over the directory's other files (``collective``:
+        ``tg.load``'s arguments that make it collective). Returns where it was read."""
+        if self.rank is None:
+            load(self.storage.url(name), into=state, verify="all")
+        else:
+            load_from(
+                lambda: self.overlay(name, disk), name, into=state, verify="all", **collective
+            )
+        self.restored()
         return self.storage.url(name)
 
     def overlay(self, name: str, disk: Storage) -> Storage:

@@ -24,3 +24,44 @@ def test_listing_a_store_s_steps_asks_once_per_step() -> None:
     assert faulty.ops.count("list") == 1
     assert faulty.ops.count("stat") == 4, faulty.ops
     open_root(url).delete("")
+
+
+def test_a_restore_on_a_store_lists_once_and_reads_only_the_restored_manifest() -> None:
+    # Restore cleans up, lists the steps and loads the newest. Each kept checkpoint costs one
+    # listing of its own (tidy) and one stat (committed?): the cleanup reads no manifest of a
+    # checkpoint holding only its own save's data, and the root is listed once for both the
+    # committed and the uncommitted steps (it was 35 requests: each manifest read by tidy, the
+    # root listed three times, every manifest stated twice).
+    url = f"memory://catalog-{uuid.uuid4().hex[:12]}/root"
+    state = {"w": torch.ones(4)}
+    with tg.CheckpointManager(url, state, keep_last=5) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step)
+    faulty = FaultyStorage(url)
+    with tg.CheckpointManager(faulty.url(""), state) as mgr:
+        before = len(faulty.log)
+        assert mgr.restore() == 3
+        log = faulty.log[before:]
+    listed = [where for op, where in log if op == "list"]
+    assert len(listed) == 2 + 3, listed  # the root for tidy and for the steps; each step once
+    manifests_read = [w for op, w in log if op == "open_reader" and w.endswith("manifest.json")]
+    assert manifests_read and all("step-000000003" in w for w in manifests_read), log
+    assert len(log) <= 22, log
+    open_root(url).delete("")
+
+
+def test_tidy_still_reads_the_manifest_where_two_saves_left_data() -> None:
+    # A replace that neither committed nor cleaned up leaves a second save's data beside the
+    # committed one's: only the manifest tells which is whose, and the stray data go.
+    url = f"memory://catalog-{uuid.uuid4().hex[:12]}/root"
+    tg.save(f"{url}/step-000000001", {"w": torch.ones(2)}, step=1)
+    root = open_root(url)
+    stray = "step-000000001/0123456789abcdef.data-00000-of-00001.safetensors"
+    root.put(stray, b"a save that never committed", mode="create")
+    faulty = FaultyStorage(url)
+    removed = Catalog(faulty).tidy()
+    assert [(t.name, t.action) for t in removed] == [("step-000000001", "removed")]
+    assert not root.exists(stray)
+    assert tg.load(f"{url}/step-000000001")["w"].tolist() == [1.0, 1.0]
+    assert ("open_reader", faulty.url("step-000000001/manifest.json")) in faulty.log
+    root.delete("")

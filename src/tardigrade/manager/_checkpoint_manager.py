@@ -19,7 +19,7 @@ from typing import Any
 
 from .._async import AsyncCheckpointer, StagingReservation
 from .._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_name, step_name
-from .._load import load, load_from
+from .._load import load
 from .._match import Key
 from .._open import open_manifest
 from .._ramtier import RamTier, RamTierStats, open_ram_tier
@@ -396,9 +396,9 @@ class CheckpointManager:
         that copy fails) from the directory. Returns where it was read."""
         name = step_name(s)
         ram = self._ram.copy_of(name, self._catalog.storage) if self._ram is not None else None
-        if self._ram is not None and self._ranks.rank is not None:
-            # Each rank holds its own share: read from memory only when every rank holds this
-            # save there (a rank restarted elsewhere, or whose copy failed, has none).
+        if self._ram is not None:
+            # In a job each rank holds its own share: read from memory only when every rank
+            # holds this save there (a rank restarted elsewhere, or whose copy failed, has none).
             held = self._ranks.everywhere(
                 ram is not None,
                 f"CheckpointManager({self.directory!r}).restore(): {name} in every RAM tier",
@@ -413,20 +413,10 @@ class CheckpointManager:
         touched = False  # whether a failed read of the RAM copy left bytes in the live state
         if ram is not None:
             assert self._ram is not None
-            tier = self._ram
             try:
-                if self._ranks.rank is None:
-                    load(ram, into=self.state, verify="all")
-                else:
-                    load_from(
-                        lambda: tier.overlay(name, self._catalog.storage),
-                        name,
-                        into=self.state,
-                        verify="all",
-                        **self._ranks.collective,
-                    )
-                tier.restored()
-                return ram
+                return self._ram.restore(
+                    name, self._catalog.storage, self.state, self._ranks.collective
+                )
             except StateMismatchError:
                 raise
             except Exception as e:
@@ -637,15 +627,15 @@ class CheckpointManager:
     def _candidates_here(self, step: int | None) -> dict[str, list[int]]:
         """Clean up, then the committed steps and those ``restore(step)`` tries, newest first."""
         self._remove_leftovers()
-        committed = self._steps_here()
+        committed, uncommitted = self._catalog.scan()
         if step is not None:
-            if not self._exists_here(step):
+            if step not in committed:
                 raise CheckpointNotFoundError(
                     f"{self.path(step)}: no committed checkpoint for step {step}; available: "
                     f"{committed}"
                 )
             return {"steps": committed, "candidates": [step]}
-        for n in self._catalog.uncommitted_steps():
+        for n in uncommitted:
             log.warning(
                 "tardigrade: skipping checkpoint %s: it has no manifest.json (a save that never "
                 "committed, or a copy still in progress); kept for inspection, and moved aside "
@@ -955,13 +945,7 @@ class CheckpointManager:
             )
             held = self._uploader.held() if self._uploader is not None else nullcontext()
             if self._async is not None and not sync:
-                # A rank's share of a collective save is copied from the directory instead
-                # (``_record_ok``): the mirror tees one process's staged files.
-                mirror = (
-                    self._ram.mirror()
-                    if self._ram is not None and self._ranks.rank is None
-                    else None
-                )
+                mirror = self._ram.mirror() if self._ram is not None else None
                 with held:  # training waits on the staging copy: uploads wait too
                     fut = self._ranks.submit(
                         self._async, self.path(step), self.state, options, mirror=mirror
@@ -981,10 +965,6 @@ class CheckpointManager:
                         metrics=metrics,
                         **self._collective,
                     )
-                if self._ram is not None and self._async is None and self._ranks.rank is None:
-                    # No staging copy to take it from: read back from the directory. (A
-                    # preemption's synchronous save is not copied: the job stops next.)
-                    self._ram.copy_in(self._catalog.storage, step_name(step))
                 self._record_ok(step, res)
         except (InvalidArgumentError, UnsupportedTypeError):
             raise  # a programming error, not a storage failure: never swallowed
@@ -1144,10 +1124,13 @@ class CheckpointManager:
                 s.total_seconds,
                 s.throughput_gbps,
             )
-        if self._ram is not None and self._ranks.rank is not None:
-            # Every rank records the save here, once committed: each copies its own files.
-            self._ram.copy_in_background(
-                self._catalog.storage, step_name(step), files=self._ranks.share
+        if self._ram is not None:
+            # Every rank records the save here, once committed: each keeps its own files.
+            self._ram.saved(
+                self._catalog.storage,
+                step_name(step),
+                files=self._ranks.share,
+                teed=self._async is not None,
             )
         if self._uploader is not None:
             self._uploader.submit(step_name(step))

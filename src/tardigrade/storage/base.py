@@ -338,6 +338,10 @@ class Storage(abc.ABC):
 
 # A store's data object: the save's id (16 hex digits), a dot, the file's name in the plan.
 _SAVE_DATA = re.compile(r"^[0-9a-f]{16}\.")
+_SAVE_ID_CHARS = 17  # what of a data object's name names its save: ``<16 hex digits>.``
+# What ``tidy`` looks at under one name: (name, [(data object, its Stat or None)], whether a
+# manifest was listed there).
+Candidate = tuple[str, list[tuple[str, Stat | None]], bool]
 
 
 def _due(st: Stat, cutoff: float, abandoned: float | None) -> bool:
@@ -416,11 +420,12 @@ class ManifestLastCommit(Storage):
         with _abandoned_lock:
             _abandoned[(self.tidy_scope, staging)] = _clock()
 
-    def tidy_candidates(self) -> Iterator[tuple[str, list[tuple[str, Stat | None]]]]:
-        """What ``tidy`` looks at: (name, [(object, its Stat or None)]) for each name that
-        holds a save's data objects (named ``<save id>.<file>``), and ("", [(probe, Stat)])
-        for the probes at the root. A Stat of None is read only if needed. This lists the
-        root and each name in it; a store with a recursive listing overrides it."""
+    def tidy_candidates(self) -> Iterator[Candidate]:
+        """What ``tidy`` looks at: (name, [(object, its Stat or None)], whether a manifest is
+        there) for each name that holds a save's data objects (named ``<save id>.<file>``),
+        and ("", [(probe, Stat)], False) for the probes at the root. A Stat of None is read
+        only if needed. This lists the root and each name in it; a store with a recursive
+        listing overrides it."""
         probes: list[tuple[str, Stat | None]] = []
         for name in self.list():
             if name.startswith(PROBE_PREFIX):
@@ -428,13 +433,12 @@ class ManifestLastCommit(Storage):
                 continue
             if name.startswith("."):
                 continue
-            data: list[tuple[str, Stat | None]] = [
-                (n, None) for n in self.list(name) if _SAVE_DATA.match(n)
-            ]
+            names = self.list(name)
+            data: list[tuple[str, Stat | None]] = [(n, None) for n in names if _SAVE_DATA.match(n)]
             if data:
-                yield name, data
+                yield name, data, MANIFEST in names
         if probes:
-            yield "", probes
+            yield "", probes, False
 
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
@@ -451,7 +455,9 @@ class ManifestLastCommit(Storage):
         object goes only once older than the grace period (``gc_grace_seconds``), or at once
         if it belongs to a save this process saw fail (``abandon``) and was written before
         that. An object whose age the store does not report counts as young. A probe goes at
-        once (no save ever names one). One item per name dealt with, to ``progress`` too.
+        once (no save ever names one). A committed name whose data objects all belong to one
+        save is passed over unread: that is the save that committed it. One item per name
+        dealt with, to ``progress`` too.
         """
         cutoff = grace_cutoff(self.gc_grace_seconds)
         with _abandoned_lock:
@@ -461,7 +467,7 @@ class ManifestLastCommit(Storage):
                 if scope == self.tidy_scope
             }
         done: list[Tidied] = []
-        for name, objects in self.tidy_candidates():
+        for name, objects, committed in self.tidy_candidates():
             if not name:  # probes at the root
                 for probe, st in objects:
                     st = st or self.stat(probe)
@@ -473,6 +479,11 @@ class ManifestLastCommit(Storage):
                     if progress is not None:
                         progress(done[-1])
                 continue
+            if committed and len({n[:_SAVE_ID_CHARS] for n, _ in objects}) == 1:
+                # Every save writes at least one data object under its own prefix, so the one
+                # save found under a manifest is the save that committed it: nothing to remove,
+                # and no manifest to read (a request per checkpoint at every restore).
+                continue
             abandoned = gone.get(name)
             if all(st is not None for _, st in objects):  # ages known: no manifest read
                 objects = [
@@ -480,7 +491,7 @@ class ManifestLastCommit(Storage):
                 ]
                 if not objects:
                     continue
-            keep = self._committed_files(name)
+            keep = self._committed_files(name) if committed else (set(), "\0")
             if keep is None:
                 continue
             dead: list[tuple[str, int]] = []
@@ -504,13 +515,13 @@ class ManifestLastCommit(Storage):
         lists, the data-name prefix of the save that committed it); nothing if no manifest is
         there; None if its manifest does not read (left alone: evidence)."""
         where = f"{name}/{MANIFEST}"
-        if not self.exists(where):
-            return set(), "\0"
         try:
             raw = self.read_bytes(where, limits.MAX_MANIFEST_BYTES)
             files = set(parse(raw, where).files)
             save_id = json.loads(raw).get("save_id")
         except (TardigradeError, ValueError) as e:
+            if not self.exists(where):  # retired since it was listed: no checkpoint any more
+                return set(), "\0"
             log.warning("tardigrade: leaving %s as it is: %s", self.url(name), e)
             return None
         if isinstance(save_id, str) and save_id:

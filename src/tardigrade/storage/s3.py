@@ -43,8 +43,10 @@ from ..format.checksum import Hasher
 from .base import (
     _SAVE_DATA,
     GRACE_SECONDS,
+    MANIFEST,
     PROBE_PREFIX,
     TMP_PREFIX,
+    Candidate,
     ManifestLastCommit,
     PreconditionFailed,
     PutMode,
@@ -900,15 +902,18 @@ class S3Storage(ManifestLastCommit):
         # One bucket name may be two buckets on two endpoints.
         return f"{self.config.endpoint or ''} {self.root}"
 
-    def tidy_candidates(self) -> Iterator[tuple[str, list[tuple[str, Stat | None]]]]:
+    def tidy_candidates(self) -> Iterator[Candidate]:
         """As :meth:`ManifestLastCommit.tidy_candidates`, from one recursive listing (a
         listing per name would be a request per checkpoint), which also gives each object's
         size and age, and sees checkpoints at any depth."""
         found: dict[str, list[tuple[str, Stat | None]]] = {}
+        manifests: set[str] = set()
         for meta in self._walk("", "gc: list"):
             path: str = meta["path"]
             ckpt, _, base = path.rpartition("/")
             if ckpt:
+                if base == MANIFEST:
+                    manifests.add(ckpt)
                 if not _SAVE_DATA.match(base):
                     continue
             elif not base.startswith((PROBE_PREFIX, f"{TMP_PREFIX}probe-")):
@@ -919,7 +924,8 @@ class S3Storage(ManifestLastCommit):
                 modified=meta["last_modified"].timestamp(),
             )
             found.setdefault(ckpt, []).append((base, st))
-        yield from found.items()
+        for ckpt, objects in found.items():
+            yield ckpt, objects, ckpt in manifests
 
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None

@@ -93,8 +93,9 @@ class FaultyStorage(Storage):
     ``inner`` is a Storage or a location (a directory or URL) whose checkpoints it serves,
     with ``storage_options`` for a URL's backend (as ``tg.save`` takes them).
     ``fail(op, nth=..., error=..., times=...)`` arms a fault; ``ops`` lists every operation
-    performed, in order; ``count`` counts them by kind; ``injected`` lists the faults that
-    fired. Thread-safe: saves write files in parallel.
+    performed, in order, and ``log`` the same as (operation, location) pairs; ``count``
+    counts them by kind; ``injected`` lists the faults that fired. Thread-safe: saves write
+    files in parallel.
 
     Around an object store (a backend that commits manifest-last), the commit strategy and
     the lease run over this wrapper's own primitives, as they do over a store's requests: a
@@ -111,6 +112,7 @@ class FaultyStorage(Storage):
         self.id = str(next(_ids))
         self.root = f"{SCHEME}://{self.id}"
         self.ops: list[str] = []
+        self.log: list[tuple[str, str]] = []
         self.count: Counter[str] = Counter()
         self.injected: list[str] = []
         self._faults: list[_Fault] = []
@@ -162,6 +164,7 @@ class FaultyStorage(Storage):
         with self._lock:
             self.count[op] += 1
             self.ops.append(op)
+            self.log.append((op, what))
             k = self.count[op]
             error = self._outage
             if error is None:

@@ -435,8 +435,9 @@ def test_version_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
 def test_demo_kill_resume_is_bit_identical(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    d = tmp_path / "run" / "ckpt"
-    r = run_module("demo", "--dir", d, timeout=110)
+    # As `make demo` runs it, with the JSON report written beside the text one (--report).
+    d, report_file = tmp_path / "run" / "ckpt", tmp_path / "ci" / "demo.json"
+    r = run_module("demo", "--dir", d, "--report", report_file, timeout=110)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "bit-identical: yes" in out
@@ -476,6 +477,41 @@ def test_demo_kill_resume_is_bit_identical(
     ]
     assert not (d / ".lock").exists()
     assert main(["verify", str(d)]) == 0
+    capsys.readouterr()
+
+    # The JSON report says the same.
+    report = json.loads(report_file.read_text())
+    assert report["bit_identical"] is True
+    assert [c["what"] for c in report["checks"]] == [
+        "final parameters",
+        "optimizer state",
+        "loss curve (300 steps)",
+        "LR schedule, RNGs, data position, counters",
+    ]
+    assert all(c["identical"] for c in report["checks"])
+    assert report["first_differing_loss_step"] is None
+    assert (report["ranks"], report["steps"], report["every"], report["keep_last"]) == (
+        1,
+        300,
+        25,
+        4,
+    )
+    killed = report["killed"]  # while the async save of step 175 was being written
+    assert killed["step"] == 175 and killed["training_step"] > 175
+    assert killed["staging_file"].startswith(".tmp-step-000000175-")
+    assert [(c["name"], c["status"]) for c in killed["on_disk_after"]] == [
+        *((f"step-{step:09d}", "committed") for step in (75, 100, 125, 150)),
+        (killed["staging_file"].split("/")[0], "incomplete-tmp"),
+    ]
+    assert report["resumed_from_step"] == 150
+    assert report["restored"]["name"] == "step-000000150"
+    assert report["restored"]["removed"] == [killed["on_disk_after"][-1]["name"]]
+    assert [r["returncode"] for r in report["runs"]] == [-9, 0, 0]
+    assert [(s["run"], s["step"], s["ok"]) for s in report["saves"]] == [
+        (1 if step <= 150 else 2, step, True) for step in range(25, 301, 25)
+    ]
+    assert (report["stats"]["succeeded"], report["stats"]["failed"]) == (6, 0)
+    assert [c["step"] for c in report["checkpoints"]] == [225, 250, 275, 300]
 
 
 def test_demo_refuses_to_clear_a_directory_it_did_not_make(

@@ -78,7 +78,7 @@ def test_demo_two_ranks_kill_one_mid_save_and_resume_bit_identical(
 @pytest.mark.slow
 @pytest.mark.crash
 @pytest.mark.timeout(300)  # ~25 s alone; six interpreters importing torch on a busy machine
-def test_demo_two_ranks_reports_an_inexact_resume_and_fails(
+def test_demo_two_ranks_reports_an_inexact_resume_in_text_and_json_and_fails(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Run 2 restores everything but the ranks' RNG states: their dropout masks then differ
@@ -87,9 +87,9 @@ def test_demo_two_ranks_reports_an_inexact_resume_and_fails(
     monkeypatch.setattr(
         _demo_ranks, "resume_args", lambda newest: [*real(newest), "--skip-restore", "rng"]
     )
-    d = tmp_path / "ckpt"
+    d, report_file = tmp_path / "ckpt", tmp_path / "report.json"
     argv = ["demo", "--ranks", "2", "--dir", str(d), "--steps", "20", "--every", "5"]
-    rc = main([*argv, "--no-progress"])
+    rc = main([*argv, "--no-progress", "--report", str(report_file)])
     out, err = capsys.readouterr()
     assert rc == 1, out + err
     assert "bit-identical: NO" in out
@@ -101,6 +101,26 @@ def test_demo_two_ranks_reports_an_inexact_resume_and_fails(
     # Killed in the save of step 10, resumed from step 5: the first resumed step differs.
     assert "-> step 5" in out
     assert "first differing loss at step 6" in out
+
+    # The JSON report (--report, as --json prints it) says the same: verdict NO, the checks
+    # that failed, the first differing step.
+    report = json.loads(report_file.read_text())
+    assert report["bit_identical"] is False
+    verdicts = {c["what"]: c["identical"] for c in report["checks"]}
+    assert verdicts["RNG state of each of the 2 ranks"] is False
+    assert verdicts["loss curve (20 steps)"] is False
+    assert report["first_differing_loss_step"] == 6
+    assert report["ranks"] == 2
+    killed = report["killed"]
+    assert (killed["rank"], killed["step"], killed["resumed_from"]) == (1, 10, "step-000000005")
+    assert "data-r00001-" in killed["file"]
+    assert [f["rank"] for f in killed["failures"]] == [0]
+    assert killed["failures"][0]["error"] == "DistributedError"
+    assert killed["verified"]["tensors"] > 0
+    assert report["resumed_from_step"] == 5 and report["restored"]["skipped"] == ["rng"]
+    assert [r["returncodes"] for r in report["runs"]][1:] == [[0, 0], [0, 0]]
+    assert [s["step"] for s in report["saves"]] == [5, 10, 15, 20]
+    assert [c["step"] for c in report["checkpoints"]] == [5, 10, 15, 20]
 
 
 def test_demo_ranks_must_be_positive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,6 +40,7 @@ from ._demo_run import (
     _prog,
     _span,
     check_args,
+    emit_report,
     first_difference,
     identical,
     listed_json,
@@ -167,13 +168,13 @@ def _drop_option(cmd: list[str], option: str) -> list[str]:
     return cmd[:i] + cmd[i + 2 :]
 
 
-def _fail(what: str, run: RanksRun, as_json: bool = False) -> int:
+def _fail(what: str, run: RanksRun, args: argparse.Namespace) -> int:
     codes = ", ".join(f"rank {r}: {c}" for r, c in enumerate(run.returncodes))
     print(f"tardigrade: error: {what} (exit status {codes})", file=sys.stderr)
-    if as_json:  # a script reading stdout learns the demo failed, not only the exit status
-        report = {"bit_identical": None, "error": what, "returncodes": run.returncodes}
-        tails = [err.strip().splitlines()[-12:] for err in run.stderr]
-        print(json.dumps({**report, "stderr_tails": tails}, indent=2))
+    # A script reading the report learns the demo failed, not only the exit status.
+    report = {"bit_identical": None, "error": what, "returncodes": run.returncodes}
+    tails = [err.strip().splitlines()[-12:] for err in run.stderr]
+    emit_report(args, {**report, "stderr_tails": tails})
     for rank, err in enumerate(run.stderr):
         tail = err.strip().splitlines()[-12:]
         if tail:
@@ -231,16 +232,14 @@ def run(args: argparse.Namespace) -> int:
             or first.returncodes[VICTIM] != -signal.SIGKILL
             or sorted(f["rank"] for f in first.failures) != survivors
         ):
-            return _fail(
-                "run 1 was not killed in the middle of a save as planned", first, args.json
-            )
+            return _fail("run 1 was not killed in the middle of a save as planned", first, args)
         listing = list_checkpoints(ckpt_dir)
         committed_1 = [c for c in listing if c.status == COMMITTED]
         leftovers = [c.name for c in listing if c.status == INCOMPLETE_TMP]
         killed_step = first.killed["step"]
         if not committed_1 or any(c.step == killed_step for c in committed_1):
             return _fail(
-                f"run 1 left no usable checkpoint or committed step {killed_step}", first, args.json
+                f"run 1 left no usable checkpoint or committed step {killed_step}", first, args
             )
         newest = committed_1[-1]
         intact = verify(os.path.join(ckpt_dir, newest.name))
@@ -258,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
             workdir=tmp,
         )
         if any(second.returncodes) or second.restored is None:
-            return _fail("run 2 (resume) failed", second, args.json)
+            return _fail("run 2 (resume) failed", second, args)
 
         reference_final = os.path.join(tmp, "reference")
         third = run_ranks(
@@ -268,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
             workdir=tmp,
         )
         if any(third.returncodes):
-            return _fail("run 3 (uninterrupted reference) failed", third, args.json)
+            return _fail("run 3 (uninterrupted reference) failed", third, args)
         resumed = final_states(resumed_final, world)
         reference = final_states(reference_final, world)
 
@@ -284,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         ),
     ]
     failure = first.failures[0]
-    if args.json:
+    if args.json or args.report:
         same = all(ok for _, ok in checks)
         runs = ((1, first), (2, second), (3, third))
         report = {
@@ -321,8 +320,9 @@ def run(args: argparse.Namespace) -> int:
             "checkpoints": listed_json(list_checkpoints(ckpt_dir)),
             "seconds": round(time.perf_counter() - started, 3),
         }
-        print(json.dumps(report, indent=2))
-        return 0 if same else 1
+        emit_report(args, report)
+        if args.json:
+            return 0 if same else 1
     print()
     staging, _, file = first.killed["file"].partition(os.sep)
     print(

@@ -5,6 +5,7 @@ comparison of two final states."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import struct
@@ -111,6 +112,18 @@ def _span(names: list[str]) -> str:
     if not names:
         return "none"
     return names[0] if len(names) == 1 else f"{names[0]} to {names[-1]}"
+
+
+def emit_report(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """The demo's JSON report: on stdout with ``--json``, into the file ``--report`` names
+    (beside the text report, for a CI job's artifacts)."""
+    text = json.dumps(report, indent=2)
+    if args.report:
+        os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
+        with open(args.report, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    if args.json:
+        print(text)
 
 
 def listed_json(entries: list[Any]) -> list[dict[str, Any]]:

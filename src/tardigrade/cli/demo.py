@@ -38,6 +38,7 @@ from ._demo_run import (
     _prog,
     _span,
     check_args,
+    emit_report,
     first_difference,
     identical,
     listed_json,
@@ -110,6 +111,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print the report as one JSON object (verdict, checks, kill point, restore, saves, "
         "checkpoints left) instead of text; no progress bar",
+    )
+    p.add_argument(
+        "--report",
+        metavar="FILE",
+        help="also write the JSON report (as --json prints it) to FILE, e.g. for a CI job",
     )
     p.set_defaults(run=run)
 
@@ -200,12 +206,12 @@ def _kill_after(proc: subprocess.Popen[str], seconds: float) -> threading.Timer:
 # ----------------------------------------------------------------------------------------------
 
 
-def _fail(what: str, child: ChildRun, as_json: bool = False) -> int:
+def _fail(what: str, child: ChildRun, args: argparse.Namespace) -> int:
     print(f"tardigrade: error: {what} (exit status {child.returncode})", file=sys.stderr)
     tail = child.stderr.strip().splitlines()[-20:]
-    if as_json:  # a script reading stdout learns the demo failed, not only the exit status
-        report = {"bit_identical": None, "error": what, "returncode": child.returncode}
-        print(json.dumps({**report, "stderr_tail": tail}, indent=2))
+    # A script reading the report learns the demo failed, not only the exit status.
+    report = {"bit_identical": None, "error": what, "returncode": child.returncode}
+    emit_report(args, {**report, "stderr_tail": tail})
     if tail:
         print("  " + "\n  ".join(tail), file=sys.stderr)
     return 1
@@ -329,9 +335,7 @@ def run(args: argparse.Namespace) -> int:
             workdir=tmp,
         )
         if first.killed_in_save is None or first.returncode != -signal.SIGKILL:
-            return _fail(
-                "run 1 was not killed in the middle of a save as planned", first, args.json
-            )
+            return _fail("run 1 was not killed in the middle of a save as planned", first, args)
         on_disk = list_checkpoints(ckpt_dir)
         lock_left = Catalog(ckpt_dir).storage.exists(LOCK)
 
@@ -342,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
             workdir=tmp,
         )
         if second.returncode != 0 or second.restored is None:
-            return _fail("run 2 (resume) failed", second, args.json)
+            return _fail("run 2 (resume) failed", second, args)
 
         reference_final = os.path.join(tmp, "reference")
         third = run_child(
@@ -351,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
             workdir=tmp,
         )
         if third.returncode != 0:
-            return _fail("run 3 (uninterrupted reference) failed", third, args.json)
+            return _fail("run 3 (uninterrupted reference) failed", third, args)
 
         resumed = load(resumed_final)
         reference = load(reference_final)
@@ -373,14 +377,15 @@ def run(args: argparse.Namespace) -> int:
     ]
     restored = second.restored
     resumed_step = restored["step"]
-    if args.json:
+    if args.json or args.report:
         report = _json_report(args, ckpt_dir, (first, second, third), checks, on_disk, lock_left)
         report.update(
             first_differing_loss_step=first_difference(resumed["losses"], reference["losses"]),
             seconds=round(time.perf_counter() - started, 3),
         )
-        print(json.dumps(report, indent=2))
-        return 0 if report["bit_identical"] else 1
+        emit_report(args, report)
+        if args.json:
+            return 0 if report["bit_identical"] else 1
 
     print()
     committed_1 = [c.name for c in on_disk if c.status == COMMITTED]

@@ -1,8 +1,8 @@
 """Run a test function on N real processes joined by a gloo process group, on loopback only.
 
-``run_ranks(check, 2, "x")`` starts two fresh interpreters (the "spawn" start method), joins them
-into a gloo group through a store this process serves on 127.0.0.1, calls
-``check(rank, world_size, "x")`` in each and returns what each returned, in rank order::
+``run_ranks(check, 2, "x")`` starts two processes, joins them into a gloo group through a store
+this process serves on 127.0.0.1, calls ``check(rank, world_size, "x")`` in each and returns
+what each returned, in rank order::
 
     def check(rank: int, world_size: int, text: str) -> int:   # top level of a test module
         return Ranks.current().agree_max(rank)
@@ -15,6 +15,12 @@ A rank's result is its return value (anything ``json.dumps`` accepts), ``{"error
 ``{"died": exit code}`` when the process ended without a result, e.g. a rank that SIGKILLs
 itself on purpose. A run that outlives ``timeout`` kills every rank and fails the test, naming
 the ranks that had not finished.
+
+The ranks of ``run_ranks`` are forked from a server process ("forkserver") that imported torch,
+tardigrade and this harness once, and they leave with ``os._exit`` once their result is sent:
+importing torch in a fresh interpreter is most of a short rank's CPU time, and the suite starts
+about 150 ranks. ``run_ranks_and_exits``, which reports how ranks exit, spawns fresh
+interpreters that tear down like a user's program (``test_clean_exit``).
 """
 
 from __future__ import annotations
@@ -58,11 +64,11 @@ def run_ranks(
     """``target(rank, world_size, *args)`` on ``world_size`` processes; their results by rank.
 
     ``target`` must be a top-level function of an importable module (a test module is); ``args``
-    travel to the ranks by the spawn start method. ``env`` adds variables to the ranks'
-    environment. Each rank runs with one torch thread and a gloo default group whose own timeout
-    is ``timeout``.
+    travel to the ranks pickled. ``env`` adds variables to the ranks' environment (set as a rank
+    starts: nothing read while importing torch or tardigrade). Each rank runs with one torch
+    thread and a gloo default group whose own timeout is ``timeout``.
     """
-    return run_ranks_and_exits(target, world_size, *args, timeout=timeout, env=env)[0]
+    return _run(target, world_size, args, timeout, env, fresh=False)[0]
 
 
 def run_ranks_and_exits(
@@ -72,21 +78,53 @@ def run_ranks_and_exits(
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
 ) -> tuple[list[Any], list[int | None]]:
-    """:func:`run_ranks`, and each rank's exit code once it left after reporting its result.
+    """:func:`run_ranks` in fresh interpreters, and each rank's exit code once it left after
+    reporting its result (an interpreter's teardown, as a user's program ends).
 
     An exit code is None for a rank still alive ``_EXIT_GRACE`` seconds after the results were
     in (it was then killed): a rank whose teardown hangs.
     """
+    return _run(target, world_size, args, timeout, env, fresh=True)
+
+
+def _run(
+    target: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout: float,
+    env: dict[str, str] | None,
+    *,
+    fresh: bool,
+) -> tuple[list[Any], list[int | None]]:
     module = sys.modules.get(target.__module__)
     if module is None or getattr(module, target.__qualname__, None) is not target:
         raise ValueError(
             f"run_ranks needs a top-level function of an importable module, got {target!r}: "
             "the ranks import it by name"
         )
-    ctx = multiprocessing.get_context("spawn")
+    if fresh:
+        ctx = multiprocessing.get_context("spawn")
+    else:
+        ctx = multiprocessing.get_context("forkserver")
+        _start_fork_server(target)
     # The store is served from here on loopback only, and it outlives any rank that dies.
     with loopback_store(timeout) as port:
         return _start_and_collect(ctx, target, world_size, args, port, timeout, env)
+
+
+# What the fork server imports once; every rank forked from it starts with these loaded.
+_PRELOAD = ["torch", "torch.distributed", "tardigrade", "tardigrade.distributed", __name__]
+
+
+def _start_fork_server(target: Callable[..., Any]) -> None:
+    """Start this process's fork server if it is not running, with the harness's environment
+    and import paths only: whatever a run adds (``env``) is set in each rank, never left in
+    the server for the next run's ranks."""
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(_PRELOAD)
+    with _importable_by_ranks(target, None):
+        forkserver.ensure_running()
 
 
 def _start_and_collect(
@@ -102,12 +140,12 @@ def _start_and_collect(
     readers: list[multiprocessing.connection.Connection] = []
     exit_codes: list[int | None] = []
     try:
-        with _importable_by_ranks(target, env):
+        with _importable_by_ranks(target, env) as environ:
             for rank in range(world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
                     target=_rank_main,
-                    args=(rank, world_size, port, timeout, writer, target, args),
+                    args=(rank, world_size, port, timeout, writer, environ, target, args),
                     name=f"rank-{rank}",
                     daemon=True,
                 )
@@ -171,11 +209,15 @@ def _kill(proc: Any) -> None:
 
 
 @contextlib.contextmanager
-def _importable_by_ranks(target: Callable[..., Any], env: dict[str, str] | None) -> Iterator[None]:
-    """While ranks start: the paths and environment they need to import this and ``target``.
+def _importable_by_ranks(
+    target: Callable[..., Any], env: dict[str, str] | None
+) -> Iterator[dict[str, str]]:
+    """While ranks start: the paths and environment they need to import this and ``target``;
+    yields the whole environment a rank gets (a forked rank sets it itself: it inherits the
+    fork server's, from when that started).
 
-    A spawned rank takes ``sys.path`` from this process and imports its entry point and
-    ``target`` by module name, which pytest may have made importable without any path entry.
+    A rank takes ``sys.path`` from this process and imports its entry point and ``target`` by
+    module name, which pytest may have made importable without any path entry.
     """
     roots = [
         str(Path(tardigrade.__file__).resolve().parents[1]),
@@ -193,7 +235,7 @@ def _importable_by_ranks(target: Callable[..., Any], env: dict[str, str] | None)
     sys.path[:0] = [r for r in dict.fromkeys(roots) if r not in sys.path]
     os.environ.update(extra)
     try:
-        yield
+        yield dict(os.environ)
     finally:
         sys.path[:] = saved_path
         for key, value in saved_env.items():
@@ -214,9 +256,13 @@ def _rank_main(
     port: int,
     timeout: float,
     writer: multiprocessing.connection.Connection,
+    environ: dict[str, str],
     target: Callable[..., Any],
     args: tuple[Any, ...],
 ) -> None:
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     try:
         torch.set_num_threads(1)
         pg_timeout = datetime.timedelta(seconds=timeout)

@@ -178,8 +178,8 @@ class RamTier:
                     copy.copy_files(staging, files)
                     copy.commit(staging)
                 except BaseException:
-                    copy.abort(staging)
-                    raise
+                    if copy.end(staging) is not True:  # True: committed all the same
+                        raise
         except Exception as e:
             self._failed(name, e)
             return

@@ -87,8 +87,15 @@ def copy_checkpoint(
     try:
         copy.copy_files(staging, files, go)
         copy.commit(staging)
-    except BaseException:
-        copy.abort(staging)
+    except BaseException as e:
+        if copy.end(staging) is True:
+            log.warning(
+                "tardigrade: the copy of %s to %s was committed, though its commit failed: %s",
+                src.url(name),
+                dst.url(name),
+                e,
+            )
+            return "copied"
         raise
     return "copied"
 
@@ -157,14 +164,33 @@ class CopyPlan:
         parse(new, self.dst.url(f"{self.name}/{MANIFEST}"))  # what is committed loads
         self.dst.commit(staging, self.name, new, save_id=self.save_id, replace=self.replace)
 
-    def abort(self, staging: str) -> None:
-        """Remove what this copy wrote (every rank's, on a store); never raises."""
+    def end(self, staging: str) -> bool | None:
+        """After a copy failed: whether it committed nonetheless (a commit whose reply was
+        lost, or that failed after its manifest was written), None when that cannot be told.
+        What the copy wrote (every rank's, on a store) is removed only when it did not commit:
+        on a store the data objects of a committed copy are its checkpoint's. Never raises."""
+        committed = self.committed()
+        if committed is False:
+            try:
+                self.dst.abort(staging, self.name, self.save_id)
+                return False
+            except Exception as e:
+                log.warning(
+                    "tardigrade: cleaning up a failed copy to %s: %s", self.dst.url(self.name), e
+                )
+        self.dst.abandon(staging)  # for tidy (gc, the next manager) to remove, if uncommitted
+        return committed
+
+    def committed(self) -> bool | None:
+        """Whether ``dst`` holds this copy's manifest (None: it could not be read)."""
+        where = f"{self.name}/{MANIFEST}"
         try:
-            self.dst.abort(staging, self.name, self.save_id)
-        except Exception as e:
-            log.warning(
-                "tardigrade: cleaning up a failed copy to %s: %s", self.dst.url(self.name), e
-            )
+            if not self.dst.exists(where):
+                return False
+            doc = loads_strict(self.dst.read_bytes(where, limits.MAX_MANIFEST_BYTES), where)
+        except Exception:
+            return None
+        return isinstance(doc, dict) and doc.get("save_id") == self.save_id
 
 
 _RANK_FILE = re.compile(r"(?:^|\.)data-r(\d+)-")
@@ -195,6 +221,7 @@ def copy_on_ranks(
     """
     what = f"copy of {src.url(name)} to {dst.url(name)}"
     plan: list[CopyPlan | None] = [None]
+    made: list[str] = []  # on rank 0: the staging it began
 
     def begin() -> bytes:
         # Rank 0 decides and prepares; every rank goes by its answer.
@@ -203,12 +230,8 @@ def copy_on_ranks(
         plan[0] = CopyPlan.of(src, name, dst, replace=False)
         if plan[0] is None:
             return json.dumps({"present": True}).encode()
-        return json.dumps({"staging": dst.begin(name, plan[0].save_id)}).encode()
-
-    agreed = json.loads(ranks.broadcast(what + ": begin", begin))
-    if "gone" in agreed or "present" in agreed:
-        return "gone" if "gone" in agreed else "present"
-    staging = agreed["staging"]
+        made.append(dst.begin(name, plan[0].save_id))
+        return json.dumps({"staging": made[0]}).encode()
 
     def mine() -> bytes:
         if plan[0] is None:
@@ -224,13 +247,22 @@ def copy_on_ranks(
         return b""
 
     try:
+        agreed = json.loads(ranks.broadcast(what + ": begin", begin))
+        if "gone" in agreed or "present" in agreed:
+            return "gone" if "gone" in agreed else "present"
+        staging = agreed["staging"]
         # Every rank's files are in place (or its error is raised on every rank) before rank
         # 0 commits the manifest.
         ranks.all_gather(what + ": copying each rank's files", mine)
         ranks.broadcast(what + ": commit", commit)
     except BaseException:
-        if ranks.coordinator and plan[0] is not None:
-            plan[0].abort(staging)  # every rank is done writing: all_gather returned
+        # Rank 0 began a staging (whether or not the others ever heard of it: the begin
+        # exchange itself may be what failed) and every rank is done writing there: removed
+        # unless it committed. The error is raised on every rank all the same; a retry
+        # finds a committed copy present.
+        if made:
+            assert plan[0] is not None
+            plan[0].end(made[0])
         raise
     return "copied"
 

@@ -22,10 +22,11 @@ import pytest
 import torch.distributed as dist
 
 import tardigrade as tg
+from tardigrade import _tiers
 from tardigrade.storage import open_root
 from tardigrade.testing import FaultyStorage
 
-from ._harness import run_ranks, run_ranks_and_exits
+from ._harness import caught, run_ranks, run_ranks_and_exits
 from .test_manager_distributed import make_state, set_state, state_value
 
 pytestmark = pytest.mark.distributed
@@ -138,6 +139,59 @@ def test_an_upload_failing_on_one_rank_commits_nothing_remote_and_is_counted_eve
     # Nothing committed, and nothing left behind by the failed copies (rank 0 cleaned up).
     assert not (remote / "step-000000001" / "manifest.json").exists()
     assert [n for n in os.listdir(remote) if n.startswith(("step-", ".tmp"))] == []
+
+
+def dying_upload_rank(rank: int, world: int, local: str, remote: str) -> dict[str, Any]:
+    """Step 1 uploads on both ranks; rank 1 then dies (SIGKILL) halfway through writing its
+    first data object of step 2's upload. Rank 0 reports what its uploads and close() saw."""
+    state = make_state(rank, world, 1.0)
+    mgr = tg.CheckpointManager(local, state, async_save=False, upload_to=remote, timeout=30)
+    assert mgr._uploader is not None
+    mgr._uploader.backoff = 0.0  # retried at once: the test need not wait
+    mgr.save(1)
+    assert mgr._uploader.wait(60)
+    if rank == 1:
+        copy_file = _tiers._copy_file
+
+        def dies_mid_object(src: Any, src_name: str, dst: Any, dst_name: str, *a: Any) -> None:
+            if not src_name.startswith("step-000000002/"):
+                return copy_file(src, src_name, dst, dst_name, *a)
+            w = dst.open_writer(dst_name)
+            w.write(b"\0" * 4096)  # a part of the object, never closed
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        _tiers._copy_file = dies_mid_object
+    set_state(state, rank, 2.0)
+    mgr.save(2)
+    assert mgr._uploader.wait(120)  # given up on, not hung: rank 1 is gone
+    uploads = mgr.uploads
+    assert uploads is not None
+    saved = sorted(n for n in os.listdir(local) if n.startswith("step-"))  # steps() is collective
+    out = {"uploaded": list(uploads.uploaded), "failed": uploads.failed,
+           "error": uploads.last_error, "saved": saved}  # fmt: skip
+    out["close"] = caught(mgr.close)  # its collectives find rank 1 gone
+    return out
+
+
+def test_a_rank_dying_mid_upload_commits_nothing_remote_and_keeps_the_previous_upload(
+    tmp_path: Path,
+) -> None:
+    remote = tmp_path / "remote"
+    out = run_ranks(dying_upload_rank, 2, str(tmp_path / "run"), str(remote), timeout=180)
+    assert out[1] == {"died": -signal.SIGKILL}, out
+    survivor = out[0]
+    # Step 2 is saved locally; its upload failed on every try (the first and 3 retries) and
+    # was given up, reported with the lost rank, never raised into training.
+    assert survivor["saved"] == ["step-000000001", "step-000000002"], out
+    assert survivor["uploaded"] == ["step-000000001"], out
+    assert survivor["failed"] == 4 and "lost the other ranks" in survivor["error"], out
+    assert survivor["close"]["type"] == "DistributedError", out
+    # The remote holds step 1 alone, intact; nothing of step 2 is visible or left behind.
+    assert [n for n in os.listdir(remote) if n.startswith(("step-", ".tmp"))] == [
+        "step-000000001"
+    ], os.listdir(remote)
+    assert tg.verify(remote / "step-000000001").files >= 2
+    assert tg.load(remote / "step-000000001")["step"] == 1
 
 
 def ram_job_rank(rank: int, world: int, local: str, shm: str, last: int) -> dict[str, Any]:

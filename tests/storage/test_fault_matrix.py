@@ -1,5 +1,5 @@
 """Every storage operation of a save, an async save, a manager step with retention, a load, a
-restore and a gc fails in turn, with every error kind, on every backend (the driver is
+restore, a gc and a tier's upload fails in turn, with every error kind, on every backend (the driver is
 ``_fault_matrix.every_fault``; the collective save on 2 ranks is in
 ``test_fault_matrix_collective.py``).
 """
@@ -16,8 +16,10 @@ import torch
 from torch import nn
 
 import tardigrade as tg
+from tardigrade._tiers import copy_checkpoint
 from tardigrade.cli import main as cli
 from tardigrade.errors import TardigradeError
+from tardigrade.storage import open_root
 from tardigrade.testing import FaultyStorage
 
 from ._fault_matrix import Family, Outcome, every_fault, past_the_grace_period
@@ -213,6 +215,28 @@ def restored_what_it_says(faulty: FaultyStorage, out: Outcome) -> None:
         assert step in (1, 2) and value == float(step), out.value
 
 
+# -- a tier's upload --------------------------------------------------------------------------
+
+UPLOADED = "step-000000005"
+
+
+def upload(faulty: FaultyStorage, attempt: int) -> Outcome:
+    """A checkpoint committed in a fast tier copied here, as ``CheckpointManager(upload_to=)``
+    does in the background (each try of its ``Uploader`` is one such copy)."""
+    src = open_root("memory://fault-matrix-upload-source/run")  # this process's, kept
+    if not src.exists(f"{UPLOADED}/manifest.json"):
+        tg.save(src.url(UPLOADED), make_state(5.0), step=5)
+    return outcome(lambda: copy_checkpoint(src, UPLOADED, faulty))
+
+
+def uploaded_whole(faulty: FaultyStorage, out: Outcome) -> None:
+    """A copy that returned is committed here, whole, with the source's values (a commit
+    whose reply was lost included: it was committed, and its data must still be there)."""
+    if out.error is None:
+        assert out.value in ("copied", "present"), out.value
+        assert float(tg.load(faulty.inner.url(UPLOADED))["model"]["weight"][0, 0]) == 5.0
+
+
 # -- gc --------------------------------------------------------------------------------------
 
 
@@ -302,6 +326,7 @@ FAMILIES = {
     ),
     "restore": Family("restore", prepare_two, restore, tidy_leftovers, restored_what_it_says),
     "gc": Family("gc", prepare_leftover, gc_later, tidy_later),
+    "upload": Family("upload", prepare_one, upload, tidy_leftovers, uploaded_whole),
 }
 
 

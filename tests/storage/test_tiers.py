@@ -247,3 +247,31 @@ def test_the_rank_that_wrote_a_file_is_read_from_its_name_on_a_directory_and_a_s
     assert file_rank("0123456789abcdef.data-r00012-00001-of-00002.safetensors") == 12
     assert file_rank("data-00000-of-00001.safetensors") == 0
     assert file_rank("0123456789abcdef.data-00000-of-00001.safetensors") == 0
+
+
+@pytest.mark.parametrize("error", ["lost_reply", "EIO"])
+def test_a_copy_whose_commit_fails_never_leaves_a_committed_manifest_without_its_data(
+    tmp_path: Path, error: str
+) -> None:
+    """The manifest's conditional create reaches the store, then the reply is lost (or the
+    request fails): the copy must not remove its data objects unless the manifest is not
+    there, or the remote holds a committed checkpoint that can never load."""
+    local = open_root(str(tmp_path / "local"))
+    tg.save(local.url("step-000000001"), state_at(1), step=1)
+    remote = FaultyStorage(f"memory://tier-{uuid.uuid4().hex[:12]}/remote")
+    remote.fail("put", where="manifest.json", error=error)
+    try:
+        copy_checkpoint(local, "step-000000001", remote)
+    except Exception as e:
+        assert "injected" in str(e), e
+    name = "step-000000001"
+    if remote.inner.exists(f"{name}/manifest.json"):  # committed: it must load whole
+        assert tg.verify(remote.inner.url(name)).files == 1
+        assert torch.equal(tg.load(remote.inner.url(name))["w"], state_at(1)["w"])
+    else:  # not committed: nothing of the copy is left
+        assert remote.inner.list(name) == []
+    assert len(remote.injected) == 1
+    # The next copy of the same save finds it there, or makes it.
+    assert copy_checkpoint(local, name, remote.inner) in ("present", "copied")
+    assert tg.verify(remote.inner.url(name)).files == 1
+    remote.inner.delete("")

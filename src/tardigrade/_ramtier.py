@@ -17,8 +17,11 @@ the directory does not. A synchronous save has no staging copy; its RAM copy is 
 the committed checkpoint (``copy_in``).
 
 In a distributed job each rank keeps its own share: the data files it wrote (and the
-manifest), in a namespace of its own (the rank is part of its name), copied from the committed
-checkpoint in the directory by a background thread once every rank has recorded the save
+manifest), in a namespace of its own (the rank is part of its name). An async collective save
+staged every local tensor before the ranks agreed who writes what; once they have, the RAM
+writer takes this rank's files from the same staged copy as its disk writers
+(``RamMirror.feed``), and commits after the collective commit. A synchronous save's share is
+copied from the committed checkpoint in the directory by a background thread
 (``copy_in_background``). A restart restores from the RAM tier only when every rank holds the
 same save there (the manager agrees on it); each rank then reads its own files from memory and
 the others' from the directory (``overlay``).
@@ -47,7 +50,7 @@ from ._catalog import STEP_NAME, Catalog
 from ._load import load, load_from
 from ._save_job import SaveJob, SaveResult, file_header
 from ._tiers import CopyPlan
-from ._write import ABORT, END
+from ._write import ABORT, END, Segment
 from .errors import InvalidArgumentError, SaveError, StorageError
 from .format import limits
 from .format.jsonio import loads_strict
@@ -147,22 +150,23 @@ class RamTier:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def mirror(self) -> RamMirror | None:
-        """A copy of the next async save into this tier, written from its staged blocks; None
-        for a rank's share, which ``saved`` copies from the directory instead (the staged
-        blocks of a collective save are not one rank's files)."""
-        return RamMirror(self) if self.rank is None else None
+    def mirror(self) -> RamMirror:
+        """A copy of the next async save into this tier, written from its staged copy (in a
+        distributed job, this rank's files of it)."""
+        return RamMirror(self)
 
     def saved(
         self, src: Storage, name: str, *, files: Callable[[str], bool] | None, teed: bool
     ) -> None:
-        """Checkpoint ``name`` was just committed in ``src``: keep it here. A rank's share
-        (``files``) is copied in the background, on every rank. In a single process the copy
-        came from the staging when ``teed`` (an async save; a preemption's synchronous save is
-        not copied either: the job stops next), else it is made now."""
+        """Checkpoint ``name`` was just committed in ``src``: keep it here. When ``teed`` (an
+        async save) its mirror already did, from the staged copy. A synchronous save is copied
+        now in a single process (a preemption's is not copied either: the job stops next), and
+        a rank's share (``files``) in the background, on every rank."""
+        if teed:
+            return
         if self.rank is not None:
             self.copy_in_background(src, name, files=files)
-        elif not teed:
+        else:
             self.copy_in(src, name)
 
     def copy_in(self, src: Storage, name: str, files: Callable[[str], bool] | None = None) -> None:
@@ -403,46 +407,60 @@ class _Tee:
 
 
 class RamMirror:
-    """One async save's copy into the RAM tier, written from the save's staged blocks.
+    """One async save's copy into the RAM tier, written from the save's staged copy.
 
-    ``tee(streams)`` (in the caller, before staging) gives the stager queues that feed both
-    writers; ``around(job, save)`` (in the save's background thread) writes the RAM copy beside
-    ``save()``, the disk write and commit, and commits it once the disk checkpoint is committed.
-    Whatever fails here is logged and counted, never raised: the disk save's outcome is the
-    save's outcome.
+    In a single process, ``tee(streams)`` (in the caller, before staging) gives the stager
+    queues that feed both writers, and ``around(job, save)`` (in the save's background thread)
+    writes the RAM copy beside ``save()``, the disk write and commit. In a distributed job,
+    ``feed(make)`` wraps the collective save's stream maker: once the ranks agreed on the plan,
+    this rank's file streams (segments of the staged copy) go to its disk writers and to the
+    RAM writer alike, and ``after(run)`` runs the collective save. Either way the RAM copy is
+    committed once the disk checkpoint is. Whatever fails here is logged and counted, never
+    raised: the disk save's outcome is the save's outcome.
     """
 
     def __init__(self, tier: RamTier) -> None:
         self.tier = tier
-        self.queues: list[queue.SimpleQueue[Any]] = []
-        self._reading = 0  # the queue the writer reads now: the ones from here are not drained
+        self.sources: list[Callable[[], Any]] = []  # per file: its next block or segment
+        self._reading = 0  # the source the writer reads now: the ones from here are not drained
+        self._job: SaveJob | None = None
+        self._thread: threading.Thread | None = None
+        self._out: list[Any] = [None, None]  # staging, failure
 
     def tee(self, streams: list[queue.SimpleQueue[Any]]) -> list[Any]:
-        self.queues = [queue.SimpleQueue() for _ in streams]
-        return [_Tee(s, q) for s, q in zip(streams, self.queues, strict=True)]
+        queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in streams]
+        self.sources = [q.get for q in queues]
+        return [_Tee(s, q) for s, q in zip(streams, queues, strict=True)]
 
     def around(self, job: SaveJob, save: Callable[[], SaveResult]) -> SaveResult:
-        out: list[Any] = [None, None]  # staging, failure
+        self._start(job)
+        return self.after(save)
 
-        def write() -> None:
-            try:
-                out[:] = self._write(job)
-            except BaseException as e:  # never lost: reported as this copy's failure
-                out[:] = [None, e]
-                # Every slab must still come back to the pool (a staging budget waits for it).
-                for q in self.queues[self._reading :]:
-                    _drain(q)
+    def feed(self, make: Callable[[SaveJob], list[list[Any]]]) -> Callable[[SaveJob], Any]:
+        """``make`` (a collective save's streams for a job) that also starts this mirror's
+        writer on the same streams: lists of segments of the staged copy, read twice."""
 
-        thread = threading.Thread(target=write, name="tardigrade-ram-tier", daemon=True)
-        thread.start()
+        def streams(job: SaveJob) -> list[list[Any]]:
+            out = make(job)
+            self.sources = [iter(s).__next__ for s in out]
+            self._start(job)
+            return out
+
+        return streams
+
+    def after(self, save: Callable[[], SaveResult]) -> SaveResult:
+        """Run ``save`` (whose streams feed this mirror); then commit the RAM copy."""
         try:
             result = save()
         except BaseException:
-            thread.join()
-            self._abort(job, out[0])
+            self._join()
+            self._abort()
             raise
-        thread.join()
-        staging, failure = out
+        self._join()
+        job = self._job
+        if job is None:  # nothing was written (a save that wrote no file of this rank's)
+            return result
+        staging, failure = self._out
         if failure is None:
             try:
                 manifest = job.storage.read_bytes(
@@ -455,19 +473,39 @@ class RamMirror:
                 return result
             except Exception as e:
                 failure = e
-        self._abort(job, staging)
+        self._abort()
         self.tier._failed(job.name, failure)
         return result
 
-    def _abort(self, job: SaveJob, staging: str | None) -> None:
-        if staging is not None:
+    def _start(self, job: SaveJob) -> None:
+        self._job = job
+
+        def write() -> None:
             try:
-                self.tier.storage.abort(staging, job.name, job.header["save_id"])
+                self._out[:] = self._write(job)
+            except BaseException as e:  # never lost: reported as this copy's failure
+                self._out[:] = [None, e]
+                # Every slab must still come back to the pool (a staging budget waits for it).
+                for get in self.sources[self._reading :]:
+                    _drain(get)
+
+        self._thread = threading.Thread(target=write, name="tardigrade-ram-tier", daemon=True)
+        self._thread.start()
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def _abort(self) -> None:
+        staging = self._out[0]
+        if self._job is not None and staging is not None:
+            try:
+                self.tier.storage.abort(staging, self._job.name, self._job.header["save_id"])
             except OSError as e:
                 log.warning("tardigrade: cleaning up the RAM tier's %s: %s", staging, e)
 
     def _write(self, job: SaveJob) -> tuple[str | None, BaseException | None]:
-        """Write every file from its queue (each drained to its end, whatever fails, so every
+        """Write every file from its source (each drained to its end, whatever fails, so every
         slab is released); return the staging directory and the first failure."""
         storage = self.tier.storage
         failure: BaseException | None = None
@@ -477,7 +515,7 @@ class RamMirror:
             staging = storage.begin(job.name, job.header["save_id"])
         except BaseException as e:
             failure = e
-        for i, (fp, q) in enumerate(zip(job.plan.files, self.queues, strict=True)):
+        for i, (fp, get) in enumerate(zip(job.plan.files, self.sources, strict=True)):
             self._reading = i
             writer = None
             if failure is None:
@@ -487,18 +525,24 @@ class RamMirror:
                     writer = storage.open_writer(f"{staging}/{job.stored_name(fp.name)}")
                 except BaseException as e:
                     failure = e
+            first = True
             while True:
-                block = q.get()
+                block = get()
                 if block is END or block is ABORT:
                     if block is ABORT and failure is None:
                         failure = SaveError(f"{job.storage.url(job.name)}: staging failed")
                     break
                 try:
                     if failure is None and writer is not None:
+                        if first and isinstance(block, Segment):
+                            # Segments are items' bytes alone (a collective save's): the
+                            # header first, as the disk writer writes it.
+                            writer.write(file_header(fp))
                         writer.write(block.data)
                 except BaseException as e:
                     failure = e
                 finally:
+                    first = False
                     if block.done is not None:
                         block.done()
             self._reading = i + 1
@@ -513,10 +557,10 @@ class RamMirror:
         return staging, failure
 
 
-def _drain(q: queue.SimpleQueue[Any]) -> None:
-    """Release every block left in ``q``, up to its end."""
+def _drain(get: Callable[[], Any]) -> None:
+    """Release every block left in a source, up to its end."""
     while True:
-        block = q.get()
+        block = get()
         if block is END or block is ABORT:
             return
         if block.done is not None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import tardigrade as tg
 from tardigrade import _tiers
+from tardigrade._load import load_from
 from tardigrade.storage import open_root
 from tardigrade.testing import FaultyStorage
 
@@ -221,6 +222,48 @@ def ram_job_rank(rank: int, world: int, local: str, shm: str, last: int) -> dict
     dist.barrier()  # both ranks' copies are committed before either dies
     os.kill(os.getpid(), signal.SIGKILL)
     return report  # never reached
+
+
+def teed_ram_rank(rank: int, world: int, local: str, shm: str) -> dict[str, Any]:
+    """An async save with a RAM tier; training mutates the state as soon as save() returns."""
+    faulty = FaultyStorage(local)  # faulty://1 on both ranks: the directory, its reads logged
+    state = make_state(rank, world, 1.0)
+    name = "step-000000001"
+    with tg.CheckpointManager(faulty.root, state, ram_tier=shm) as mgr:
+        mgr.save(1)
+        set_state(state, rank, 5.0)  # training goes on at once
+        mgr.wait()
+        assert mgr._ram is not None
+        mgr._ram.wait()
+        read_back = [w for op, w in faulty.log if op == "open_reader" and "data-r" in w]
+        stats = mgr.ram_tier_stats
+        assert stats is not None
+        files = sorted(os.listdir(Path(stats.root) / name))
+        # This rank's files from memory, the other's from the directory, every byte verified.
+        ram = mgr._ram
+        tree = load_from(lambda: ram.overlay(name, faulty), name, into=None, verify="all")
+        return {
+            "stored": stats.stored,
+            "failed": stats.failed,
+            "read_back": read_back,
+            "files": files,
+            "values": sorted({float(tree["emb"].min()), float(tree["emb"].max()),
+                              float(tree["w"].min()), float(tree["w"].max())}),
+        }  # fmt: skip
+
+
+def test_each_ranks_ram_copy_is_written_from_its_staged_copy_with_the_values_of_save_time(
+    tmp_path: Path, shm: Path
+) -> None:
+    out = run_ranks(teed_ram_rank, 2, str(tmp_path / "run"), str(shm), timeout=120)
+    for rank, o in enumerate(out):
+        assert o["stored"] == ["step-000000001"] and o["failed"] == 0, out
+        # Not read back from the directory: written from the slabs the save staged.
+        assert o["read_back"] == [], out
+        data = [f for f in o["files"] if f != "manifest.json"]
+        assert data and all(f.startswith(f"data-r{rank:05d}-") for f in data), out
+        assert "manifest.json" in o["files"], out
+        assert o["values"] == [1.0], out  # a copy made before training resumed, not an alias
 
 
 def reports(tmp_path: Path, last: int) -> list[dict[str, Any]]:

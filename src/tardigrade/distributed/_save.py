@@ -384,6 +384,7 @@ def stage_collective(
     path: Any,
     state: Any,
     options: SaveOptions,
+    mirror: Any = None,
 ) -> Callable[[], SaveResult]:
     """The caller's half of an async collective save; returns the half to run in the background.
 
@@ -393,7 +394,8 @@ def stage_collective(
     meets the training's collectives) from the staged copy, and gives the slabs back. A
     failure here is not raised here: it is raised at "begin" on every rank alike, as the
     synchronous save raises it, so no rank is left waiting for a peer that gave up.
-    ``options`` are the save's knobs (``tg.save``'s).
+    ``options`` are the save's knobs (``tg.save``'s). ``mirror``: the manager's RAM tier
+    (``_ramtier.RamMirror``), fed this rank's files from the same staged copy.
     """
     save = _Save(ranks, path, state, options)
     staged = None
@@ -412,7 +414,7 @@ def stage_collective(
         save.begin_payload = fail
     else:
         save.begin_payload = lambda: payload
-        save.make_streams = staged.streams
+        save.make_streams = staged.streams if mirror is None else mirror.feed(staged.streams)
         # Only shapes are needed from here on: holding no live tensor means the background
         # cannot read memory that training mutates, nor keep freed tensors alive.
         for e in entries:
@@ -421,7 +423,7 @@ def stage_collective(
 
     def background() -> SaveResult:
         try:
-            return save.run()
+            return save.run() if mirror is None else mirror.after(save.run)
         finally:
             if staged is not None:
                 staged.release()

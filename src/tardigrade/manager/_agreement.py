@@ -151,7 +151,7 @@ class Agreement(abc.ABC):
         mirror: Any = None,
     ) -> SaveFuture:
         """Start the background save of ``state`` to ``path`` (``mirror``: the RAM tier's
-        writer fed from the same staging copy, one process only)."""
+        writer fed from the same staging copy)."""
 
 
 class SingleProcess(Agreement):
@@ -384,8 +384,9 @@ class RankGroup(Agreement):
         options: SaveOptions,
         mirror: Any = None,
     ) -> SaveFuture:
-        assert mirror is None  # a rank's RAM tier copies from the directory (_record_ok)
-        stage = functools.partial(stage_collective, path=path, state=state, options=options)
+        stage = functools.partial(
+            stage_collective, path=path, state=state, options=options, mirror=mirror
+        )
         fut = saver.save_collective(self.ranks, path, stage)
         assert fut is not None
         return fut

@@ -14,10 +14,11 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._open import manifest_at
-from .errors import StorageError, TardigradeError
+from .errors import CorruptCheckpointError, StorageError, TardigradeError
+from .format.jsonio import dumps, loads_strict
 from .format.manifest import MANIFEST
 from .storage import Storage, open_root, storage_for
 from .storage.base import TMP_PREFIX, Tidied
@@ -25,6 +26,7 @@ from .storage.base import TMP_PREFIX, Tidied
 __all__ = [
     "ABANDONED",
     "ABANDONED_NAME",
+    "ABANDONED_RECORD",
     "COMMITTED",
     "INCOMPLETE",
     "INCOMPLETE_TMP",
@@ -43,6 +45,13 @@ STEP_NAME = re.compile(r"^step-(\d{9,})$")
 ABANDONED = "abandoned"
 INCOMPLETE = "incomplete"
 ABANDONED_NAME = re.compile(rf"^step-(\d{{9,}})\.{ABANDONED}-[0-9T]+(-\d+)?$")
+# Where a store, which cannot rename checkpoints aside, records those restore(step) abandoned:
+# each name with the save id it held then (a step saved again holds another). Hidden: listings
+# of checkpoints pass over it.
+ABANDONED_RECORD = ".abandoned.json"
+
+
+_RECORD_BYTES = 1 << 20  # a record of abandoned checkpoints is a few bytes per checkpoint
 
 
 def step_name(step: int) -> str:
@@ -76,6 +85,15 @@ class Listed:
     created: str | None
     nbytes: int  # bytes of every file under it, as they are in storage
     error: str | None = None
+
+
+class Scan(NamedTuple):
+    """One listing of a root: its committed steps (ascending), its ``step-N`` entries without
+    a manifest, and whether it holds a record of abandoned checkpoints."""
+
+    committed: list[int]
+    uncommitted: list[str]
+    recorded: bool
 
 
 def _deleting_name(name: str) -> str:
@@ -151,11 +169,13 @@ class Catalog:
         """``step-N`` entries without a manifest: saves that never committed, or copies."""
         return self.scan()[1]
 
-    def scan(self) -> tuple[list[int], list[str]]:
+    def scan(self) -> Scan:
         """``steps()`` and ``uncommitted_steps()`` from one listing (a restore needs both, and
-        on a store each listing and each step's stat is a request)."""
+        on a store each listing and each step's stat is a request), and whether a record of
+        abandoned checkpoints is there."""
         committed, uncommitted = [], []
-        for n in self.names():
+        names = self.names()
+        for n in names:
             m = STEP_NAME.match(n)
             if m is None:
                 continue
@@ -163,7 +183,7 @@ class Catalog:
                 committed.append(int(m.group(1)))
             else:
                 uncommitted.append(n)
-        return sorted(committed), uncommitted
+        return Scan(sorted(committed), uncommitted, ABANDONED_RECORD in names)
 
     def size(self, name: str) -> int:
         """Bytes of every object under ``name``, recursively (one definition for ls and gc)."""
@@ -234,6 +254,36 @@ class Catalog:
             aside = f"{stem}-{n}"
         self.storage.move(name, aside)
         return aside
+
+    def save_id(self, name: str) -> str | None:
+        """The save id of committed checkpoint ``name`` (None for a manifest without one)."""
+        save_id = manifest_at(self.storage, name).raw.get("save_id")
+        return save_id if isinstance(save_id, str) else None
+
+    def abandoned(self) -> dict[str, str]:
+        """The checkpoints recorded as abandoned here (``ABANDONED_RECORD``): name -> save id.
+        Raises CorruptCheckpointError for a record that is not one."""
+        if self.storage.stat(ABANDONED_RECORD) is None:
+            return {}
+        where = self.path(ABANDONED_RECORD)
+        doc = loads_strict(self.storage.read_bytes(ABANDONED_RECORD, _RECORD_BYTES), where)
+        saves = doc.get("abandoned") if isinstance(doc, dict) else None
+        if not isinstance(saves, dict) or not all(
+            STEP_NAME.match(k) and isinstance(v, str) for k, v in saves.items()
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: not a record of abandoned checkpoints ({{'abandoned': {{step name: "
+                "save id}}); delete it to restore the newest checkpoint again"
+            )
+        return dict(saves)
+
+    def record_abandoned(self, saves: Mapping[str, str]) -> None:
+        """Replace the record of abandoned checkpoints (removed when ``saves`` is empty)."""
+        if saves:
+            body = dumps({"abandoned": dict(sorted(saves.items()))})
+            self.storage.put(ABANDONED_RECORD, body, mode="overwrite")
+        elif self.storage.stat(ABANDONED_RECORD) is not None:
+            self.storage.delete(ABANDONED_RECORD)
 
     def retire(self, name: str) -> None:
         """Delete checkpoint ``name``, so that no crash leaves it half-deleted in view: out of

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import tardigrade.manager._checkpoint_manager as manager_mod
 from tardigrade.errors import SaveError
 from tardigrade.format import limits
 from tardigrade.format.jsonio import dumps
+from tardigrade.storage import open_root
 
 CHILD_TIMEOUT = 60
 
@@ -43,6 +46,68 @@ def mark(state: dict[str, Any], value: int) -> None:
 
 def weight(mgr: tg.CheckpointManager, step: int) -> float:
     return float(mgr.load(step, keys=["model"])["model"]["weight"][0, 0])
+
+
+@pytest.mark.s3
+def test_a_crash_after_restore_step_resumes_the_new_timeline_on_a_store(s3_env: Any) -> None:
+    """A store cannot rename the abandoned checkpoints aside: restore(step) records them (by
+    save id) in the store, and a restore after a crash passes over them."""
+    url = f"s3://{s3_env.bucket}/timeline-{uuid.uuid4().hex[:12]}"
+    state = make_state()
+    with tg.CheckpointManager(url, state) as mgr:
+        for s in (100, 200, 300):
+            mark(state, s)
+            mgr.save(s)
+    child = subprocess.run(
+        [sys.executable, "-c", CRASH_AFTER_BRANCH, url, "1.0"],  # a 1 s lease on the store
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    root = open_root(url)
+    assert ".abandoned.json" in root.list()
+    time.sleep(1.5)  # the dead writer's lease expires: the lease itself is not what is tested
+    state = make_state()
+    with tg.CheckpointManager(url, state, every_steps=50) as mgr:
+        assert mgr.restore() == 150
+        assert state["step"] == 150
+        assert mgr.steps() == [100, 150, 200, 300]  # in place, passed over
+        mark(state, 200)
+        assert mgr.step(200) is True  # replaces the abandoned step 200, no force needed
+        mgr.wait()
+        assert weight(mgr, 200) == 200.0
+        mark(state, 350)
+        assert mgr.step(350) is True  # past the abandoned step 300: it is deleted
+        mgr.wait()
+        assert mgr.steps() == [100, 150, 200, 350]
+    assert ".abandoned.json" not in root.list()  # nothing is abandoned any more
+    state = make_state()
+    with tg.CheckpointManager(url, state) as mgr:
+        assert mgr.restore() == 350
+    root.delete("")
+
+
+@pytest.mark.parametrize("record", [b"{not json", b'{"abandoned": {"../x": 1}}'])
+def test_a_damaged_record_of_abandoned_checkpoints_is_reported_and_the_newest_restored(
+    record: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = f"memory://timeline-{uuid.uuid4().hex[:12]}/run"
+    state = make_state()
+    with tg.CheckpointManager(url, state) as mgr:
+        for s in (1, 2):
+            mark(state, s)
+            mgr.save(s)
+    root = open_root(url)
+    root.put(".abandoned.json", record, mode="overwrite")
+    state = make_state()
+    with tg.CheckpointManager(url, state) as mgr:
+        assert mgr.restore() == 2 and state["step"] == 2
+    assert any(
+        f"{url}/.abandoned.json" in r.getMessage() and "restoring the newest" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    root.delete("")
 
 
 def dense_table(n: int) -> dict[str, list[int]]:
@@ -147,7 +212,8 @@ CRASH_AFTER_BRANCH = textwrap.dedent(
 
     torch.manual_seed(0)
     state = {"model": nn.Linear(4, 3), "step": 0, "table": {}}
-    mgr = tg.CheckpointManager(sys.argv[1], state)
+    lease = {"lock_lease_seconds": float(sys.argv[2])} if len(sys.argv) > 2 else {}
+    mgr = tg.CheckpointManager(sys.argv[1], state, **lease)
     assert mgr.restore(step=100) == 100
     with torch.no_grad():
         state["model"].weight.fill_(150.0)

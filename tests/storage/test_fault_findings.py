@@ -207,7 +207,14 @@ def test_a_failed_listing_after_a_save_is_logged(
         mgr.save(1)
         faulty.fail("list", error="EIO")  # the listing for abandoned checkpoints to remove
         assert mgr.save(2) is True
-    assert any("could not list" in r.getMessage() for r in caplog.records)
+        fired = list(faulty.injected)
+        faulty.heal()
+    if faulty.inner.can_move:
+        assert fired and any("could not list" in r.getMessage() for r in caplog.records)
+    else:
+        # A store holds no checkpoint set aside (it cannot rename), and no record of abandoned
+        # ones here: a save lists nothing for them (one request less per save).
+        assert fired == []
 
 
 # -- a manager's preflight on a store --------------------------------------------------------
@@ -258,8 +265,9 @@ def test_a_failed_retention_listing_does_not_count_a_committed_save_as_failed(
     state = make_state(1.0)
     with tg.CheckpointManager(faulty.root, state, keep_last=1, async_save=False) as mgr:
         mgr.save(1)
-        # After step 2 commits: the listing for abandoned checkpoints, then retention's.
-        faulty.fail("list", nth=2, error="EIO")
+        # After step 2 commits: the listing for abandoned checkpoints (on a directory, where
+        # they are set aside), then retention's.
+        faulty.fail("list", nth=2 if faulty.inner.can_move else 1, error="EIO")
         assert mgr.save(2) is True
         assert [(s.step, s.ok) for s in mgr.stats] == [(1, True), (2, True)]
         assert mgr.steps() == [1, 2]  # nothing deleted this time

@@ -18,7 +18,15 @@ from contextlib import nullcontext
 from typing import Any
 
 from .._async import AsyncCheckpointer, StagingReservation
-from .._catalog import ABANDONED, ABANDONED_NAME, INCOMPLETE, Catalog, step_in_name, step_name
+from .._catalog import (
+    ABANDONED,
+    ABANDONED_NAME,
+    ABANDONED_RECORD,
+    INCOMPLETE,
+    Catalog,
+    step_in_name,
+    step_name,
+)
 from .._load import load
 from .._match import Key
 from .._open import open_manifest
@@ -257,6 +265,9 @@ class CheckpointManager:
         # them to step-N.abandoned-*); each is replaced (once) when this run saves that step
         # again, and none of them counts for retention.
         self._abandoned: set[int] = set()
+        # On a store: whether its record of abandoned checkpoints may list some (read or
+        # written by this manager's restore), to update as this run saves past them.
+        self._recorded = False
         self._pending = PendingSaves()
         self._loading: set[int] = set()
         self._metric_cache: dict[int, float | None] = {}
@@ -627,7 +638,7 @@ class CheckpointManager:
     def _candidates_here(self, step: int | None) -> dict[str, list[int]]:
         """Clean up, then the committed steps and those ``restore(step)`` tries, newest first."""
         self._remove_leftovers()
-        committed, uncommitted = self._catalog.scan()
+        committed, uncommitted, recorded = self._catalog.scan()
         if step is not None:
             if step not in committed:
                 raise CheckpointNotFoundError(
@@ -642,7 +653,8 @@ class CheckpointManager:
                 "if this run saves that step again",
                 self._catalog.path(n),
             )
-        return {"steps": committed, "candidates": committed[::-1]}
+        skip = self._recorded_here(committed) if recorded else set()
+        return {"steps": committed, "candidates": [s for s in committed[::-1] if s not in skip]}
 
     def _live_touched(self, e: BaseException) -> bool:
         """Whether a failed restore of one candidate changed the live state (on any rank).
@@ -1034,13 +1046,16 @@ class CheckpointManager:
         On disk, so that a crash before this run saves again resumes from the new timeline,
         not from the newest checkpoint of the abandoned one. Each ``step-N.abandoned-*`` is
         deleted once this run commits a step at or above N (as saving step N again would
-        replace it). Returns the steps that could not be moved (kept in memory instead: an
-        object store cannot rename, so there a crash before this run saves those steps again
-        resumes from the abandoned timeline).
+        replace it). Returns the steps that could not be moved (kept in memory instead). An
+        object store cannot rename: there they stay in place, recorded by save id in the
+        store's ``.abandoned.json``, which ``restore()`` reads (``_record_abandoned``).
         """
         later = [x for x in committed if x > step]
         if not self._lock.held or not self._still_ours("setting abandoned checkpoints aside"):
             return later
+        if not self._catalog.storage.can_move:
+            self._record_abandoned(step, later)
+            return later  # they stay in place: still this run's to replace or pass over
         left = []
         for x in later:
             try:
@@ -1065,8 +1080,102 @@ class CheckpointManager:
             )
         return left
 
+    def _record_abandoned(self, step: int, later: list[int]) -> None:
+        """On a store: record ``later`` (above the restored ``step``) as abandoned, each with
+        the save id it holds, so that a restore after a crash passes over them."""
+        names = [step_name(x) for x in later]
+        try:
+            saves = self._catalog.abandoned()
+            saves.update({n: self._catalog.save_id(n) or "" for n in names})
+            self._catalog.record_abandoned(saves)
+        except (OSError, TardigradeError) as e:
+            log.warning(
+                "tardigrade: could not record %s as abandoned in %s (%s); a crash before this "
+                "run saves step %d again would resume from it",
+                names,
+                self.directory,
+                e,
+                later[-1],
+            )
+            return
+        self._recorded = True
+        log.warning(
+            "tardigrade: restore(%d) began a new timeline: recorded %s as abandoned in %s "
+            "(each deleted once this run saves its step or a later one)",
+            step,
+            names,
+            self._catalog.path(ABANDONED_RECORD),
+        )
+
+    def _recorded_here(self, committed: list[int]) -> set[int]:
+        """On a store whose listing shows a record of abandoned checkpoints: the committed
+        steps it says ``restore(step)`` abandoned (still holding the save then recorded);
+        ``restore()`` passes over them."""
+        if self._catalog.storage.can_move:
+            return set()
+        try:
+            saves = self._catalog.abandoned()
+            skip = set()
+            for name, save_id in saves.items():
+                s = step_in_name(name)
+                if s in committed and self._catalog.save_id(name) == save_id:
+                    skip.add(s)
+        except (OSError, TardigradeError) as e:
+            log.warning(
+                "tardigrade: could not read which checkpoints of %s a restore(step) abandoned "
+                "(%s); restoring the newest of any timeline",
+                self.directory,
+                e,
+            )
+            return set()
+        self._recorded = bool(saves)
+        for s in sorted(skip, reverse=True):
+            log.warning(
+                "tardigrade: skipping checkpoint %s: an earlier run's restore(step) abandoned "
+                "its timeline (recorded in %s); deleted once this run saves past it",
+                self.path(s),
+                self._catalog.path(ABANDONED_RECORD),
+            )
+        return skip
+
+    def _drop_recorded(self, step: int) -> None:
+        """On a store: delete the recorded abandoned checkpoints that this run has now saved
+        past (``step`` committed) and drop them from the record; a step saved again holds
+        this run's save, which stays."""
+        try:
+            saves = self._catalog.abandoned()
+            left = {}
+            for name, save_id in saves.items():
+                s = step_in_name(name)
+                if s is not None and s > step:
+                    left[name] = save_id
+                    continue
+                theirs = self._catalog.committed(name) and self._catalog.save_id(name) == save_id
+                if theirs and not (
+                    self._still_ours("removing " + name)
+                    and self._remove(
+                        name, "a step of an abandoned timeline, saved past by this run"
+                    )
+                ):
+                    left[name] = save_id
+            if left != saves:
+                self._catalog.record_abandoned(left)
+            self._recorded = bool(left)
+        except (OSError, TardigradeError) as e:
+            log.warning(
+                "tardigrade: could not remove the abandoned checkpoints that step %d passed in "
+                "%s (tried again after the next save): %s",
+                step,
+                self.directory,
+                e,
+            )
+
     def _drop_abandoned(self, step: int) -> None:
         """Delete the abandoned checkpoints this run has now saved past (``step`` committed)."""
+        if not self._catalog.storage.can_move:
+            if self._recorded:
+                self._drop_recorded(step)
+            return
         try:
             names = self._catalog.names()
         except OSError as e:

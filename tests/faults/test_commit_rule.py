@@ -53,18 +53,7 @@ def test_a_crash_after_restore_step_resumes_the_new_timeline_on_a_store(s3_env: 
     """A store cannot rename the abandoned checkpoints aside: restore(step) records them (by
     save id) in the store, and a restore after a crash passes over them."""
     url = f"s3://{s3_env.bucket}/timeline-{uuid.uuid4().hex[:12]}"
-    state = make_state()
-    with tg.CheckpointManager(url, state) as mgr:
-        for s in (100, 200, 300):
-            mark(state, s)
-            mgr.save(s)
-    child = subprocess.run(
-        [sys.executable, "-c", CRASH_AFTER_BRANCH, url, "1.0"],  # a 1 s lease on the store
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT,
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr
+    crash_after_branch(url, "1.0")  # a 1 s lease on the store
     root = open_root(url)
     assert ".abandoned.json" in root.list()
     time.sleep(1.5)  # the dead writer's lease expires: the lease itself is not what is tested
@@ -225,19 +214,25 @@ CRASH_AFTER_BRANCH = textwrap.dedent(
 )
 
 
-def test_a_crash_after_restore_step_resumes_the_new_timeline(tmp_path: Path) -> None:
+def crash_after_branch(location: str, *args: str) -> None:
+    """Steps 100, 200 and 300 saved at ``location``; then a process restores step 100, saves
+    step 150 and is killed (``CRASH_AFTER_BRANCH``, given ``args`` after the location)."""
     state = make_state()
-    with tg.CheckpointManager(tmp_path, state) as mgr:
+    with tg.CheckpointManager(location, state) as mgr:
         for s in (100, 200, 300):
             mark(state, s)
             mgr.save(s)
     child = subprocess.run(
-        [sys.executable, "-c", CRASH_AFTER_BRANCH, str(tmp_path)],
+        [sys.executable, "-c", CRASH_AFTER_BRANCH, location, *args],
         capture_output=True,
         text=True,
         timeout=CHILD_TIMEOUT,
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
+
+
+def test_a_crash_after_restore_step_resumes_the_new_timeline(tmp_path: Path) -> None:
+    crash_after_branch(str(tmp_path))
     state = make_state()
     with tg.CheckpointManager(tmp_path, state, every_steps=50) as mgr:
         assert mgr.restore() == 150

@@ -98,6 +98,16 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
+def check_dims(shape: Any, path: tuple[Any, ...], what: str = "tensor") -> None:
+    """Refuse up front a shape no reader accepts (the format's dimension limit)."""
+    if len(shape) > limits.MAX_DIMS:
+        raise UnsupportedTypeError(
+            f"{path_str(path)}: {what} has {len(shape)} dimensions; a checkpoint holds at most "
+            f"{limits.MAX_DIMS}. Reshape it (e.g. flatten the leading dimensions) before saving "
+            "and restore the shape after loading."
+        )
+
+
 def tensor_dtype_name(t: torch.Tensor, path: tuple[Any, ...]) -> str:
     name = DTYPE_NAMES.get(t.dtype)
     if name is None:
@@ -413,6 +423,7 @@ class _Flattener:
 
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
         t = t.detach()
+        check_dims(t.shape, path)
         if t.layout in SPARSE_NAMES:
             return self.sparse(t, path)
         node: dict[str, Any] = {"t": "tensor"}
@@ -463,6 +474,7 @@ class _Flattener:
         assert found is not None
         local, box = found
         local = local.detach()
+        check_dims(local.shape, path, "sharded tensor")
         if local.is_complex() or local.layout != torch.strided:
             raise UnsupportedTypeError(
                 f"{path_str(path)}: a sharded tensor must be dense and real (got "
@@ -514,6 +526,7 @@ class _Flattener:
                 f"{path_str(path)}: numpy dtype {a.dtype} cannot be stored (supported: native-"
                 f"endian {', '.join(str(d) for d in NUMPY_DTYPES.values())})."
             )
+        check_dims(a.shape, path, "array")
         # np.ascontiguousarray would turn a 0-d array into shape (1,)
         t = torch.from_numpy(a if a.flags.c_contiguous else a.copy(order="C"))
         node = {"t": "ndarray", "e": self.new_entry(t, name, path, numpy=True)}

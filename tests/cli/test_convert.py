@@ -365,3 +365,106 @@ def test_a_wrong_from_names_what_it_needs(
     assert rc == 2 and f"{tmp_path}: no .safetensors file here" in err
     rc, _, err = cli(capsys, "convert", src, dest(), "--from", "dcp")
     assert rc == 2 and "--from dcp needs a DCP checkpoint directory" in err
+
+
+def outside_and_source(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder SOURCE and a file with secret tensors beside it (never to be converted)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    save_file({"secret": torch.full((3,), 7.0)}, outside / "x.safetensors")
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": torch.ones(2)}, src / "model-1.safetensors")
+    return outside, src
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_a_safetensors_index_cannot_name_a_file_outside_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    outside, src = outside_and_source(tmp_path)
+    named = {
+        "dotdot": "../outside/x.safetensors",
+        "absolute": str(outside / "x.safetensors"),
+        "symlink": "link.safetensors",
+    }[how]
+    if how == "symlink":
+        (src / "link.safetensors").symlink_to(outside / "x.safetensors")
+    weight_map = {"w": "model-1.safetensors", "secret": named}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    out = dest()
+    rc, _, err = cli(capsys, "convert", src, out)
+    assert rc == 1
+    assert f"{src}/model.safetensors.index.json: names" in err and "Refusing to read it" in err
+    with pytest.raises(tg.CheckpointNotFoundError):
+        tg.load(out)
+
+
+def test_a_folder_symlink_leading_out_is_refused_without_an_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    outside, src = outside_and_source(tmp_path)
+    (src / "z.safetensors").symlink_to(outside / "x.safetensors")
+    rc, _, err = cli(capsys, "convert", src, dest(), "--from", "safetensors")
+    assert rc == 1 and "a symbolic link that leads out of" in err
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute"])
+def test_a_dcp_metadata_cannot_name_a_file_outside_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    outside, src = tmp_path / "outside", tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.full((2,), 7.0)}, checkpoint_id=str(outside), no_dist=True)
+        dcp.save({"w": torch.ones(2)}, checkpoint_id=str(src), no_dist=True)
+    (far,) = outside.glob("*.distcp")
+    # Only DCP's own classes, so the unpickler's allow-list passes: the path is the attack.
+    metadata = pickle.loads((src / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = f"../outside/{far.name}" if how == "dotdot" else str(far)
+    (src / ".metadata").write_bytes(pickle.dumps(metadata))
+    out = dest()
+    rc, _, err = cli(capsys, "convert", src, out)
+    assert rc == 1
+    assert f"{src}/.metadata: names" in err and "not a relative path inside" in err
+    with pytest.raises(tg.CheckpointNotFoundError):
+        tg.load(out)
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_a_fifo_in_place_of_a_file_is_refused_not_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], link: bool
+) -> None:
+    import os
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    fifo = src / ("pipe" if link else "model.safetensors")
+    os.mkfifo(fifo)
+    if link:  # a link inside SOURCE to a FIFO inside it
+        (src / "model.safetensors").symlink_to(fifo)
+    rc, _, err = cli(capsys, "convert", src, dest())
+    assert rc == 1 and "not a regular file" in err
+    # SOURCE itself a FIFO, with and without --from.
+    for extra in ([], ["--from", "safetensors"], ["--from", "torch"]):
+        rc, _, err = cli(capsys, "convert", fifo, dest(), *extra)
+        assert rc == 1 and "not a regular file" in err, err
+
+
+def test_a_tensor_of_more_than_64_dimensions_is_refused_up_front(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    deep = torch.ones([1] * 65)
+    with pytest.raises(tg.UnsupportedTypeError, match=r"state\['model'\]\['w'\]: tensor has 65"):
+        tg.save(tmp_path / "a", {"model": {"w": deep}})
+    with pytest.raises(tg.UnsupportedTypeError, match=r"state\['s'\]: sharded tensor has 65"):
+        tg.save(tmp_path / "b", {"s": tg.Sharded(deep, [0] * 65, [1] * 65)})
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    torch.save({"model": {"w": deep}}, tmp_path / "deep.pt")
+    rc, _, err = cli(capsys, "convert", tmp_path / "deep.pt", dest())
+    assert rc == 1 and "state['model']['w']: tensor has 65 dimensions" in err

@@ -21,6 +21,7 @@ import json
 import os
 import pickle
 import re
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,52 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def inside(source: str, name: object, named_by: str) -> str:
+    """The path of file ``name`` that ``named_by`` (a foreign index) names, refused unless it is
+    a regular file inside ``source``.
+
+    Indexes come from other tools and may be hostile: an absolute path, a ``..`` or a symlink
+    leading out would convert some other file's tensors, and a FIFO would hang the read.
+    """
+    if (
+        not isinstance(name, str)
+        or not name
+        or "\x00" in name
+        or os.path.isabs(name)
+        or ".." in name.replace("\\", "/").split("/")
+    ):
+        raise CorruptCheckpointError(
+            f"{named_by}: names the file {name!r}, which is not a relative path inside "
+            f"{source}; an index may only name files of its own checkpoint. Refusing to read it."
+        )
+    path = os.path.join(source, name)
+    root = os.path.realpath(source)
+    real = os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root:
+        raise CorruptCheckpointError(
+            f"{named_by}: names {name!r}, a symbolic link that leads out of {source} (to "
+            f"{real}); an index may only name files of its own checkpoint. Refusing to read it."
+        )
+    if os.path.lexists(path):  # a missing file is each reader's to report, with what to do
+        regular_file(path)
+    return path
+
+
+def regular_file(path: str) -> None:
+    """Refuse anything but a regular file (a FIFO or a device would hang or never end)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{path}: no such file; is the checkpoint complete?"
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsupportedFormatError(
+            f"{path}: not a regular file (mode {stat.filemode(st.st_mode)}); convert reads "
+            "regular files only. Replace it with the file itself."
+        )
+
+
 def detect(source: str) -> str:
     """The kind of checkpoint at ``source``: ``torch``, ``dcp`` or ``safetensors``."""
     looked_for = (
@@ -103,7 +150,8 @@ def detect(source: str) -> str:
             f"{source}: cannot tell what this directory holds; expected {looked_for}. "
             "Name the kind with --from torch|dcp|safetensors."
         )
-    if os.path.isfile(source):
+    if os.path.exists(source):
+        regular_file(source)
         if source.endswith(".safetensors"):
             return "safetensors"
         with open(source, "rb") as f:
@@ -212,6 +260,15 @@ def read_dcp(source: str) -> tuple[Any, dict[str, Any]]:
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
+        def set_up_storage_reader(self, metadata: Metadata, *args: Any, **kwargs: Any) -> None:
+            # Here, not in read_metadata: DCP takes any error there for a missing file and
+            # falls back to other metadata files; an error here reaches the user.
+            named_by = os.path.join(source, DCP_METADATA)
+            for info in (metadata.storage_data or {}).values():
+                rel = getattr(info, "relative_path", None)
+                inside(source, os.fspath(rel) if isinstance(rel, os.PathLike) else rel, named_by)
+            super().set_up_storage_reader(metadata, *args, **kwargs)
+
     class Planner(_EmptyStateDictLoadPlanner):
         # DCP unpickles non-tensor values with weights_only=False; plain values load without.
         def load_bytes(self, read_item: Any, value: Any) -> None:
@@ -262,20 +319,20 @@ def safetensors_files(source: str, *, required: bool = True) -> list[str]:
                 f"{index}: not a safetensors index (a JSON object with a 'weight_map' of "
                 f"tensor name -> file): {e}"
             ) from None
-        missing = [n for n in names if not os.path.isfile(os.path.join(source, n))]
+        missing = [n for n in names if not os.path.lexists(os.path.join(source, str(n)))]
         if missing:
             raise CheckpointNotFoundError(
                 f"{source}: {SAFETENSORS_INDEX} names shard(s) that are not there: "
-                f"{', '.join(missing)}; download every shard, then convert again"
+                f"{', '.join(map(str, missing))}; download every shard, then convert again"
             )
-        return [os.path.join(source, n) for n in names]
+        return [inside(source, n, index) for n in names]
     files = sorted(n for n in os.listdir(source) if n.endswith(".safetensors"))
     if not files and required:
         raise InvalidArgumentError(
             f"{source}: no .safetensors file here (looked for model.safetensors, "
             f"{SAFETENSORS_INDEX} and *.safetensors)"
         )
-    return [os.path.join(source, n) for n in files]
+    return [inside(source, n, f"{source} (its .safetensors files)") for n in files]
 
 
 def read_safetensors(source: str) -> tuple[Any, dict[str, Any]]:
@@ -344,6 +401,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--step {args.step}: give a non-negative step")
     if not os.path.exists(source):
         detect(source)  # raises the not-found error
+    if not os.path.isdir(source):
+        regular_file(source)
     kind = args.kind or detect(source)
     quiet = args.json or args.quiet
     with ReadProgress(source_bytes(source), f"read {kind}", enabled=not quiet):

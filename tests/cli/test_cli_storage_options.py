@@ -162,3 +162,34 @@ def test_the_installed_command_takes_storage_options(root: str, s3_server: S3Ser
     )
     assert done.returncode == 0, done.stderr
     assert "step-000000020" in done.stdout and "2 committed" in done.stdout
+
+
+def test_secret_option_values_are_never_echoed(capsys: pytest.CaptureFixture[str]) -> None:
+    secret = "hunter2-AKIAsecretvalue"
+    rc, out, err = cli(
+        capsys,
+        "ls",
+        "s3://bucket/x",
+        f"--storage-option=secret_access_key={secret}",
+        "--storage-option=secret_access_key=other-value",
+    )
+    assert rc == 2 and "secret_access_key is given twice" in err
+    assert secret not in err + out and "other-value" not in err + out
+    for bad in (f"secret_access_key:{secret}", f"session_token {secret}", f"password{secret}"):
+        rc, out, err = cli(capsys, "ls", "s3://bucket/x", "--storage-option", bad)
+        assert rc == 2 and "expected KEY=VALUE" in err and "not shown" in err, err
+        assert secret not in err + out
+    rc, out, err = cli(capsys, "ls", "s3://bucket/x", f"--storage-option=access_key_id=a\n{secret}")
+    assert rc == 2 and "access_key_id is not valid credential text" in err
+    assert secret not in err + out
+
+
+def test_a_malformed_endpoint_is_a_usage_error_without_a_traceback(
+    capsys: pytest.CaptureFixture[str], no_aws_env: None
+) -> None:
+    rc, _out, err = cli(
+        capsys, "ls", "s3://bucket/x", "--storage-option", "endpoint=http://127.0.0.1:99999"
+    )
+    assert rc == 2, err
+    assert "Traceback" not in err and "panicked" not in err
+    assert "endpoint='http://127.0.0.1:99999' is not a valid S3 endpoint" in err

@@ -367,13 +367,16 @@ def test_an_unknown_storage_option_lists_the_known_ones() -> None:
         InvalidArgumentError, match=r"(?s)unknown storage option 'endpont'.*endpoint: URL"
     ):
         S3Storage("s3://bucket/prefix", {"endpont": "http://x"})
-    with pytest.raises(InvalidArgumentError, match=r"part_bytes=1024 is below S3's minimum"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"part_bytes=1024: give a whole number >= 5242880 \(S3's minimum",
+    ):
         S3Storage("s3://bucket/prefix", {"part_bytes": 1024})
     with pytest.raises(InvalidArgumentError, match=r"name a bucket"):
         open_root("s3:///prefix")
     with pytest.raises(InvalidArgumentError, match=r"name a bucket and an optional prefix"):
         open_root("s3://bucket/prefix?versionId=3")
-    with pytest.raises(InvalidArgumentError, match=r"connect_timeout=0: a number of seconds"):
+    with pytest.raises(InvalidArgumentError, match=r"connect_timeout=0: give a number of seconds > 0"):
         S3Storage("s3://bucket/prefix", {"connect_timeout": 0})
 
 

@@ -151,3 +151,102 @@ def test_wrong_credentials_fail_naming_the_url(root: str, s3_server: S3Server) -
         tg.CheckpointManager(root, state(), storage_options=bad)
     assert root in str(e.value)
     assert not open_root(root, good).exists("new")  # nothing was written
+
+
+BAD_OPTIONS = [
+    ({"endpoint": "http://127.0.0.1:99999"}, "endpoint='http://127.0.0.1:99999' is not a valid"),
+    ({"endpoint": "http://[::1"}, "endpoint='http://[::1' is not a valid S3 endpoint"),
+    ({"endpoint": "http://a b:80"}, "is not a valid S3 endpoint (it holds a space"),
+    ({"endpoint": "ftp://host"}, "does not start with http:// or https://"),
+    ({"region": "us east"}, "region='us east' is not a region name"),
+    ({"max_retries": "abc"}, "max_retries='abc': give a whole number >= 0"),
+    ({"part_bytes": "abc"}, "part_bytes='abc': give a whole number >= 5242880"),
+    ({"part_bytes": 1024}, "part_bytes=1024: give a whole number >= 5242880"),
+    ({"parts_in_flight": "x"}, "parts_in_flight='x': give a whole number"),
+    ({"range_bytes": 1.5}, "range_bytes=1.5: give a whole number"),
+    ({"gc_grace_seconds": "abc"}, "gc_grace_seconds='abc': give a number of seconds >= 0"),
+    ({"read_timeout": "soon"}, "read_timeout='soon': give a number of seconds > 0"),
+    ({"access_key_id": "a\nb"}, "access_key_id is not valid credential text"),
+]
+
+
+@pytest.mark.parametrize(("options", "message"), BAD_OPTIONS)
+def test_malformed_s3_options_raise_tardigrade_errors_naming_the_url_and_option(
+    options: dict[str, Any], message: str, no_aws_env: None, tmp_path: Path
+) -> None:
+    """Every entry point: no Rust panic (a BaseException), no bare ValueError."""
+    url = "s3://bucket/run"
+    calls = [
+        lambda: tg.save(f"{url}/step-1", state(), storage_options=options),
+        lambda: tg.save(f"{url}/step-1", state(), async_=True, storage_options=options),
+        lambda: tg.load(f"{url}/step-1", storage_options=options),
+        lambda: tg.CheckpointManager(url, state(), storage_options=options),
+        lambda: tg.CheckpointManager(
+            tmp_path / "local", state(), upload_to=url, upload_storage_options=options
+        ),
+    ]
+    for call in calls:
+        try:
+            call()
+        except BaseException as e:  # a panic is a BaseException: catch it to fail clearly
+            assert isinstance(e, InvalidArgumentError), f"{type(e).__mro__}: {e}"
+            assert url in str(e) and message in str(e), str(e)
+        else:
+            raise AssertionError("no error")
+
+
+def test_the_endpoint_from_the_environment_is_checked_naming_the_variable(
+    no_aws_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:99999")
+    with pytest.raises(InvalidArgumentError, match="environment variable AWS_ENDPOINT_URL="):
+        tg.load("s3://bucket/run/step-1")
+
+
+def test_a_client_panic_becomes_a_tardigrade_error_naming_the_url(
+    root: str, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The boundary itself: whatever configuration the checks miss, a panic of the Rust
+    client never escapes as a BaseException."""
+    import obstore
+
+    opts = s3_server.options()
+    tg.save(f"{root}/ok", state(), storage_options=opts)
+    panic = type(_a_panic())
+
+    def panics(*args: Any, **kwargs: Any) -> Any:
+        raise panic("request valid: InvalidUri(InvalidUri(InvalidUriChar))")
+
+    monkeypatch.setattr(obstore, "head", panics)
+    with pytest.raises(InvalidArgumentError, match="the S3 client rejected its configuration"):
+        tg.load(f"{root}/ok", storage_options=opts)
+
+
+def _a_panic() -> BaseException:
+    """An instance of pyo3's PanicException (not importable: taken from a real panic)."""
+    import obstore.store
+
+    store = obstore.store.S3Store("b", endpoint="http://127.0.0.1:99999", access_key_id="k",
+                                  secret_access_key="s", region="r", allow_http=True)  # fmt: skip
+    try:
+        obstore.head(store, "x")
+    except BaseException as e:
+        assert type(e).__name__ == "PanicException", type(e)
+        return e
+    raise AssertionError("no panic")
+
+
+def test_no_credentials_at_all_is_said_in_plain_words(root: str, s3_server: S3Server) -> None:
+    opts = {"endpoint": s3_server.endpoint, "region": "us-east-1", "allow_http": True}
+    with pytest.raises(StorageError) as e:
+        tg.save(f"{root}/step-1", state(), storage_options=opts)
+    text = str(e.value)
+    assert "no S3 credentials found" in text, text
+    assert "access_key_id" in text and "AWS_ACCESS_KEY_ID" in text
+
+
+@pytest.mark.parametrize("url", ["memory://grace/run", "tgfs://grace/run"])
+def test_every_backend_checks_its_grace_period(url: str) -> None:
+    # tgfs:// is fsspec's memory filesystem, registered by tests/storage/conftest.py.
+    with pytest.raises(InvalidArgumentError, match=rf"{url}: storage option gc_grace_seconds="):
+        tg.save(f"{url}/step-1", state(), storage_options={"gc_grace_seconds": "soon"})

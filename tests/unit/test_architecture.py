@@ -65,7 +65,10 @@ ALLOWED: dict[str, tuple[frozenset[str], str]] = {
         "writes the user's OUT.safetensors, a plain local file, never checkpoint data",
     ),
     "tardigrade.cli.convert": (
-        _names("os.path.isdir os.path.isfile os.path.exists os.path.getsize os.listdir open"),
+        _names(
+            """os.path.isdir os.path.isfile os.path.exists os.path.getsize os.listdir open
+            os.path.realpath os.path.lexists os.stat"""
+        ),
         "reads the user's SOURCE (a torch.save file, a DCP or safetensors folder) to import it, "
         "never Tardigrade checkpoint data; the checkpoint it makes is written with tg.save",
     ),

@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from ..storage import through_fsspec
+from ..storage import secret_option, shown, through_fsspec
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 
@@ -38,9 +38,15 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
 def _pair(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not _KEY.fullmatch(key):
-        # argparse turns this into a usage error (exit 2) naming the option.
+        # argparse turns this into a usage error (exit 2) naming the option. Text that may
+        # hold a secret (a key mistyped with ':' for '=') is described, not echoed.
+        got = (
+            f"text of {len(text)} characters (not shown: it may hold a secret)"
+            if secret_option(text)
+            else repr(text)
+        )
         raise argparse.ArgumentTypeError(
-            f"expected KEY=VALUE (e.g. endpoint=http://127.0.0.1:8333), got {text!r}"
+            f"expected KEY=VALUE (e.g. endpoint=http://127.0.0.1:8333), got {got}"
         )
     return key, value
 
@@ -60,8 +66,8 @@ def storage_options(args: argparse.Namespace, location: str, *others: str) -> di
     for key, value in pairs:
         if options.get(key, value) != value:
             raise InvalidArgumentError(
-                f"--storage-option {key} is given twice, as {options[key]!r} and {value!r}; "
-                "give it once"
+                f"--storage-option {key} is given twice, as {shown(key, options[key])} and "
+                f"{shown(key, value)}; give it once"
             )
         options[key] = value
     if not any(_is_url(loc) for loc in (location, *others)):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
 from ..format.manifest import check_name
+from ._options import secret_option, shown
 from .base import ManifestLastCommit, PreconditionFailed, Reader, Stat, Storage, Writer
 from .local import LocalStorage
 from .memory import MemoryStorage
@@ -41,6 +42,8 @@ __all__ = [
     "check_name",
     "open_root",
     "register_scheme",
+    "secret_option",
+    "shown",
     "storage_for",
     "through_fsspec",
 ]

@@ -44,6 +44,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
 from ..format.checksum import Hasher
+from ._options import grace_seconds
 from .base import (
     GRACE_SECONDS,
     PROBE_PREFIX,
@@ -239,7 +240,7 @@ class FsspecStorage(ManifestLastCommit):
     def __init__(self, root: str, options: Mapping[str, Any] | None = None) -> None:
         self.root = root.rstrip("/")
         options = dict(options or {})
-        self.gc_grace_seconds = float(options.pop("gc_grace_seconds", GRACE_SECONDS))
+        self.gc_grace_seconds = grace_seconds(root, options.pop("gc_grace_seconds", GRACE_SECONDS))
         self.fs, self._base = _filesystem(self.root, options)
 
     def path(self, name: str) -> str:

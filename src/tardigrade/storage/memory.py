@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError
 from ..format.checksum import Hasher
+from ._options import grace_seconds
 from .base import ManifestLastCommit, PreconditionFailed, PutMode, Reader, Stat, Writer
 from .lease import ObjectLease
 
@@ -106,7 +107,7 @@ class MemoryStorage(ManifestLastCommit):
 
     def __init__(self, root: str, options: Mapping[str, Any] | None = None) -> None:
         options = dict(options or {})
-        self.gc_grace_seconds = float(options.pop("gc_grace_seconds", 0.0))
+        self.gc_grace_seconds = grace_seconds(root, options.pop("gc_grace_seconds", 0.0))
         if options:
             raise InvalidArgumentError(
                 f"{root}: storage options {sorted(options)} were given, but memory:// takes "

@@ -30,8 +30,10 @@ import errno
 import logging
 import os
 import queue
+import re
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +42,7 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
 from ..format.checksum import Hasher
+from ._options import grace_seconds
 from .base import (
     _SAVE_DATA,
     GRACE_SECONDS,
@@ -144,14 +147,94 @@ def _client(where: str = "s3://") -> Any:
     return obstore
 
 
-def _seconds(value: Any, name: str) -> timedelta:
+def _seconds(value: Any, name: str, root: str) -> timedelta:
     try:
-        seconds = float(value)
+        seconds = float(value) if not isinstance(value, bool) else -1.0
     except (TypeError, ValueError):
         seconds = -1.0
-    if not seconds > 0:
-        raise InvalidArgumentError(f"storage option {name}={value!r}: a number of seconds > 0")
+    if not 0 < seconds <= 10**9:
+        raise InvalidArgumentError(
+            f"{root}: storage option {name}={value!r}: give a number of seconds > 0 (e.g. "
+            f"{name}=30)"
+        )
     return timedelta(seconds=seconds)
+
+
+def _whole(
+    root: str, opts: Mapping[str, Any], name: str, default: int, least: int, why: str = ""
+) -> int:
+    """Option ``name``, a whole number >= ``least`` (text of digits too: the CLI gives text)."""
+    value = opts.get(name, default)
+    try:
+        number = int(value, 10) if isinstance(value, str) else value
+    except ValueError:
+        number = None
+    if type(number) is not int or not least <= number <= 2**40:
+        raise InvalidArgumentError(
+            f"{root}: storage option {name}={value!r}: give a whole number >= {least}"
+            f"{f' ({why})' if why else ''}, e.g. {name}={default}"
+        )
+    return number
+
+
+def _first(opts: Mapping[str, Any], option: str, *variables: str) -> tuple[str, str] | None:
+    """(value, where it came from) of an option, else of the first environment variable set."""
+    if opts.get(option):
+        return opts[option], f"storage option {option}"
+    for name in variables:
+        if os.environ.get(name):
+            return os.environ[name], f"environment variable {name}"
+    return None
+
+
+def _endpoint(root: str, value: Any, source: str) -> str:
+    """An http(s) URL with a host and a valid port, else an error naming where it came from."""
+    problem = ""
+    if not isinstance(value, str):
+        problem = f"a {type(value).__name__}, not a URL"
+    elif not value.isascii() or not value.isprintable() or any(c.isspace() for c in value):
+        problem = "it holds a space, a control or a non-ASCII character"
+    else:
+        try:
+            parts = urllib.parse.urlsplit(value)
+            parts.port  # noqa: B018 (raises on a port out of range)
+        except ValueError as e:
+            problem = str(e)
+        else:
+            if parts.scheme not in ("http", "https"):
+                problem = "it does not start with http:// or https://"
+            elif not parts.hostname:
+                problem = "it names no host"
+    if problem:
+        raise InvalidArgumentError(
+            f"{root}: {source}={value!r} is not a valid S3 endpoint ({problem}); give a URL "
+            "such as http://127.0.0.1:8333 or https://s3.eu-west-1.amazonaws.com"
+        )
+    return value
+
+
+def _region(root: str, value: Any, source: str) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
+        raise InvalidArgumentError(
+            f"{root}: {source}={value!r} is not a region name; give one such as us-east-1"
+        )
+    return value
+
+
+def _credential(root: str, opts: Mapping[str, Any], name: str) -> str | None:
+    """A credential option: text a request header can carry. Its value is never echoed."""
+    value = opts.get(name)
+    if value is None or value == "":
+        return None
+    if not (isinstance(value, str) and value.isascii() and value.isprintable()) or any(
+        c.isspace() for c in value
+    ):
+        raise InvalidArgumentError(
+            f"{root}: storage option {name} is not valid credential text (it must be "
+            f"printable ASCII without spaces; got a {type(value).__name__} of "
+            f"{len(value) if isinstance(value, (str, bytes)) else '?'} characters, not shown)"
+        )
+    return value
 
 
 def _flag(value: Any) -> bool:
@@ -181,35 +264,31 @@ class _Config:
                     f"{root}: unknown storage option {k!r} for s3://; known:\n{known}"
                 )
             opts[key] = v
-        self.endpoint: str | None = opts.get("endpoint") or _env(
-            "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"
-        )
-        self.region: str = (
-            opts.get("region") or _env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1"
-        )
-        self.access_key_id = opts.get("access_key_id")
-        self.secret_access_key = opts.get("secret_access_key")
-        self.session_token = opts.get("session_token")
+        # Everything is checked here, where it enters: the Rust client panics on a malformed
+        # endpoint or header value at the first request, long after the options were given.
+        given = _first(opts, "endpoint", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+        self.endpoint: str | None = given and _endpoint(root, *given)
+        given = _first(opts, "region", "AWS_REGION", "AWS_DEFAULT_REGION")
+        self.region: str = _region(root, *given) if given else "us-east-1"
+        self.access_key_id = _credential(root, opts, "access_key_id")
+        self.secret_access_key = _credential(root, opts, "secret_access_key")
+        self.session_token = _credential(root, opts, "session_token")
         allow = opts.get("allow_http", _env("AWS_ALLOW_HTTP"))
         if allow is None:
             allow = bool(self.endpoint and self.endpoint.startswith("http://"))
         self.allow_http = _flag(allow)
-        self.connect_timeout = _seconds(opts.get("connect_timeout", 5), "connect_timeout")
-        self.read_timeout = _seconds(opts.get("read_timeout", 30), "read_timeout")
-        self.request_timeout = _seconds(opts.get("request_timeout", 600), "request_timeout")
-        self.max_retries = int(opts.get("max_retries", 5))
-        self.part_bytes = int(opts.get("part_bytes", PART_BYTES))
-        if self.part_bytes < 5 * 1024 * 1024:
-            raise InvalidArgumentError(
-                f"{root}: storage option part_bytes={self.part_bytes} is below S3's minimum "
-                "part size of 5 MiB (5242880)"
-            )
-        self.parts_in_flight = max(1, int(opts.get("parts_in_flight", PARTS_IN_FLIGHT)))
-        self.range_bytes = max(64 * 1024, int(opts.get("range_bytes", RANGE_BYTES)))
+        self.connect_timeout = _seconds(opts.get("connect_timeout", 5), "connect_timeout", root)
+        self.read_timeout = _seconds(opts.get("read_timeout", 30), "read_timeout", root)
+        self.request_timeout = _seconds(opts.get("request_timeout", 600), "request_timeout", root)
+        self.max_retries = _whole(root, opts, "max_retries", 5, 0)
+        self.part_bytes = _whole(root, opts, "part_bytes", PART_BYTES, 5 * 1024 * 1024,
+                                 "S3's minimum part size of 5 MiB")  # fmt: skip
+        self.parts_in_flight = max(1, _whole(root, opts, "parts_in_flight", PARTS_IN_FLIGHT, 0))
+        self.range_bytes = max(64 * 1024, _whole(root, opts, "range_bytes", RANGE_BYTES, 0))
         conditional = opts.get("conditional_writes", "auto")
         self.conditional: bool | None = None if conditional == "auto" else _flag(conditional)
         self.unsigned_payload = _flag(opts.get("unsigned_payload", True))
-        self.grace = float(opts.get("gc_grace_seconds", GRACE_SECONDS))
+        self.grace = grace_seconds(root, opts.get("gc_grace_seconds", GRACE_SECONDS))
 
     def key(self) -> tuple[Any, ...]:
         """What makes two roots share a client: the options and the AWS_* variables the
@@ -538,7 +617,7 @@ class S3Reader(Reader):
                         break
                     view[pos : pos + m] = memoryview(chunk)
                     pos += m
-        except Exception as e:
+        except BaseException as e:  # a client panic too (see _fail)
             raise self._storage._fail(self._key, f"read bytes {offset}-{offset + n}", e) from e
         _count(bytes_read=pos, gets=1)
         if pos != n:
@@ -618,7 +697,9 @@ class S3Storage(ManifestLastCommit):
                 },
                 **kwargs,
             )
-        except Exception as e:
+        except BaseException as e:  # a client panic too
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
             raise InvalidArgumentError(
                 f"{self.root}: cannot configure the S3 client: {_describe(e)}"
             ) from None
@@ -628,13 +709,36 @@ class S3Storage(ManifestLastCommit):
     # -- errors --------------------------------------------------------------------------
 
     def _fail(self, name: str, op: str, e: BaseException) -> TardigradeError:
-        """The error to raise for client error ``e`` during ``op`` on ``name``."""
+        """The error to raise for client error ``e`` during ``op`` on ``name``; re-raises what
+        is not the client's (KeyboardInterrupt, SystemExit)."""
         if isinstance(e, TardigradeError):
             return e
         url = self.url(name)
+        if not isinstance(e, Exception):
+            if type(e).__name__ != "PanicException":
+                raise e
+            # The Rust client panicked (pyo3 raises that as a BaseException, which `except
+            # Exception` misses): options are validated where they enter, so this is a
+            # configuration the checks do not know yet. Say where, and with what.
+            return InvalidArgumentError(
+                f"{url}: {op} failed: the S3 client rejected its configuration ("
+                f"{_describe(e)}); check storage_options (endpoint {self.config.endpoint!r}, "
+                f"region {self.config.region!r}) and the AWS_* variables."
+            )
         cause = _describe(e)
         where = f" at {self.config.endpoint}" if self.config.endpoint else ""
         exc = _client().exceptions
+        if "169.254.169.254" in cause or "latest/api/token" in cause:
+            # No key in the options or the environment: the client fell back to the EC2
+            # instance-metadata service, which answered (or not) for some other reason.
+            return StorageError(
+                errno.EACCES,
+                f"{url}: {op} failed: no S3 credentials found. Give access_key_id and "
+                "secret_access_key in storage_options (--storage-option on the command line), "
+                "or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (with AWS_SESSION_TOKEN for "
+                "temporary ones); on EC2, attach an instance role. (The instance-metadata "
+                f"service, tried last, said: {cause})",
+            )
         if "NoSuchBucket" in cause:
             return StorageError(
                 errno.ENOENT,
@@ -691,7 +795,7 @@ class S3Storage(ManifestLastCommit):
         obs = _client()
         try:
             next(iter(obs.list(self._store, chunk_size=1)), None)
-        except Exception as e:
+        except BaseException as e:  # a client panic too (see _fail)
             raise self._fail(name, op, e) from None
         _buckets_seen.add(key)
 
@@ -701,7 +805,7 @@ class S3Storage(ManifestLastCommit):
         obs = _client()
         try:
             result = obs.put(self._store, name, data, mode=mode, use_multipart=False)
-        except Exception as e:
+        except BaseException as e:  # a client panic too (see _fail)
             if isinstance(e, obs.exceptions.AlreadyExistsError):
                 raise PreconditionFailed(
                     errno.EEXIST, f"{self.url(name)}: exists already; nothing was written"
@@ -726,7 +830,7 @@ class S3Storage(ManifestLastCommit):
         except FileNotFoundError:
             self._check_bucket(name, op)
             return None
-        except Exception as e:
+        except BaseException as e:  # a client panic too (see _fail)
             raise self._fail(name, op, e) from e
 
     def open_reader(self, name: str) -> Reader:
@@ -795,7 +899,7 @@ class S3Storage(ManifestLastCommit):
                     pass
         except PreconditionFailed:
             works = True  # a create refused on a fresh name: conditions are checked
-        except Exception as e:
+        except BaseException as e:  # a client panic too (see _fail)
             raise self._fail(probe, "probe conditional writes", e) from e
         finally:
             try:
@@ -834,7 +938,7 @@ class S3Storage(ManifestLastCommit):
             return bool(
                 next(iter(obs.list(self._store, name.strip("/") or None, chunk_size=1)), [])
             )
-        except Exception as e:
+        except BaseException as e:  # a client panic too (see _fail)
             raise self._fail(name, op, e) from e
 
     def _listing(self, name: str, op: str) -> tuple[list[str], list[dict[str, Any]]]:
@@ -843,7 +947,7 @@ class S3Storage(ManifestLastCommit):
         name = name.strip("/")
         try:
             result = obs.list_with_delimiter(self._store, name or None)
-        except Exception as e:
+        except BaseException as e:  # a client panic too (see _fail)
             raise self._fail(name, op, e) from e
         return list(result["common_prefixes"]), list(result["objects"])
 
@@ -864,7 +968,7 @@ class S3Storage(ManifestLastCommit):
         name = name.strip("/")
         try:
             return [meta for chunk in obs.list(self._store, name or None) for meta in chunk]
-        except Exception as e:
+        except BaseException as e:  # a client panic too (see _fail)
             raise self._fail(name, op, e) from e
 
     def delete(self, name: str) -> None:
@@ -881,7 +985,7 @@ class S3Storage(ManifestLastCommit):
                 obs.delete(self._store, batch)
             except FileNotFoundError:
                 pass
-            except Exception as e:
+            except BaseException as e:  # a client panic too (see _fail)
                 raise self._fail(batch[0], f"delete {len(batch)} object(s)", e) from e
 
     def lease(self, *, lease_seconds: float = 30.0) -> ObjectLease:
@@ -1000,11 +1104,11 @@ class S3Storage(ManifestLastCommit):
                 kw["UploadIdMarker"] = page.get("NextUploadIdMarker")
         except TardigradeError:
             raise
-        except Exception as e:
+        except BaseException as e:  # a client panic too (see _fail)
             raise self._fail("", "gc: list incomplete uploads", e) from e
 
     def _abort_upload(self, key: str, upload_id: str) -> None:
         try:
             self._boto().abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-        except Exception as e:
+        except BaseException as e:  # a client panic too (see _fail)
             raise self._fail(key, "gc: abort an incomplete upload", e) from e

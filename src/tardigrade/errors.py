@@ -87,7 +87,13 @@ class StateMismatchError(TardigradeError, ValueError):
 
 
 class CheckpointLockedError(TardigradeError, BlockingIOError):
-    """Another live writer holds the checkpoint directory's lock."""
+    """Another live writer holds the checkpoint directory's lock.
+
+    ``alive`` is True when its holder is known to live (a process on this machine): waiting
+    for its lease to expire cannot help, while another machine's holder may be dead.
+    """
+
+    alive: bool = False
 
 
 class InvalidArgumentError(TardigradeError, ValueError):

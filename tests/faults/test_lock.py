@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ import torch
 
 import tardigrade as tg
 from tardigrade.errors import CheckpointLockedError, TardigradeError
+from tardigrade.storage import open_root
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -203,18 +206,26 @@ def test_foreign_lock_with_an_expired_lease_is_taken_over(
     assert "heartbeat" in msg and "lease" in msg
 
 
-def test_foreign_lock_with_a_fresh_heartbeat_blocks_until_its_lease_expires(tmp_path: Path):
-    write_lock(tmp_path, heartbeat=time.time(), lease_seconds=5)
+def test_foreign_lock_with_a_fresh_heartbeat_blocks_until_its_lease_expires(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    write_lock(tmp_path, heartbeat=time.time(), lease_seconds=60)
     with pytest.raises(CheckpointLockedError) as info:
-        tg.CheckpointManager(tmp_path, state())
+        tg.CheckpointManager(tmp_path, state(), lock_timeout=0)
     assert "'otherhost'" in str(info.value) and "pid 1" in str(info.value)
-    # pid 1 exists here, but on another host a pid says nothing: the lease alone decides.
+    assert not info.value.alive  # another machine's: it may be dead
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    with pytest.raises(CheckpointLockedError, match="otherhost"):
+        tg.CheckpointManager(tmp_path, state(), lock_timeout=0.2)  # waited, then refused
+    assert any("waiting up to" in r.getMessage() for r in caplog.records)
+    # pid 1 exists here, but on another host a pid says nothing: the lease alone decides. By
+    # default the constructor waits for it (lock_timeout: one lease of its own) and takes over.
     write_lock(tmp_path, heartbeat=time.time(), lease_seconds=1.5, pid=999_999_999)
     with pytest.raises(CheckpointLockedError, match="otherhost"):
-        tg.CheckpointManager(tmp_path, state())
-    time.sleep(1.7)
+        tg.CheckpointManager(tmp_path, state(), lock_timeout=0)
     with tg.CheckpointManager(tmp_path, state()):
         assert json.loads((tmp_path / ".lock").read_text())["host"] == socket.gethostname()
+    assert took_over(caplog)
 
 
 def test_an_unreadable_record_that_nobody_holds_is_taken_over_at_once(
@@ -293,3 +304,51 @@ def test_a_manager_whose_lock_was_taken_stops_writing(
         mgr.close()
     # Closing does not delete a lock that is no longer ours.
     assert json.loads((tmp_path / ".lock").read_text())["owner"] == "intruder"
+
+
+# -- stores: a lease object judged by its record ------------------------------------------------
+
+HOLD_AND_DIE = """
+import os, signal, sys
+import torch
+import tardigrade as tg
+mgr = tg.CheckpointManager(sys.argv[1], {"x": torch.zeros(3)})
+mgr.save(1)
+mgr.wait()
+os.kill(os.getpid(), signal.SIGKILL)  # a crash: the lease is never released
+"""
+
+
+@pytest.mark.s3
+def test_a_store_lease_whose_holder_died_on_this_machine_is_taken_over_at_once(
+    s3_env: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarter (SLURM requeue, torchrun) starts the job again right after a crash: the
+    lease record names this machine and a dead pid, so it is taken at once, not after 30 s."""
+    url = f"s3://{s3_env.bucket}/dead-holder-{uuid.uuid4().hex[:12]}"
+    child = subprocess.run(
+        [sys.executable, "-c", HOLD_AND_DIE, url], capture_output=True, text=True, timeout=300
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    rec = open_root(url).lease().read()
+    assert rec is not None and rec["pid"] == child_pid(rec) and rec["released"] is False
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    with tg.CheckpointManager(url, state(), lock_timeout=0) as mgr:  # no waiting allowed
+        assert mgr.steps() == [1]
+    (msg,) = [r.getMessage() for r in caplog.records if "took over the lease" in r.getMessage()]
+    assert f"its owner (pid {rec['pid']} on this machine) has exited" in msg
+
+
+def child_pid(rec: dict[str, Any]) -> int:
+    """The pid the record names, checked to be no process now (the child was SIGKILLed)."""
+    with pytest.raises(ProcessLookupError):
+        os.kill(rec["pid"], 0)
+    return int(rec["pid"])
+
+
+def test_a_store_lease_held_by_a_live_process_here_is_refused_at_once(tmp_path: Path) -> None:
+    url = f"memory://live-holder-{uuid.uuid4().hex[:12]}/run"
+    with tg.CheckpointManager(url, state()):
+        with pytest.raises(CheckpointLockedError, match=f"pid {os.getpid()}") as info:
+            tg.CheckpointManager(url, state())  # default lock_timeout: still no wait
+        assert info.value.alive

@@ -376,7 +376,9 @@ def test_an_unknown_storage_option_lists_the_known_ones() -> None:
         open_root("s3:///prefix")
     with pytest.raises(InvalidArgumentError, match=r"name a bucket and an optional prefix"):
         open_root("s3://bucket/prefix?versionId=3")
-    with pytest.raises(InvalidArgumentError, match=r"connect_timeout=0: give a number of seconds > 0"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"connect_timeout=0: give a number of seconds > 0"
+    ):
         S3Storage("s3://bucket/prefix", {"connect_timeout": 0})
 
 

@@ -55,6 +55,7 @@ from ._options import (
     check_best_metric,
     check_directory,
     check_flag,
+    check_non_negative,
     check_one_of,
     check_positive,
     check_signals,
@@ -148,7 +149,13 @@ class CheckpointManager:
         ``max_staging_bytes``: cap on host memory used to stage async saves (None: enough
             for the whole state, kept for reuse).
         ``lock_lease_seconds``: how long a lock whose holder runs on another machine stays
-            valid without a heartbeat (a holder on this machine frees it when it dies).
+            valid without a heartbeat (a holder on this machine frees it when it dies: a
+            directory's at once, a store's as soon as its process is gone).
+        ``lock_timeout``: seconds the constructor waits for a lock whose holder may be dead
+            (another machine's, until its lease expires), logging who holds it, before it
+            raises ``CheckpointLockedError`` (default None: one lease, so that a restarted job
+            whose previous process died anywhere starts; 0: fail at once). A holder known to
+            live (a process on this machine) is never waited for.
         ``process_group``: in a distributed job (``torch.distributed`` initialized) the group
             whose ranks share this manager (default: the whole job); ignored otherwise.
         ``timeout``: seconds any rank waits for the others in one of the manager's collectives
@@ -225,6 +232,7 @@ class CheckpointManager:
         save_on_signals: Iterable[int] = (signal.SIGTERM,),
         max_staging_bytes: int | None = None,
         lock_lease_seconds: float = 30.0,
+        lock_timeout: float | None = None,
         process_group: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
         upload_to: str | os.PathLike[str] | None = None,
@@ -286,7 +294,10 @@ class CheckpointManager:
         # In a single process, the null agreement: nothing talks to other ranks.
         self._ranks = agreement(f"CheckpointManager({self.directory!r})", process_group, timeout)
         self._directory_lock = DirectoryLock(
-            self._catalog.storage, self.directory, lease_seconds=lock_lease_seconds
+            self._catalog.storage,
+            self.directory,
+            lease_seconds=lock_lease_seconds,
+            timeout=check_non_negative("lock_timeout", lock_timeout),
         )
         self._open()
         async_save = self._ranks.async_saves(async_save, max_staging_bytes)

@@ -26,6 +26,15 @@ def check_positive(name: str, v: Any, kind: type = int) -> Any:
     return v
 
 
+def check_non_negative(name: str, v: Any) -> float | None:
+    """``v`` if it is a number of seconds >= 0, or None."""
+    if v is None:
+        return None
+    if type(v) not in (int, float) or not 0 <= v < float("inf"):
+        raise InvalidArgumentError(f"{name} must be a number of seconds >= 0 or None, got {v!r}")
+    return float(v)
+
+
 def check_one_of(name: str, v: Any, choices: tuple[str, ...]) -> str:
     if v not in choices:
         allowed = " or ".join(repr(c) for c in choices)

@@ -9,6 +9,7 @@ The lock is also what fences deletes: nothing is removed unless it is still this
 from __future__ import annotations
 
 import logging
+import time
 
 from ..errors import CheckpointLockedError, SaveError
 from ..storage import Storage
@@ -19,16 +20,42 @@ log = logging.getLogger("tardigrade")
 class DirectoryLock:
     """One job per directory: the lease on ``storage``, taken at open and before each save."""
 
-    def __init__(self, storage: Storage, directory: str, *, lease_seconds: float) -> None:
+    def __init__(
+        self, storage: Storage, directory: str, *, lease_seconds: float, timeout: float | None
+    ) -> None:
         self.storage = storage
         self.directory = directory
         self.lease = storage.lease(lease_seconds=lease_seconds)
+        self.lease_seconds = lease_seconds
+        # How long opening waits for a holder that may be dead (default: one lease, by when a
+        # dead holder's lease has expired).
+        self.timeout = lease_seconds * 1.1 if timeout is None else timeout
         self.error: OSError | None = None  # why the lease could not be taken, until it is
 
     def open(self, *, raising: bool) -> None:
-        """Check that the directory can hold checkpoints, then take the lease (``take``)."""
+        """Check that the directory can hold checkpoints, then take the lease: waiting up to
+        ``timeout`` for a holder that may be dead (on another machine; one on this machine
+        that died is taken over at once), never for one known to live."""
         self.storage.preflight()
-        self.take(raising=raising)
+        deadline = time.monotonic() + self.timeout
+        said = False
+        while True:
+            try:
+                self.take(raising=raising)
+                return
+            except CheckpointLockedError as e:
+                left = deadline - time.monotonic()
+                if e.alive or left <= 0:
+                    raise
+                if not said:
+                    log.warning(
+                        "tardigrade: waiting up to %.0f s (lock_timeout) for the lock of %s: %s",
+                        left,
+                        self.directory,
+                        e,
+                    )
+                    said = True
+                time.sleep(min(left, max(0.05, self.lease_seconds / 10)))
 
     def take(self, *, raising: bool) -> bool:
         """Take the lease; False when storage failed to (logged, or raised with ``raising``).

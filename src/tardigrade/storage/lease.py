@@ -37,9 +37,56 @@ LOCK = ".lock"
 _MAX_RECORD = 64 * 1024
 # Puts a release tries before leaving the record to expire.
 _RELEASE_TRIES = 3
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip() or None
+    except (OSError, ValueError):
+        return None
+
+
+def _pid_namespace() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+# The kernel we run on: two processes with the same boot id share one kernel (hence one flock
+# table), whatever their PID namespaces or host names; a pid means something only within one
+# kernel and one PID namespace.
+BOOT_ID = _read_text("/proc/sys/kernel/random/boot_id")
+PID_NAMESPACE = _pid_namespace()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 # Owners (of this process) whose release could not be written: their records read as held, but
 # this process knows they were let go, so its next holder need not wait for them to expire.
 _let_go: set[str] = set()
+
+
+def _here_and_alive(rec: dict[str, Any]) -> bool:
+    """Whether the holder a record names runs on this kernel and PID namespace, alive."""
+    pid = rec.get("pid")
+    return (
+        BOOT_ID is not None
+        and rec.get("boot_id") == BOOT_ID
+        and rec.get("pid_namespace") == PID_NAMESPACE
+        and type(pid) is int
+        and pid > 0
+        and _pid_alive(pid)
+    )
 
 
 class Lease(abc.ABC):
@@ -90,6 +137,8 @@ class ObjectLease(Lease):
                 "generation": self.generation,
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
+                "pid_namespace": PID_NAMESPACE,
+                "boot_id": BOOT_ID,
                 "heartbeat": time.time(),
                 "lease_seconds": self.lease,
                 "released": released,
@@ -176,6 +225,20 @@ class ObjectLease(Lease):
             return ""
         if rec.get("owner") in _let_go:
             return "this process released it, but could not record that"
+        pid = rec.get("pid")
+        if (
+            BOOT_ID is not None
+            and rec.get("boot_id") == BOOT_ID
+            and rec.get("pid_namespace") == PID_NAMESPACE
+            and type(pid) is int
+            and pid > 0
+            and pid != os.getpid()
+            and not _pid_alive(pid)
+        ):
+            # Its holder ran on this kernel, in this PID namespace, and is gone (a crash a
+            # restarter follows at once): nothing of it can still write. A pid reused since
+            # reads as alive, and then the lease is waited out as for any other holder.
+            return f"its owner (pid {pid} on this machine) has exited"
         beat, lease = rec.get("heartbeat"), rec.get("lease_seconds")
         if not isinstance(beat, (int, float)) or not isinstance(lease, (int, float)):
             return "its record had no heartbeat"
@@ -192,10 +255,12 @@ class ObjectLease(Lease):
             who = f"owner host {rec.get('host')!r}, pid {rec.get('pid')}, heartbeat {ago}"
             lease = rec.get("lease_seconds")
             wait = lease if isinstance(lease, (int, float)) else wait
-        return CheckpointLockedError(
+        err = CheckpointLockedError(
             f"{self.storage.root}: another job is writing checkpoints here ({who}). Stop it, "
             f"use another location, or wait {wait:.0f} s after it dies (its lease)."
         )
+        err.alive = bool(rec) and _here_and_alive(rec)
+        return err
 
     def _ours(self) -> bool:
         """Whether the record is still this holder's (owner and generation): a takeover

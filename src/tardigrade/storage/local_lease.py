@@ -44,7 +44,7 @@ import weakref
 from typing import Any
 
 from ..errors import CheckpointLockedError
-from .lease import LOCK, Lease
+from .lease import BOOT_ID, LOCK, PID_NAMESPACE, Lease, _pid_alive
 
 log = logging.getLogger("tardigrade")
 
@@ -54,37 +54,6 @@ _BLOCK = 512
 _MAX_RECORD = 64 * 1024
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read().strip() or None
-    except (OSError, ValueError):
-        return None
-
-
-def _pid_namespace() -> int | None:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-# The kernel we run on: two processes with the same boot id share one kernel, hence one flock
-# table, whatever their PID namespaces or host names.
-BOOT_ID = _read_text("/proc/sys/kernel/random/boot_id")
-PID_NAMESPACE = _pid_namespace()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _number(value: Any) -> float | None:
@@ -360,9 +329,11 @@ class DirectoryLock(Lease):
                 f"Stop it, use another directory, or wait {self._lease_of(rec):.0f} s after it "
                 "dies (its lease: only its heartbeat shows whether it lives)."
             )
-        return CheckpointLockedError(
+        err = CheckpointLockedError(
             f"{self.directory}: another job is writing checkpoints here ({who}). {what}"
         )
+        err.alive = held_now  # its flock, held: a live process on this kernel
+        return err
 
     # -- holding it ----------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from ._open import manifest_at
 from .errors import CorruptCheckpointError, StorageError, TardigradeError
 from .format.jsonio import dumps, loads_strict
-from .format.manifest import MANIFEST
+from .format.manifest import LEASE_GENERATION, MANIFEST
 from .storage import Storage, open_root, storage_for
 from .storage.base import TMP_PREFIX, Tidied
 
@@ -28,6 +28,8 @@ __all__ = [
     "ABANDONED_NAME",
     "ABANDONED_RECORD",
     "COMMITTED",
+    "FENCED",
+    "FENCES",
     "INCOMPLETE",
     "INCOMPLETE_TMP",
     "NO_MANIFEST",
@@ -49,6 +51,13 @@ ABANDONED_NAME = re.compile(rf"^step-(\d{{9,}})\.{ABANDONED}-[0-9T]+(-\d+)?$")
 # each name with the save id it held then (a step saved again holds another). Hidden: listings
 # of checkpoints pass over it.
 ABANDONED_RECORD = ".abandoned.json"
+# Where the lease holders that took the lease from a writer that may still live (a stalled
+# process, a partitioned machine) record their fences: [[generation, step], ...], oldest first.
+# A checkpoint committed under an older lease generation than a fence's, for a step past the
+# fence's (the newest step in view when that holder took over), was committed after its writer
+# lost the lease: a zombie's commit, never a checkpoint of the run (see Catalog.fence).
+FENCES = ".fences.json"
+_MAX_FENCES = 64  # a writer superseded that many times over is long gone
 
 
 _RECORD_BYTES = 1 << 20  # a record of abandoned checkpoints is a few bytes per checkpoint
@@ -63,6 +72,7 @@ COMMITTED = "committed"
 INCOMPLETE_TMP = "incomplete-tmp"  # a save in flight or killed: never visible to load
 NO_MANIFEST = "no-manifest"  # a directory that never committed (or lost its manifest)
 UNREADABLE = "unreadable"  # has a manifest that fails validation
+FENCED = "fenced"  # committed by a writer that had lost the lease: not a checkpoint of the run
 
 _STEP_IN_NAME = re.compile(r"step-(\d+)")
 
@@ -89,11 +99,13 @@ class Listed:
 
 class Scan(NamedTuple):
     """One listing of a root: its committed steps (ascending), its ``step-N`` entries without
-    a manifest, and whether it holds a record of abandoned checkpoints."""
+    a manifest, whether it holds a record of abandoned checkpoints, and the committed names
+    that fences hide (zombie commits: ``Catalog.fence``)."""
 
     committed: list[int]
     uncommitted: list[str]
     recorded: bool
+    fenced: list[str]
 
 
 def _deleting_name(name: str) -> str:
@@ -115,6 +127,7 @@ class Catalog:
 
     # What ``describe`` finds an entry to be (``Listed.status``), and the names it reads.
     COMMITTED = COMMITTED
+    FENCED = FENCED
     INCOMPLETE_TMP = INCOMPLETE_TMP
     NO_MANIFEST = NO_MANIFEST
     UNREADABLE = UNREADABLE
@@ -125,6 +138,8 @@ class Catalog:
         self.storage: Storage = (
             location if isinstance(location, Storage) else open_root(location, storage_options)
         )
+        self._fences: list[tuple[int, int]] | None = None  # read once (see fences())
+        self._generations: dict[tuple[str, str], int | None] = {}  # (name, version) -> gen
 
     @property
     def root(self) -> str:
@@ -173,17 +188,93 @@ class Catalog:
         """``steps()`` and ``uncommitted_steps()`` from one listing (a restore needs both, and
         on a store each listing and each step's stat is a request), and whether a record of
         abandoned checkpoints is there."""
-        committed, uncommitted = [], []
+        committed, uncommitted, fenced = [], [], []
         names = self.names()
+        fences = self.fences() if FENCES in names else []
         for n in names:
             m = STEP_NAME.match(n)
             if m is None:
                 continue
-            if self.committed(n):
-                committed.append(int(m.group(1)))
-            else:
+            if not self.committed(n):
                 uncommitted.append(n)
-        return Scan(sorted(committed), uncommitted, ABANDONED_RECORD in names)
+            elif fences and self.fenced(n, fences):
+                fenced.append(n)
+            else:
+                committed.append(int(m.group(1)))
+        return Scan(sorted(committed), uncommitted, ABANDONED_RECORD in names, sorted(fenced))
+
+    # -- fencing ---------------------------------------------------------------------------
+
+    def fences(self) -> list[tuple[int, int]]:
+        """The fences recorded here: (generation, step) pairs (see ``FENCES``); read once per
+        catalog (only the lease holder adds one, as it takes the lease). A record that is not
+        one raises CorruptCheckpointError naming it."""
+        if self._fences is None:
+            self._fences = self._read_fences()
+        return self._fences
+
+    def _read_fences(self) -> list[tuple[int, int]]:
+        if self.storage.stat(FENCES) is None:
+            return []
+        where = self.path(FENCES)
+        doc = loads_strict(self.storage.read_bytes(FENCES, _RECORD_BYTES), where)
+        pairs = doc.get("fences") if isinstance(doc, dict) else None
+        if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(type(x) is int and x >= 0 for x in p)
+            for p in pairs
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: not a record of lease fences ({{'fences': [[generation, step], "
+                "...]}}); delete it (with no job writing here) to see every checkpoint again"
+            )
+        return [(g, st) for g, st in pairs]
+
+    def fence(self, generation: int) -> None:
+        """Record, as the lease holder of ``generation`` that took the lease over from a
+        writer that may still live, that no checkpoint of an older generation past the newest
+        step now in view belongs to the run: that writer can only have committed it after it
+        lost the lease (it stalled inside a save, then woke up).
+
+        Called right after taking the lease, so every commit made before the takeover is in
+        view. A commit the old writer makes between the takeover and this listing is in view
+        too and counts as the run's, which is consistent: this holder has restored nothing yet.
+        """
+        step = max(self.steps(), default=0)
+        fences = [*self.fences(), (generation, step)][-_MAX_FENCES:]
+        body = dumps({"fences": [list(f) for f in fences]})
+        self.storage.put(FENCES, body, mode="overwrite")
+        self._fences = fences
+
+    def generation(self, name: str) -> int | None:
+        """The lease generation committed checkpoint ``name`` was saved under (None: saved
+        without a manager's lease, or before manifests recorded it). Cached per manifest
+        version: a committed manifest does not change, it is only deleted or replaced."""
+        st = self.storage.stat(f"{name}/{MANIFEST}")
+        key = (name, st.version if st is not None else "")
+        if key[1] and key in self._generations:
+            return self._generations[key]
+        g = manifest_at(self.storage, name).raw.get(LEASE_GENERATION)
+        found = g if type(g) is int and g >= 0 else None
+        if key[1]:
+            self._generations[key] = found
+        return found
+
+    def fenced(self, name: str, fences: list[tuple[int, int]] | None = None) -> bool:
+        """Whether committed checkpoint ``name`` was committed by a writer after it lost the
+        lease (see ``FENCES``). An unreadable manifest is not fenced: restore skips it anyway."""
+        fences = self.fences() if fences is None else fences
+        step = step_in_name(name)
+        if not fences or step is None or step <= min(s for _, s in fences):
+            return False
+        try:
+            g = self.generation(name)
+        except TardigradeError:
+            return False
+        return g is not None and any(g < fg and step > fs for fg, fs in fences)
+
+    def visible(self, name: str) -> bool:
+        """Whether ``name`` is a committed checkpoint of the run: committed, and not fenced."""
+        return self.committed(name) and not self.fenced(name)
 
     def size(self, name: str) -> int:
         """Bytes of every object under ``name``, recursively (one definition for ls and gc)."""
@@ -214,10 +305,17 @@ class Catalog:
         except TardigradeError as e:
             return Listed(name, path, UNREADABLE, step, None, None, size, str(e))
         created = m.get("created")
+        status = COMMITTED
+        try:
+            if self.fenced(name):
+                status = FENCED
+        except TardigradeError as e:  # a damaged record of fences: say so, list the rest
+            status, error = UNREADABLE, str(e)
+            return Listed(name, path, status, m.get("step"), m.get("epoch"), None, size, error)
         return Listed(
             name,
             path,
-            COMMITTED,
+            status,
             m.get("step"),
             m.get("epoch"),
             created if isinstance(created, str) else None,

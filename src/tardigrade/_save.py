@@ -98,6 +98,20 @@ def save(
         metrics=metrics,
         storage_options=storage_options,
     )
+    return save_with(path, state, options, async_=async_, process_group=process_group,
+                     timeout=timeout)  # fmt: skip
+
+
+def save_with(
+    path: str | os.PathLike[str],
+    state: Any,
+    options: SaveOptions,
+    *,
+    async_: bool = False,
+    process_group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> SaveResult | SaveFuture | None:
+    """``tg.save`` with its knobs as one ``SaveOptions`` (the manager's own saves)."""
     ranks = Ranks.current(process_group, timeout=timeout)
     if ranks is not None:
         if async_:

@@ -37,7 +37,7 @@ from .format import limits
 from .format import safetensors as st
 from .format.checksum import ALGORITHM
 from .format.jsonio import dumps, gc_paused
-from .format.manifest import FORMAT_NAME, FORMAT_VERSION
+from .format.manifest import FORMAT_NAME, FORMAT_VERSION, LEASE_GENERATION
 from .storage import Storage, storage_for
 
 
@@ -78,6 +78,9 @@ class SaveOptions:
     # For the backend of the save's location (endpoint, credentials); not compared across
     # ranks: each rank may reach the store with its own credentials.
     storage_options: Mapping[str, Any] | None = None
+    # The generation of the lease a manager holds on the location (recorded in the manifest,
+    # so that a commit made after losing the lease can be told apart: Catalog.fence).
+    lease_generation: int | None = None
 
 
 @dataclass
@@ -226,6 +229,9 @@ def make_header(options: SaveOptions, world_size: int = 1) -> dict[str, Any]:
         "checksum_algorithm": ALGORITHM,
         "metrics": _check_metrics(options.metrics),
         "metadata": _check_metadata(options.metadata),
+        **(
+            {} if options.lease_generation is None else {LEASE_GENERATION: options.lease_generation}
+        ),
     }
 
 

@@ -89,8 +89,9 @@ class StateMismatchError(TardigradeError, ValueError):
 class CheckpointLockedError(TardigradeError, BlockingIOError):
     """Another live writer holds the checkpoint directory's lock.
 
-    ``alive`` is True when its holder is known to live (a process on this machine): waiting
-    for its lease to expire cannot help, while another machine's holder may be dead.
+    ``alive`` is True when its holder is known to live on (a flock held on this machine,
+    another manager of this process): waiting cannot help; any other holder may be dead or
+    stall past its lease.
     """
 
     alive: bool = False

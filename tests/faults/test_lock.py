@@ -346,9 +346,9 @@ def child_pid(rec: dict[str, Any]) -> int:
     return int(rec["pid"])
 
 
-def test_a_store_lease_held_by_a_live_process_here_is_refused_at_once(tmp_path: Path) -> None:
+def test_a_store_lease_held_by_this_process_is_refused_at_once(tmp_path: Path) -> None:
     url = f"memory://live-holder-{uuid.uuid4().hex[:12]}/run"
     with tg.CheckpointManager(url, state()):
         with pytest.raises(CheckpointLockedError, match=f"pid {os.getpid()}") as info:
-            tg.CheckpointManager(url, state())  # default lock_timeout: still no wait
+            tg.CheckpointManager(url, state())  # this very process: no wait by default
         assert info.value.alive

@@ -757,6 +757,24 @@ def test_saving_an_existing_step_raises_without_a_restore(tmp_path: Path):
         assert mgr.steps() == [1, 2, 3]
 
 
+def test_a_step_that_exists_never_escapes_step_in_warn_mode(tmp_path: Path):
+    """step() is the training loop's call: in "warn" mode an existing step is reported and
+    counted like a failed save (the checkpoint there is kept), never raised into training;
+    an explicit save(step) still raises (a programming error), as does "raise" mode."""
+    with tg.CheckpointManager(tmp_path, make_state()) as mgr:
+        save_steps(mgr, [1, 2])
+    with tg.CheckpointManager(tmp_path, make_state(), every_steps=1) as mgr:  # no restore()
+        mark(mgr.state, 99)
+        assert mgr.step(2) is False
+        (failed,) = mgr.stats
+        assert failed.step == 2 and "already exists" in (failed.error or "")
+        assert saved_value(mgr, 2) == 2.0
+        assert mgr.step(3) is True  # training went on
+    raising = tg.CheckpointManager(tmp_path, make_state(), every_steps=1, on_save_error="raise")
+    with raising, pytest.raises(CheckpointExistsError):
+        raising.step(3)
+
+
 def test_force_replaces_in_raise_mode_too(tmp_path: Path):
     with tg.CheckpointManager(tmp_path, make_state(), on_save_error="raise") as mgr:
         save_steps(mgr, [1])

@@ -168,13 +168,13 @@ def test_uploads_wait_while_training_waits_on_a_save(
 
             monkeypatch.setattr(_async, "stage_copy", recording_stage_copy)
         else:
-            save = _manager.save
+            save = _manager.save_with
 
             def recording_save(*args: Any, **kwargs: Any) -> Any:
                 open_while.append(uploader._go.is_set())
                 return save(*args, **kwargs)
 
-            monkeypatch.setattr(_manager, "save", recording_save)
+            monkeypatch.setattr(_manager, "save_with", recording_save)
         for step in (1, 2, 3):
             state["w"].fill_(float(step))
             assert mgr.save(step)

@@ -28,6 +28,9 @@ from .tiling import TilingError, check_exact_tiling
 MANIFEST = "manifest.json"
 MANIFEST_START = b'{"format":"tardigrade"'
 FORMAT_NAME = "tardigrade"
+# Optional field: the generation of the lease under which a manager committed the checkpoint
+# (an int >= 1). Readers that predate it ignore it; the catalog fences on it.
+LEASE_GENERATION = "lease_generation"
 # v2: the manifest carries its own checksum and every data file's header checksum, so every
 # byte of a checkpoint is covered. v1 (no manifest or header checksum) is still read.
 # v3: the state tree gains leaf kinds older readers cannot decode (torch.Size, torch.device,

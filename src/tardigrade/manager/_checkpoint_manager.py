@@ -31,7 +31,7 @@ from .._load import load
 from .._match import Key
 from .._open import open_manifest
 from .._ramtier import RamTier, RamTierStats, open_ram_tier
-from .._save import save
+from .._save import save_with
 from .._save_job import SaveOptions, SaveResult
 from .._tiers import Uploader, UploadStats
 from ..distributed._collectives import DEFAULT_TIMEOUT
@@ -294,7 +294,7 @@ class CheckpointManager:
         # In a single process, the null agreement: nothing talks to other ranks.
         self._ranks = agreement(f"CheckpointManager({self.directory!r})", process_group, timeout)
         self._directory_lock = DirectoryLock(
-            self._catalog.storage,
+            self._catalog,
             self.directory,
             lease_seconds=lock_lease_seconds,
             timeout=check_non_negative("lock_timeout", lock_timeout),
@@ -609,7 +609,15 @@ class CheckpointManager:
         )
 
     def _exists_here(self, step: int) -> bool:
-        return self._catalog.committed(step_name(step))
+        return self._catalog.visible(step_name(step))
+
+    def _occupant_here(self, step: int) -> str:
+        """Who holds ``step``'s name: "run" (a checkpoint of the run), "fenced" (a commit
+        made after its writer lost the lease, which a save replaces), or "" (nobody)."""
+        name = step_name(step)
+        if not self._catalog.committed(name):
+            return ""
+        return "fenced" if self._catalog.fenced(name) else "run"
 
     def path(self, step: int) -> str:
         """The directory of the checkpoint for ``step``."""
@@ -649,7 +657,15 @@ class CheckpointManager:
     def _candidates_here(self, step: int | None) -> dict[str, list[int]]:
         """Clean up, then the committed steps and those ``restore(step)`` tries, newest first."""
         self._remove_leftovers()
-        committed, uncommitted, recorded = self._catalog.scan()
+        committed, uncommitted, recorded, fenced = self._catalog.scan()
+        for n in fenced:
+            log.warning(
+                "tardigrade: ignoring checkpoint %s: it was committed by a writer after it lost "
+                "the lease of this directory (a stalled process that woke up); removing it",
+                self._catalog.path(n),
+            )
+            if self._lock.held and self._still_ours(f"removing {n}"):
+                self._remove(n, "committed after its writer lost the lease")
         if step is not None:
             if step not in committed:
                 raise CheckpointNotFoundError(
@@ -839,13 +855,13 @@ class CheckpointManager:
         level = self._agree(f".step({step})", f"saving step {step}", DUE if timed else NOTHING)
         if level == PREEMPTED:
             try:
-                saved = self._save(step, epoch, metrics, sync=True)
+                saved = self._save(step, epoch, metrics, sync=True, from_step=True)
             finally:
                 self.should_stop = True  # even if the save raised: the signal is consumed
             self._advance(step, epoch)
             return saved
         due = level == DUE or self._policy.due_by_count(step, epoch, self._last_epoch)
-        saved = due and self._save(step, epoch, metrics, sync=False)
+        saved = due and self._save(step, epoch, metrics, sync=False, from_step=True)
         if not saved and self._staging is not None:
             self._staging.tick()
         self._advance(step, epoch)
@@ -928,6 +944,7 @@ class CheckpointManager:
         *,
         sync: bool,
         force: bool = False,
+        from_step: bool = False,
     ) -> bool:
         # Outside the try below: the failure of a save in flight is not this one's.
         self._ranks.before_save(self._drain)
@@ -946,16 +963,30 @@ class CheckpointManager:
         # A committed checkpoint is replaced only when asked (force) or when it belongs to the
         # timeline abandoned by restore(step); repeating a step otherwise is a programming error.
         try:
-            replace = self.exists(step)
-        except (StorageError, CheckpointLockedError) as e:
+            occupant = self._agreed(
+                f"CheckpointManager({self.directory!r}): is step {step} there",
+                lambda: self._occupant_here(step),
+            )
+        except (StorageError, CheckpointLockedError, CorruptCheckpointError) as e:
             # Storage failed before the save began (a transient error, a full disk): a failed
             # save like any other, never an error out of step() in "warn" mode.
             self._record_failure(step, e, time.perf_counter() - started)
             return False
-        if replace and not force and step not in self._abandoned:
-            raise CheckpointExistsError(
+        replace = occupant != ""
+        if occupant == "run" and not force and step not in self._abandoned:
+            e = CheckpointExistsError(
                 f"{self.path(step)}: a checkpoint for step {step} already exists; "
                 "steps must not repeat (pass force=True to replace it)."
+            )
+            if from_step and self.on_save_error == "warn":
+                # Training goes on (the checkpoint there is kept): reported like a failed save.
+                self._record_failure(step, e, time.perf_counter() - started)
+                return False
+            raise e
+        if occupant == "fenced":
+            log.warning(
+                "tardigrade: replacing %s: it was committed by a writer after it lost the lease",
+                self.path(step),
             )
         try:
             self._prepare(step, replace)
@@ -965,6 +996,7 @@ class CheckpointManager:
                 epoch=epoch,
                 metrics=metrics,
                 storage_options=self._storage_options,
+                lease_generation=self._lock.generation,
             )
             held = self._uploader.held() if self._uploader is not None else nullcontext()
             if self._async is not None and not sync:
@@ -979,15 +1011,7 @@ class CheckpointManager:
                 if self._async is not None:
                     self._drain(wait=True)
                 with held:  # training waits on the whole save: uploads wait too
-                    res = save(
-                        self.path(step),
-                        self.state,
-                        overwrite=replace,
-                        step=step,
-                        epoch=epoch,
-                        metrics=metrics,
-                        **self._collective,
-                    )
+                    res = save_with(self.path(step), self.state, options, **self._ranks.collective)
                 self._record_ok(step, res)
         except (InvalidArgumentError, UnsupportedTypeError):
             raise  # a programming error, not a storage failure: never swallowed

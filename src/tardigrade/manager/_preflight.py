@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import time
 
+from .._catalog import Catalog
 from ..errors import CheckpointLockedError, SaveError
-from ..storage import Storage
 
 log = logging.getLogger("tardigrade")
 
@@ -21,9 +21,10 @@ class DirectoryLock:
     """One job per directory: the lease on ``storage``, taken at open and before each save."""
 
     def __init__(
-        self, storage: Storage, directory: str, *, lease_seconds: float, timeout: float | None
+        self, catalog: Catalog, directory: str, *, lease_seconds: float, timeout: float | None
     ) -> None:
-        self.storage = storage
+        self.catalog = catalog
+        storage = self.storage = catalog.storage
         self.directory = directory
         self.lease = storage.lease(lease_seconds=lease_seconds)
         self.lease_seconds = lease_seconds
@@ -64,6 +65,8 @@ class DirectoryLock:
         """
         try:
             self.lease.acquire()
+            if self.lease.superseded is not None:
+                self._fence()
             self.error = None
             return True
         except CheckpointLockedError:
@@ -79,6 +82,24 @@ class DirectoryLock:
                 e,
             )
             return False
+
+    def _fence(self) -> None:
+        """The lease was taken from a holder that may only be stalled: fence the commits it
+        may still make (``Catalog.fence``) before anything of this tenure is saved."""
+        generation = self.lease.generation
+        assert generation is not None
+        try:
+            self.catalog.fence(generation)
+        except BaseException:
+            self.lease.release()  # unfenced, this tenure could not tell its checkpoints apart
+            raise
+        log.warning(
+            "tardigrade: %s: the previous writer (lease generation %d) lost its lease without "
+            "releasing it and may still be running: a checkpoint it commits from now on is "
+            "ignored (fenced) and removed",
+            self.directory,
+            self.lease.superseded,
+        )
 
     def ready(self, *, raising: bool) -> None:
         """Before a save: hold the lease (taken now if opening could not), still ours."""

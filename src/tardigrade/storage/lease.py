@@ -71,21 +71,20 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_DEAD = "its owner"  # how a takeover reason begins when the holder is known to be gone
 # Owners (of this process) whose release could not be written: their records read as held, but
 # this process knows they were let go, so its next holder need not wait for them to expire.
 _let_go: set[str] = set()
 
 
-def _here_and_alive(rec: dict[str, Any]) -> bool:
-    """Whether the holder a record names runs on this kernel and PID namespace, alive."""
-    pid = rec.get("pid")
+def _this_process(rec: dict[str, Any]) -> bool:
+    """Whether a record names this very process (another manager of ours holds the lease:
+    waiting for it cannot help). Another live process may yet stall past its lease, or exit."""
     return (
         BOOT_ID is not None
         and rec.get("boot_id") == BOOT_ID
         and rec.get("pid_namespace") == PID_NAMESPACE
-        and type(pid) is int
-        and pid > 0
-        and _pid_alive(pid)
+        and rec.get("pid") == os.getpid()
     )
 
 
@@ -94,6 +93,10 @@ class Lease(abc.ABC):
 
     held: bool
     generation: int | None
+    # The generation of the holder this one took the lease from while that holder may still
+    # live (its heartbeat expired: a stalled process, a partitioned machine), else None. Such a
+    # holder may still commit a save it had begun: the catalog fences those (Catalog.fence).
+    superseded: int | None = None
 
     @abc.abstractmethod
     def acquire(self) -> None:
@@ -182,7 +185,10 @@ class ObjectLease(Lease):
             if reason is None:
                 raise self._locked(rec)
         previous = rec.get("generation") if rec else None
-        self.generation = (previous if isinstance(previous, int) else 0) + 1
+        previous = previous if type(previous) is int and previous >= 0 else 0
+        self.generation = previous + 1
+        # Released or known dead: nothing of it can still write. Otherwise it may be stalled.
+        self.superseded = previous if reason and not reason.startswith(_DEAD) else None
         try:
             if version is None:
                 self._version = self.storage.put(LOCK, self._record(), mode="create")
@@ -238,7 +244,7 @@ class ObjectLease(Lease):
             # Its holder ran on this kernel, in this PID namespace, and is gone (a crash a
             # restarter follows at once): nothing of it can still write. A pid reused since
             # reads as alive, and then the lease is waited out as for any other holder.
-            return f"its owner (pid {pid} on this machine) has exited"
+            return f"{_DEAD} (pid {pid} on this machine) has exited"
         beat, lease = rec.get("heartbeat"), rec.get("lease_seconds")
         if not isinstance(beat, (int, float)) or not isinstance(lease, (int, float)):
             return "its record had no heartbeat"
@@ -259,7 +265,7 @@ class ObjectLease(Lease):
             f"{self.storage.root}: another job is writing checkpoints here ({who}). Stop it, "
             f"use another location, or wait {wait:.0f} s after it dies (its lease)."
         )
-        err.alive = bool(rec) and _here_and_alive(rec)
+        err.alive = bool(rec) and _this_process(rec)
         return err
 
     def _ours(self) -> bool:

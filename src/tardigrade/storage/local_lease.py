@@ -253,6 +253,9 @@ class DirectoryLock(Lease):
         ok = isinstance(prev, int) and not isinstance(prev, bool) and prev >= 0
         with self._mutex:
             self.generation = prev + 1 if ok else 1
+            # A holder judged by its heartbeat alone may be stalled, not dead (see Lease).
+            expired = why is not None and why.startswith("its heartbeat")
+            self.superseded = (prev if ok else 0) if expired else None
             self._flocked, self.held, self._unwritten = flocked, True, False
             self._publish()
             if not flocked and not self._ours(_parse(_pread(fd))):

@@ -209,7 +209,9 @@ def load_opened(
         if into is not None:
             # Everything that can refuse the checkpoint does so here, before a byte is read into
             # the live state: structure, shapes and dtypes, classes, each object's own checks.
-            matcher.match(tree, into, (), lenient=not strict)
+            # Differences are found either way: refused under strict, reported (a warning)
+            # and skipped without it.
+            matcher.match(tree, into, (), lenient=False)
 
             def standin_leaf(node: dict[str, Any], p: tuple[Any, ...]) -> Any:
                 info = m.tensors[node["e"]]
@@ -217,8 +219,18 @@ def load_opened(
 
             rejected = applier.validate(tree, into, decode(tree, standin_leaf, where))
             _refuse(where, matcher.diffs if strict else [], rejected)
-            for message in matcher.other_class.values():
-                log.warning("tardigrade: %s: not loaded (strict=False skips it)", message)
+            skipped = [*matcher.other_class.values(), *([] if strict else matcher.diffs)]
+            if skipped:
+                shown = "; ".join(skipped[:50])
+                more = f"; and {len(skipped) - 50} more" if len(skipped) > 50 else ""
+                log.warning(
+                    "tardigrade: %s: strict=False skipped %d part(s) of the state that do not "
+                    "match (not loaded, the live values kept): %s%s",
+                    where,
+                    len(skipped),
+                    shown,
+                    more,
+                )
         checked = set(m.files) if verify == "all" else set()
         _check_sizes(
             storage, name, m, checked | {c.file for e in needed for c in m.tensors[e].chunks}

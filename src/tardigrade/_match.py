@@ -159,6 +159,14 @@ class _Matcher:
             live = live.value  # the checkpoint's per-rank parts are this rank's already
         tag = node.get("t")
         p = path_str(path)
+        if tag in ("dict", "odict") and not free and is_stateful(live):
+            # A state_dict saved as a plain tree (a converted torch.save file, a user's own
+            # tg.save(path, {"model": model.state_dict()})) loads into the object that made it:
+            # it stands for that object's state, in place, for the read and the apply alike.
+            inner = dict(node)
+            node.clear()
+            node.update({"t": "stateful", "cls": class_name(live), "v": inner})
+            tag = "stateful"
         if tag == "stateful":
             if not is_stateful(live):
                 self.diffs.append(

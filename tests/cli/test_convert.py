@@ -468,3 +468,51 @@ def test_a_tensor_of_more_than_64_dimensions_is_refused_up_front(
     torch.save({"model": {"w": deep}}, tmp_path / "deep.pt")
     rc, _, err = cli(capsys, "convert", tmp_path / "deep.pt", dest())
     assert rc == 1 and "state['model']['w']: tensor has 65 dimensions" in err
+
+
+def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(5, 4)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def test_a_converted_training_checkpoint_resumes_into_live_objects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A state_dict saved as a plain tree loads into the object that produced it (its
+    load_state_dict, optimizer state included), and a manager restores it."""
+    model, optim = trained()
+    torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "step": 7},
+               tmp_path / "train.pt")  # fmt: skip
+    run = tmp_path / "run"
+    rc, _, err = cli(capsys, "convert", tmp_path / "train.pt", run / "step-000000007", "--step", 7)
+    assert rc == 0, err
+    torch.manual_seed(1)
+    live_model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    live_optim = torch.optim.Adam(live_model.parameters(), lr=0.5)
+    live = {"model": live_model, "optim": live_optim, "step": 0}
+    with tg.CheckpointManager(run, live) as mgr:
+        assert mgr.restore() == 7
+    assert live["step"] == 7
+    assert_same(model.state_dict(), live_model.state_dict())
+    assert_same(optim.state_dict()["state"], live_optim.state_dict()["state"])
+    assert live_optim.param_groups[0]["lr"] == 0.01
+
+
+def test_strict_false_reports_every_part_it_skips(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, _ = trained()
+    tg.save(tmp_path / "ckpt", {"model": model.state_dict(), "step": 7})
+    other = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 5))
+    live = {"model": other, "step": 0, "extra": 1}
+    caplog.set_level("WARNING", logger="tardigrade")
+    tg.load(tmp_path / "ckpt", into=live, strict=False)
+    (warning,) = [r.getMessage() for r in caplog.records if "strict=False" in r.getMessage()]
+    assert "skipped 3 part(s)" in warning, warning
+    for part in ("state['model']['2.weight']", "state['model']['2.bias']", "state['extra']"):
+        assert part in warning
+    assert live["step"] == 7 and torch.equal(other[0].weight, model[0].weight)  # the rest loaded

@@ -331,6 +331,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self._position_external = False
         # (token, length) of the pass whose indices are being handed out: len() holds still.
         self._pass: tuple[object, int] | None = None
+        # This rank's indices in the pass track() is under way with (see __len__).
+        self._tracked_len: int | None = None
         # How the last pass was read, for the save-time warnings (see _loader_audit).
         self._pass_tracked = False
         self._foreign_seed = False
@@ -382,6 +384,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """
         if self._hooked:
             return self._remaining(0)  # see _hand_over()
+        if self._tracked_len is not None:
+            # track() moves the position per delivered batch, while the loader's workers may
+            # have drawn every index of the pass long before: the pass's own length holds
+            # until the loop asks for the batch after its last.
+            return self._tracked_len
         if self._pass is not None:
             return self._pass[1]
         return self._remaining()
@@ -448,7 +455,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         drop_last = self.drop_last or getattr(loader, "drop_last", False) is True
         self._tracked = True
         try:
-            left = self._remaining()
+            left = self._tracked_len = self._remaining()
             expected = left // bs if drop_last else -(-left // bs)  # batches in this pass
             epoch = self.epoch
             for delivered, batch in enumerate(loader, 1):
@@ -462,6 +469,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 self._next_epoch()  # nothing left in this epoch, on any rank
         finally:
             self._tracked = False
+            self._tracked_len = None
 
     def _hand_over(self, batch_size: int, drop_last: bool) -> _BatchCount:
         """Let a framework's hooks count the batches training got (``tardigrade.integrations``).
@@ -547,6 +555,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.validate_state_dict(state_dict)
         self._pass = None  # a pass under way no longer describes the position
+        self._tracked_len = None
         self.epoch, self.consumed = state_dict["epoch"], state_dict["consumed"]
         self._reseed()
 

@@ -1012,3 +1012,38 @@ def test_len_loader_holds_still_while_workers_prefetch(track: bool) -> None:
         assert sorted(flat(got)) == list(range(n)), f"epoch {epoch}: not every sample"
         assert (s.epoch, s.consumed) == (epoch + 1, 0)
         del it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["loader", "track"])
+def test_len_of_a_tracked_loader_holds_still_for_the_whole_pass(how: str) -> None:
+    """Workers draw every index of a short pass long before training gets its batches: the
+    length must not follow the position, or ``if i + 1 >= len(loader): break`` ends the pass
+    early and ``i == len(loader) - 1`` never fires."""
+    n, bs = 100, 10
+    s = tg.ResumableSampler(n, seed=3)
+    ds = TensorDataset(torch.arange(n))
+    if how == "loader":
+        loader: Any = s.loader(ds, batch_size=bs, num_workers=2)
+        tracked = lambda: loader  # noqa: E731
+        length = lambda: len(loader)  # noqa: E731
+    else:
+        plain = DataLoader(ds, batch_size=bs, sampler=s, num_workers=2)
+        tracked = lambda: s.track(plain)  # noqa: E731
+        length = lambda: len(plain)  # noqa: E731
+    seen, ends = [], 0
+    for i, _ in enumerate(tracked()):
+        seen.append(length())
+        ends += i == length() - 1
+    assert seen == [10] * 10 and ends == 1
+    # A pass resumed 60 % in: 4 batches, each time, and the epoch-end test fires once.
+    s.load_state_dict({**s.state_dict(), "consumed": 60})
+    seen, ends, taken = [], 0, 0
+    for i, _ in enumerate(tracked()):
+        taken += 1
+        seen.append(length())
+        ends += i == length() - 1
+        if i + 1 >= length():
+            break
+    assert seen == [4] * 4 and ends == 1 and taken == 4
+    assert (s.epoch, s.consumed) == (2, 0)

@@ -42,6 +42,14 @@ def manifest_at(storage: Storage, name: str) -> Manifest:
     if not storage.exists(f"{name}/{MANIFEST}"):
         if storage.exists(name) and not storage.is_dir(name):
             raise CheckpointNotFoundError(f"{storage.url(name)}: {_foreign_file(storage, name)}")
+        if storage.exists(name):
+            inside = _checkpoints_in(storage, name)
+            if inside:
+                raise CheckpointNotFoundError(
+                    f"{storage.url(name)}: a directory of {len(inside)} checkpoint(s), not a "
+                    f"checkpoint itself; name one (e.g. {storage.url(f'{name}/{inside[-1]}')}), "
+                    "or restore the newest with tg.CheckpointManager(directory, state).restore()"
+                )
         what = (
             "it has no manifest.json, so the save that wrote it never committed"
             if storage.exists(name)
@@ -64,6 +72,16 @@ def manifest_at(storage: Storage, name: str) -> Manifest:
         ) from None
 
 
+def _checkpoints_in(storage: Storage, name: str, most: int = 1000) -> list[str]:
+    """The committed checkpoints directly under ``name`` (a run directory given where one
+    checkpoint was meant), sorted; only the first ``most`` entries are looked at."""
+    try:
+        children = storage.list(name)[:most]
+        return sorted(c for c in children if storage.exists(f"{name}/{c}/{MANIFEST}"))
+    except (OSError, TardigradeError):
+        return []  # only a better message was at stake
+
+
 def _foreign_file(storage: Storage, name: str) -> str:
     """What a file found where a checkpoint directory should be is, and what to do with it."""
     head = bytearray(8)
@@ -80,8 +98,10 @@ def _foreign_file(storage: Storage, name: str) -> str:
     if head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":
         return (
             "this is a file written by torch.save (a pickle), not a Tardigrade checkpoint; "
-            "Tardigrade never unpickles. Load it with torch.load(path, weights_only=True) from a "
-            "source you trust, then tg.save(new_dir, state) to move it to Tardigrade. " + end
+            "Tardigrade never unpickles. Convert it once with `tardigrade convert FILE DEST` "
+            "(tensors and plain values only, read with weights_only=True), then load DEST; or "
+            "load it yourself with torch.load(path, weights_only=True) from a source you trust "
+            "and tg.save(new_dir, state). " + end
         )
     if len(head) == 8 and int.from_bytes(head, "little") < 100_000_000:
         return (

@@ -104,3 +104,25 @@ def test_the_cli_shows_and_compares_generators_by_their_state(
     capsys.readouterr()
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "c")]) == 1
     assert "state['gen']  torch.Generator(cpu, state #" in capsys.readouterr().out
+
+
+def test_first_hour_messages_name_the_fix(tmp_path: Path) -> None:
+    """A torch.save file names `tardigrade convert`; a run directory given to tg.load says it
+    holds checkpoints and names one; a checkpoint given as a manager's directory is refused."""
+    torch.save({"a": torch.ones(2)}, tmp_path / "train.pt")
+    with pytest.raises(tg.CheckpointNotFoundError, match="tardigrade convert"):
+        tg.load(tmp_path / "train.pt")
+    run = tmp_path / "run"
+    for step in (1, 2):
+        tg.save(run / f"step-00000000{step}", {"a": torch.ones(2)})
+    with pytest.raises(tg.CheckpointNotFoundError) as e:
+        tg.load(run)
+    assert "a directory of 2 checkpoint(s)" in str(e.value)
+    assert f"name one (e.g. {run}/step-000000002)" in str(e.value)
+    with pytest.raises(tg.InvalidArgumentError, match="this is one checkpoint") as e:
+        tg.CheckpointManager(run / "step-000000001", {"a": torch.ones(2)})
+    assert f"CheckpointManager({str(run)!r}, ...)" in str(e.value)
+    assert sorted(p.name for p in (run / "step-000000001").iterdir()) == [
+        "data-00000-of-00001.safetensors",
+        "manifest.json",
+    ]  # nothing was written into the checkpoint (no lock, no nested save)

@@ -48,6 +48,7 @@ from ..errors import (
     TardigradeError,
     UnsupportedTypeError,
 )
+from ..format.manifest import MANIFEST
 from ..storage import open_root
 from ..storage.lease import Lease
 from ._agreement import DUE, NOTHING, PREEMPTED, agreement
@@ -247,6 +248,13 @@ class CheckpointManager:
         self._upload_storage_options = upload_storage_options
         self._catalog = Catalog(check_directory(directory), storage_options)
         self.directory = self._catalog.root
+        if self._catalog.storage.exists(MANIFEST):
+            # One checkpoint given as the run directory: its saves would nest inside it.
+            raise InvalidArgumentError(
+                f"{self.directory}: this is one checkpoint (it holds {MANIFEST}), not a "
+                "directory of checkpoints; give the manager its parent directory (the run's), "
+                f"e.g. CheckpointManager({os.path.dirname(self.directory.rstrip('/'))!r}, ...)"
+            )
         self.state = state
         self._policy = SavePolicy(
             every_steps=check_positive("every_steps", every_steps),

@@ -6,9 +6,13 @@ import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+# numpy is imported where the columns of a multi-rank manifest are checked, not here: `tardigrade
+# ls` and `inspect` read manifests without it (a tenth of their start-up).
+
 
 from ..errors import (
     ChecksumMismatchError,
@@ -124,6 +128,8 @@ class ChunkColumns(Sequence[Chunk]):
     def meeting(self, lo: Sequence[int], hi: Sequence[int]) -> list[Chunk]:
         """The chunks that share an element with the box ``[lo, hi)`` (found as arrays: a
         rank of a large job needs a few of each tensor's thousand chunks)."""
+        import numpy as np
+
         ends = self.offsets + self.shapes
         low = np.maximum(self.offsets, np.asarray(lo, dtype=np.int64))
         high = np.minimum(ends, np.asarray(hi, dtype=np.int64))
@@ -672,6 +678,8 @@ _HEX = re.compile(r"[0-9a-f]*")
 def _int_column(v: Any, n: int) -> np.ndarray | None:
     """A chunk column as int64: one int for every chunk, or a list of ``n`` ints (bools pass
     as 0/1); None if it is neither."""
+    import numpy as np
+
     if type(v) is int:
         return np.full(n, v, dtype=np.int64) if -(2**63) <= v < 2**63 else None
     if type(v) is not list or len(v) != n:
@@ -687,6 +695,8 @@ def _int_column(v: Any, n: int) -> np.ndarray | None:
 
 def _box_columns(v: Any, n: int, d: int) -> np.ndarray | None:
     """Offsets or shapes: one column per dimension, as an int64 [n, d] array."""
+    import numpy as np
+
     if type(v) is not list or len(v) != d:
         return None
     columns = [_int_column(c, n) for c in v]
@@ -700,6 +710,8 @@ class _Columns:
     make per chunk object, a tensor at a time."""
 
     def __init__(self, files: dict[str, int]) -> None:
+        import numpy as np
+
         self.names = list(files)
         self.sizes = np.array(list(files.values()), dtype=np.int64)
         self.used = np.zeros(len(files), dtype=np.int64)  # bytes claimed per data file
@@ -707,6 +719,8 @@ class _Columns:
     def parse(
         self, c: Any, i: int, name: Any, shape: list[int], itemsize: int, where: str
     ) -> Sequence[Chunk]:
+        import numpy as np
+
         if type(name) is not str:
             raise _fail(where, f"tensor #{i} has no name (format 5 derives chunk keys from it)")
         if not isinstance(c, dict):
@@ -793,6 +807,8 @@ def _check_tiling_columns(
     offsets: np.ndarray, shapes: np.ndarray, shape: list[int], i: int, where: str
 ) -> None:
     """``_check_tiling`` for columns (their volumes already add up to the tensor's)."""
+    import numpy as np
+
     n, d = shapes.shape
     live = (shapes > 0).all(axis=1)
     if n <= 1 or d == 0 or int(live.sum()) <= 1:

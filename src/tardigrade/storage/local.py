@@ -12,9 +12,12 @@ import shutil
 import stat
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+# numpy is imported by the writers that use it: `tardigrade ls` and `gc` start without it.
+
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError
 from ..format.checksum import Hasher
@@ -115,6 +118,7 @@ class LocalWriter(Writer):
     """
 
     def __init__(self, path: str, *, size_hint: int | None = None) -> None:
+
         self.path = path
         try:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -137,6 +141,8 @@ class LocalWriter(Writer):
             self.direct = True
 
     def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
+        import numpy as np
+
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         self._size += view.nbytes
         if not self._bounce_cap:
@@ -255,6 +261,8 @@ class LocalWriter(Writer):
 
 def _aligned(nbytes: int) -> np.ndarray[Any, Any]:
     """A zeroed uint8 buffer whose address is a multiple of ``DIRECT_BLOCK``."""
+    import numpy as np
+
     raw = np.zeros(nbytes + DIRECT_BLOCK, dtype=np.uint8)
     start = -raw.ctypes.data % DIRECT_BLOCK
     return raw[start : start + nbytes]

@@ -16,7 +16,6 @@ import os
 import queue
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +36,7 @@ from ._save_job import (
 )
 from ._staging import Slab, SlabPool, StagingStats
 from ._tree import Entry, as_bytes, flatten
+from ._warn import warn_user
 from ._write import ABORT, END, Block, Segment, write_and_commit
 from .errors import InvalidArgumentError, SaveError, TardigradeError
 
@@ -538,10 +538,9 @@ class AsyncCheckpointer:
             last = self._last
             if last is not None and not last.done():
                 if self.if_busy == "skip":
-                    warnings.warn(
+                    warn_user(
                         f"skipping save to {os.fspath(path)}: the save to {last.path} is still "
-                        "in flight (if_busy='skip')",
-                        stacklevel=3,  # the caller of save() (or of tg.save), via submit()
+                        "in flight (if_busy='skip')"
                     )
                     return None
                 last.exception()  # wait; its error, if any, is raised just below

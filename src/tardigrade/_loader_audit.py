@@ -12,6 +12,9 @@ set-ups resume inexactly while the state holds ``tg.RNGState()`` or a ``tg.Resum
   draws its workers' base seed from the global RNG, at another point of the stream after a
   resume (dropout diverges).
 
+A fourth: a ``ResumableSampler`` that feeds a live loader but is left out of the state saved
+(with ``tg.RNGState()`` in it): its position is in no checkpoint.
+
 They are found by looking at the live DataLoader iterators when ``RNGState`` or a
 ``ResumableSampler`` is saved. Finding them walks the garbage collector's objects (about 50 ms
 per 350,000 objects), so it is done only until a scan sees a loader (a training loop builds
@@ -21,12 +24,14 @@ its loaders once), at most five times per process (a load into the state counts 
 from __future__ import annotations
 
 import gc
+import threading
 import time
-import warnings
 from typing import Any
 
 from torch.utils.data import RandomSampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from ._warn import warn_user
 
 __all__ = ["audit_live_loaders"]
 
@@ -54,18 +59,50 @@ def _warn(kind: str, obj: object, message: str) -> None:
     if (kind, id(obj)) in _warned:
         return
     _warned.add((kind, id(obj)))
-    warnings.warn(message, UserWarning, stacklevel=4)
+    warn_user(message)
+
+
+# While a state is flattened (tg.save), audits are asked for and run once it is all seen; the
+# ids of the stateful objects it holds then tell a sampler it leaves out.
+_deferred: threading.local = threading.local()
 
 
 def audit_live_loaders() -> None:
     """Warn about each live DataLoader iterator whose data position cannot resume exactly."""
+    asked = getattr(_deferred, "asked", None)
+    if asked is not None:
+        asked.append(True)
+        return
+    _run(None)
+
+
+class deferred_audit:
+    """Run the audits asked for inside this block once, at its end, knowing ``saved``: the ids
+    of the stateful objects in the state (filled as the block runs). A class, not a
+    contextlib generator, so that a warning's frames up to the user's line are all ours."""
+
+    def __init__(self, saved: set[int]) -> None:
+        self.saved = saved
+        self.asked: list[bool] = []
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_deferred, "asked", None)
+        _deferred.asked = self.asked
+
+    def __exit__(self, *exc: object) -> None:
+        _deferred.asked = self.outer
+        if self.asked and exc[0] is None:
+            _run(self.saved)
+
+
+def _run(saved: set[int] | None) -> None:
     try:
-        _audit()
+        _audit(saved)
     except Exception:  # a best-effort warning must never fail the save it rides on
         pass
 
 
-def _audit() -> None:
+def _audit(saved: set[int] | None) -> None:
     global _scans_left, _last_scan
     now = time.monotonic()
     # One save calls this once per RNGState and sampler: one scan serves them all.
@@ -91,6 +128,15 @@ def _audit() -> None:
                     "the sampler in the state.",
                 )
             elif hasattr(sampler, "_pass_tracked"):  # a tg.ResumableSampler (data imports us)
+                if saved is not None and id(sampler) not in saved:
+                    _warn(
+                        "missing",
+                        sampler,
+                        "tardigrade: a tg.ResumableSampler feeds a live DataLoader, but the state "
+                        "being saved does not hold it: its data position is in no checkpoint, so "
+                        "a resumed run starts the epoch over. Add it to the state (e.g. "
+                        "state['data'] = sampler) or to the CheckpointManager's state.",
+                    )
                 workers = getattr(it, "_num_workers", 0)
                 # _position_external: a framework restores the position itself (transformers).
                 if workers > 0 and not (sampler._pass_tracked or sampler._position_external):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import random
-import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
 from ._loader_audit import audit_live_loaders
+from ._warn import warn_user
 
 
 class RNGState:
@@ -45,11 +45,10 @@ class RNGState:
         if cuda:
             n = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if n != len(cuda):
-                warnings.warn(
+                warn_user(
                     f"checkpoint holds RNG state for {len(cuda)} CUDA device(s), this process "
                     f"sees {n}; restoring the first {min(n, len(cuda))}. Results may differ "
-                    "from the original run.",
-                    stacklevel=2,
+                    "from the original run."
                 )
             for i, s in enumerate(cuda[:n]):
                 torch.cuda.set_rng_state(s, i)

@@ -12,12 +12,14 @@ import base64
 import json
 import math
 from collections import Counter, OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from ._loader_audit import deferred_audit
 from ._sharding import Box, PerRank, Sharded, box_of, is_dtensor
 from ._validate import class_name
 from .errors import UnsupportedTypeError
@@ -269,7 +271,7 @@ def _sharing(
 
 
 class _Flattener:
-    def __init__(self, per_rank: bool = False) -> None:
+    def __init__(self, per_rank: bool = False, seen: set[int] | None = None) -> None:
         self.entries: list[Entry] = []
         self.in_per_rank = per_rank  # flattening a PerRank subtree: no nested per-rank parts
         self.per_rank: list[Flat] = []
@@ -277,7 +279,8 @@ class _Flattener:
         self.alive: list[Any] = []  # objects whose id() is a key in ``sharded``
         # storage key -> [(view signature, node)] for dedup of tensors that share memory
         self.by_storage: dict[tuple[str, int], list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
-        self.seen: set[int] = set()
+        # Stateful objects met so far, in the whole state (a PerRank part shares its parent's).
+        self.seen: set[int] = set() if seen is None else seen
         self.refs: list[dict[str, Any]] = []  # every node that refers to an entry
         self.packed = False  # a list or tuple was stored packed (format 6)
 
@@ -337,7 +340,8 @@ class _Flattener:
             if self.in_per_rank:  # already this rank's own value
                 return self.node(obj.value, path, depth + 1)
             # The part takes this node's place in every rank's tree: its depth counts from here.
-            self.per_rank.append(flatten(obj.value, path, per_rank=True, depth=depth))
+            part = flatten(obj.value, path, per_rank=True, depth=depth, seen=self.seen)
+            self.per_rank.append(part)
             return {"t": "per_rank", "i": len(self.per_rank) - 1}
         if t is Sharded or is_dtensor(obj):
             return self.sharded_tensor(obj, path)
@@ -602,13 +606,21 @@ def _short_repr(obj: Any) -> str:
 
 
 def flatten(
-    state: Any, root: tuple[Any, ...] = (), *, per_rank: bool = False, depth: int = 0
+    state: Any,
+    root: tuple[Any, ...] = (),
+    *,
+    per_rank: bool = False,
+    depth: int = 0,
+    seen: set[int] | None = None,
 ) -> Flat:
     """Encode ``state`` into a skeleton and the tensors to write. Raises UnsupportedTypeError.
 
     ``depth``: the level ``state`` sits at in the whole tree (a ``tg.PerRank`` part's place).
     """
-    f = _Flattener(per_rank)
-    tree = f.node(state, root, depth)
+    f = _Flattener(per_rank, seen)
+    # The loader audit that RNGState and samplers ask for runs once the whole state is seen,
+    # so that it can tell a sampler the state leaves out (a PerRank part is seen with it).
+    with deferred_audit(f.seen) if not root else nullcontext():
+        tree = f.node(state, root, depth)
     f.merge_partial_aliases()
     return Flat(tree, f.entries, f.per_rank, f.packed)

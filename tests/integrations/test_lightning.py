@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,9 @@ class Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(tmp_path: Path, model: pl.LightningModule, **ckpt: Any) -> pl.Trainer:
+def _fit(
+    tmp_path: Path, model: pl.LightningModule, *, callback: bool = True, **ckpt: Any
+) -> pl.Trainer:
     sampler = tg.ResumableSampler(16, seed=0)
     loader = DataLoader(
         TensorDataset(torch.randn(16, 4)),
@@ -94,7 +97,10 @@ def _fit(tmp_path: Path, model: pl.LightningModule, **ckpt: Any) -> pl.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         plugins=[TardigradeCheckpointIO(**ckpt.pop("io", {}))],
-        callbacks=[TardigradeCallback(sampler), ModelCheckpoint(dirpath=tmp_path, **ckpt)],
+        callbacks=[
+            *([TardigradeCallback(sampler)] if callback else []),
+            ModelCheckpoint(dirpath=tmp_path, **ckpt),
+        ],
     )
     trainer.fit(model, loader)
     return trainer
@@ -106,6 +112,22 @@ def test_load_from_checkpoint_reads_a_tardigrade_checkpoint(tmp_path: Path) -> N
     loaded = Tiny.load_from_checkpoint(tmp_path / "last.ckpt")
     assert loaded.hparams.width == 4 and loaded.hparams.note == "plain"
     assert torch.equal(loaded.layer.weight, model.layer.weight)
+
+
+def test_the_checkpoint_io_without_its_callback_warns_once_at_the_users_line(
+    tmp_path: Path,
+) -> None:
+    """Without TardigradeCallback the RNGs and data position are in no checkpoint: a resumed
+    run differs silently. The plugin says so once, naming the fix."""
+    with pytest.warns(UserWarning, match=r"without the state of TardigradeCallback") as caught:
+        _fit(tmp_path / "a", Tiny(), callback=False, every_n_train_steps=2)
+    ours = [w for w in caught if "TardigradeCallback" in str(w.message)]
+    assert len(ours) == 1 and "callbacks=[TardigradeCallback()]" in str(ours[0].message)
+    assert "/src/tardigrade/" not in ours[0].filename  # the caller's line, not ours
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=r"(?!tardigrade)")  # Lightning's own
+        _fit(tmp_path / "b", Tiny(), every_n_train_steps=2)  # with the callback: quiet
 
 
 def test_retention_removes_what_model_checkpoint_drops(tmp_path: Path) -> None:

@@ -103,3 +103,31 @@ def test_sampler_loader_sets_what_is_its_own() -> None:
     s = tg.ResumableSampler(N)
     with pytest.raises(tg.InvalidArgumentError, match="generator= is set by the sampler"):
         s.loader(_ds(), batch_size=BS, generator=torch.Generator())
+
+
+def test_a_sampler_left_out_of_the_state_warns(tmp_path: Path) -> None:
+    s = tg.ResumableSampler(N, seed=1)
+    loader = s.loader(_ds(), batch_size=BS)
+    got = _save_during(loader, {"rng": tg.RNGState()}, tmp_path / "a")
+    assert any("does not hold it" in m and "state['data'] = sampler" in m for m in got), got
+    # In the state, also as a rank's own value: no warning.
+    s2 = tg.ResumableSampler(N, seed=1)
+    got = _save_during(s2.loader(_ds(), batch_size=BS), {"rng": tg.RNGState(), "d": s2},
+                       tmp_path / "b")  # fmt: skip
+    assert not got, got
+    s3 = tg.ResumableSampler(N, seed=1)
+    state = {"rng": tg.RNGState(), "d": tg.PerRank(s3)}
+    assert not _save_during(s3.loader(_ds(), batch_size=BS), state, tmp_path / "c")
+
+
+def test_warnings_point_at_the_users_line(tmp_path: Path) -> None:
+    """Not at tardigrade/_rng.py or _loader_audit.py: at the line that saved, here."""
+    loader = DataLoader(_ds(), batch_size=BS, shuffle=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in loader:
+            with tg.CheckpointManager(tmp_path, {"rng": tg.RNGState()}, async_save=False) as mgr:
+                mgr.save(1)
+            break
+    (w,) = [w for w in caught if "shuffle=True" in str(w.message)]
+    assert w.filename == __file__, w.filename

@@ -46,6 +46,7 @@ from lightning.pytorch.core import saving
 from .. import _load, _save
 from .._catalog import Catalog
 from .._rng import RNGState
+from .._warn import warn_user
 from ..data import ResumableSampler, _BatchCount
 from ..errors import InvalidArgumentError
 from ._plain import check_unknown, storable
@@ -144,6 +145,7 @@ class TardigradeCheckpointIO(CheckpointIO):
         # TardigradeCallback.setup() on every rank. Lightning writes from rank 0 only and
         # reads on every rank, each on its own, so neither may be collective over the job.
         self._own_group: Any = None
+        self._warned = False  # about a checkpoint without TardigradeCallback's state
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -154,6 +156,17 @@ class TardigradeCheckpointIO(CheckpointIO):
             )
         if self._own_group is None:
             _single_process()
+        callbacks = checkpoint.get("callbacks")
+        if not self._warned and not (
+            isinstance(callbacks, dict) and any("TardigradeCallback" in str(k) for k in callbacks)
+        ):
+            self._warned = True
+            warn_user(
+                "tardigrade: TardigradeCheckpointIO saves this checkpoint without the state of "
+                "TardigradeCallback: the RNGs and the exact data position are not in it, so a "
+                "resumed run differs from an uninterrupted one. Add the callback: "
+                "L.Trainer(plugins=[TardigradeCheckpointIO()], callbacks=[TardigradeCallback()])."
+            )
         tree = storable(checkpoint, self.unknown_hparams, free_keys=_HPARAMS_KEYS)
         step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
         _save.save(

@@ -291,6 +291,7 @@ class CheckpointManager:
         self._preemption = Preemption()
         self._async: AsyncCheckpointer | None = None
         self._uploader: Uploader | None = None
+        self._upload_stats: UploadStats | None = None  # the final figures, once closed
         self._remote_lock: Any = None
         self._ram: RamTier | None = None
         self._ram_keep = False  # leave the RAM tier in place at close (left by an exception)
@@ -469,8 +470,10 @@ class CheckpointManager:
 
     @property
     def uploads(self) -> UploadStats | None:
-        """What the uploads to ``upload_to`` did so far (None without ``upload_to``)."""
-        return None if self._uploader is None else self._uploader.stats
+        """What the uploads to ``upload_to`` did so far: ``uploaded`` (the checkpoints'
+        names, in order), ``failed`` attempts, ``last_error``, ``pending``; after ``close()``
+        the final figures (None without ``upload_to``)."""
+        return self._upload_stats if self._uploader is None else self._uploader.stats
 
     def _close_uploads(self) -> None:
         try:
@@ -484,6 +487,7 @@ class CheckpointManager:
         uploader = self._uploader
         if uploader is None:
             return
+        self._upload_stats = uploader.stats  # still readable after close()
         if uploader.close(self.upload_timeout):
             self._uploader = None
             # Retention spared what was still uploading; it catches up now.

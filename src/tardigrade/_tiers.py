@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._catalog import Catalog
+from ._catalog import Catalog, step_name
 from .errors import CheckpointExistsError, CorruptCheckpointError, TardigradeError
 from .format import limits
 from .format.jsonio import dumps, loads_strict
@@ -309,6 +309,33 @@ def _copy_file(
         )
 
 
+def _permanent(e: BaseException) -> bool:
+    """Whether an upload's failure cannot go away by retrying: the remote name holds another
+    save's committed checkpoint (on a rank, or as every cause of a collective copy's error)."""
+    causes = getattr(e, "causes", None)
+    if isinstance(causes, (list, tuple, dict)) and causes:
+        found = causes.values() if isinstance(causes, dict) else causes
+        return all(isinstance(c, CheckpointExistsError) for c in found)
+    return isinstance(e, CheckpointExistsError)
+
+
+def another_runs(local: Catalog, remote: Catalog) -> str | None:
+    """Why ``remote`` holds checkpoints of another run than ``local``'s (a warning), or None:
+    its newest step is also in ``local`` as another save (two runs saved the same steps)."""
+    steps = remote.steps()
+    if not steps:
+        return None
+    name = step_name(steps[-1])
+    if not local.committed(name) or local.save_id(name) == remote.save_id(name):
+        return None
+    return (
+        f"{remote.root} already holds checkpoints of another run (steps {steps[0]}..{steps[-1]}"
+        f"; its {name} is another save than {local.path(name)}): uploads of steps it holds will "
+        "fail. Resume from it (restore() downloads the newest checkpoint of either tier), or "
+        "give upload_to another prefix."
+    )
+
+
 @dataclass
 class UploadStats:
     """What the background uploads did: ``uploaded`` steps' names in order, ``failed``
@@ -412,6 +439,18 @@ class Uploader:
             except Exception as e:  # whatever it is, the uploads go on (and training too)
                 self.stats.failed += 1
                 self.stats.last_error = str(e)
+                if _permanent(e):
+                    # Another run's checkpoint holds the name: no retry can change that.
+                    log.error(
+                        "tardigrade: UPLOAD FAILED for %s to %s (not retried): %s The remote "
+                        "tier holds checkpoints of another run: resume from them "
+                        "(CheckpointManager(...).restore() downloads the newest), or give "
+                        "upload_to another prefix.",
+                        name,
+                        self.remote.root,
+                        e,
+                    )
+                    return
                 last = attempt == self.retries
                 log.error(
                     "tardigrade: UPLOAD FAILED for %s to %s (attempt %d of %d%s): %s",

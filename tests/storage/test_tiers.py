@@ -138,6 +138,29 @@ def test_a_failed_upload_is_counted_retried_and_never_stops_training(
     assert [n for n in open_root(remote_url).list() if n.startswith("step-")] == ["step-000000001"]
 
 
+def test_a_remote_holding_another_runs_checkpoints_is_said_once_and_not_retried(
+    tmp_path: Path, remote_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two runs upload the same steps into one prefix: the second run's uploads can never
+    commit. Said at creation, and each failed upload once (no retries, no backoff waits)."""
+    with tg.CheckpointManager(tmp_path / "a", state_at(0), upload_to=remote_url) as mgr:
+        mgr.save(1)
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    with tg.CheckpointManager(tmp_path / "b", state_at(0), upload_to=remote_url) as mgr:
+        mgr.save(1)  # another run, the same step: its upload conflicts
+        mgr.wait()
+        assert mgr._uploader is not None and mgr._uploader.wait(60)
+        uploads = mgr.uploads
+        assert uploads is not None and uploads.failed == 1 and uploads.uploaded == []
+    with tg.CheckpointManager(tmp_path / "b", state_at(0), upload_to=remote_url) as mgr:
+        pass  # a restart of run b: the remote's step 1 is another save than b's own
+    failed = [r.getMessage() for r in caplog.records if "UPLOAD FAILED" in r.getMessage()]
+    assert len(failed) == 1 and "(not retried)" in failed[0] and "another prefix" in failed[0]
+    (said,) = [r.getMessage() for r in caplog.records if "checkpoints of another run" in
+               r.getMessage() and "already holds" in r.getMessage()]  # fmt: skip
+    assert "step-000000001 is another save" in said
+
+
 def test_one_job_uploads_into_a_remote_root(tmp_path: Path, remote_url: str) -> None:
     with tg.CheckpointManager(tmp_path / "a", state_at(0), upload_to=remote_url):
         with pytest.raises(tg.CheckpointLockedError, match="another job is writing"):

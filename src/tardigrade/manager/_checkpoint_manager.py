@@ -33,7 +33,7 @@ from .._open import open_manifest
 from .._ramtier import RamTier, RamTierStats, open_ram_tier
 from .._save import save_with
 from .._save_job import SaveOptions, SaveResult
-from .._tiers import Uploader, UploadStats
+from .._tiers import Uploader, UploadStats, another_runs
 from ..distributed._collectives import DEFAULT_TIMEOUT
 from ..errors import (
     CheckpointExistsError,
@@ -369,6 +369,13 @@ class CheckpointManager:
                 # One job uploads into a remote root, as one job saves into a directory.
                 self._remote_lock = remote.lease(lease_seconds=self._lock.lease)
                 self._remote_lock.acquire()
+                try:
+                    foreign = another_runs(self._catalog, Catalog(remote))
+                except TardigradeError as e:  # said again, with its cause, by the uploads
+                    foreign = None
+                    log.debug("tardigrade: could not list %s: %s", remote.root, e)
+                if foreign:
+                    log.warning("tardigrade: %s", foreign)
 
             # Rank 0's lease stands for the job; its error is raised on every rank.
             self._ranks.on_coordinator(

@@ -36,12 +36,14 @@ removed first). A failure (a full ``/dev/shm``) is logged with what to do, count
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
 import os
 import queue
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -51,7 +53,7 @@ from ._load import load, load_from
 from ._save_job import SaveJob, SaveResult, file_header
 from ._tiers import CopyPlan
 from ._write import ABORT, END, Segment
-from .errors import InvalidArgumentError, SaveError, StorageError
+from .errors import CorruptCheckpointError, InvalidArgumentError, SaveError, StorageError
 from .format import limits
 from .format.jsonio import loads_strict
 from .format.manifest import MANIFEST, parse
@@ -128,7 +130,12 @@ class RamTier:
         what = f"ram_tier={base!r}"
         try:
             # In an existing directory only: a mistyped path is not silently made on disk.
-            private_directory(self.root)
+            try:
+                private_directory(self.root)
+            except StorageError as e:
+                if e.errno != errno.EPERM:
+                    raise
+                self.root = self._alternative(base, e)
             storage = LocalStorage(self.root)
             try:
                 storage.put(_SOURCE, self.directory.encode(), mode="create")
@@ -147,6 +154,42 @@ class RamTier:
                 "writable directory on a memory filesystem (tmpfs) that you own, or "
                 "ram_tier=False",
             ) from e
+
+    def _alternative(self, base: str, squatted: StorageError) -> str:
+        """A private root in place of the predictable one, which another user holds (a link,
+        a file, a directory not ours: anyone can plant one at that name in /dev/shm).
+
+        Named ``<namespace>.<random>``, so that nobody can plant it beforehand; a restart finds
+        it again as the one such directory that is ours, private, and names this checkpoint
+        directory in its ``.source``.
+        """
+        stem = os.path.basename(self.root) + "."
+        found = None
+        with contextlib.suppress(OSError):
+            for entry in LocalStorage(base).list():
+                path = os.path.join(base, entry)
+                if entry.startswith(stem) and self._ours(path):
+                    found = path
+                    break
+        if found is None:
+            found = os.path.join(base, stem + uuid.uuid4().hex[:16])
+            private_directory(found)
+        log.warning(
+            "tardigrade: the RAM tier's usual directory is taken by someone else (%s); using "
+            "the private directory %s instead",
+            squatted.strerror or squatted,
+            found,
+        )
+        return found
+
+    def _ours(self, path: str) -> bool:
+        """Whether ``path`` is a private directory of this user holding this tier's copies."""
+        try:
+            private_directory(path)
+            there = LocalStorage(path).read_bytes(_SOURCE, 64 * 1024)
+        except (StorageError, CorruptCheckpointError, OSError):
+            return False
+        return there.decode(errors="replace") == self.directory
 
     # -- writing ---------------------------------------------------------------------------
 

@@ -343,19 +343,52 @@ def test_a_ram_tier_location_that_cannot_work_is_refused_when_the_manager_is_cre
 ) -> None:
     with pytest.raises(StorageError, match="No such file"):
         tg.CheckpointManager(tmp_path / "a", state_at(0), ram_tier=tmp_path / "missing")
-    # A link planted where the namespace goes (another user of the node): not followed.
-    (tmp_path / "elsewhere").mkdir()
-    os.symlink(tmp_path / "elsewhere", ram_root(tmp_path / "b", str(shm)))
-    with pytest.raises(StorageError, match="not a private directory"):
-        tg.CheckpointManager(tmp_path / "b", state_at(0), ram_tier=shm)
     with pytest.raises(InvalidArgumentError, match="inside the checkpoint directory"):
         tg.CheckpointManager(tmp_path / "d", state_at(0), ram_tier=tmp_path / "d" / "shm")
     with pytest.raises(InvalidArgumentError, match="ram_tier must be"):
         tg.CheckpointManager(tmp_path / "c", state_at(0), ram_tier=3)  # type: ignore[arg-type]
     # Each refused manager released the directory's lock.
-    for name in ("a", "b", "c", "d"):
+    for name in ("a", "c", "d"):
         with tg.CheckpointManager(tmp_path / name, state_at(0)):
             pass
+
+
+@pytest.mark.parametrize("planted", ["link", "file", "others_dir", "open_dir"])
+def test_a_squatted_ram_tier_name_does_not_stop_the_job_or_its_restore(
+    tmp_path: Path, shm: Path, planted: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another local user plants something at the predictable name: the job starts all the
+    same, on a private directory of its own, and a restart finds that one again."""
+    squatted = ram_root(tmp_path / "ckpt", str(shm))
+    if planted == "link":
+        (tmp_path / "elsewhere").mkdir()
+        os.symlink(tmp_path / "elsewhere", squatted)
+    elif planted == "file":
+        squatted.write_bytes(b"mine")
+    else:
+        squatted.mkdir(mode=0o777)
+        os.chmod(squatted, 0o777)
+        if planted == "others_dir":
+            if os.geteuid() != 0:
+                pytest.skip("needs root to make a directory of another user")
+            os.chown(squatted, 65534, 65534)
+    caplog.set_level(logging.WARNING, logger="tardigrade")
+    state = state_at(1)
+    with tg.CheckpointManager(tmp_path / "ckpt", state, ram_tier=shm) as mgr:
+        mgr.save(1)
+        mgr.wait()
+        ram = mgr.ram_tier_stats
+        assert ram is not None and ram.stored == ["step-000000001"]
+        root = ram.root
+        assert root != str(squatted) and root.startswith(f"{squatted}.")
+        # A crash: the RAM copy stays, and the restarted job finds it behind the squatter.
+        mgr._ram_keep = True
+    assert any("taken by someone else" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "elsewhere").exists() or not any((tmp_path / "elsewhere").iterdir())
+    fresh = state_at(0)
+    with tg.CheckpointManager(tmp_path / "ckpt", fresh, ram_tier=shm) as mgr:
+        assert mgr.restore() == 1 and mgr.restored_from is not None
+        assert mgr.restored_from.startswith(root)
 
 
 def test_a_restore_from_the_ram_tier_says_so_in_the_log(

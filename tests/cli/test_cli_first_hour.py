@@ -264,3 +264,14 @@ def test_the_torch_free_item_sizes_are_torchs() -> None:
     from tardigrade.format.sizes import ITEMSIZE
 
     assert {k: torch.empty((), dtype=v).element_size() for k, v in TORCH_DTYPES.items()} == ITEMSIZE
+
+
+def test_export_counts_bytes_not_tensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One large tensor: a bar of tensors sat at 0/1 for its whole read; one of MiB moves."""
+    tg.save(tmp_path / "ckpt", {"w": torch.ones(3 * 2**20 // 4 * 4)})  # one tensor of 12 MiB
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the terminal path, in process
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "w.safetensors")]) == 0
+    err = capsys.readouterr().err
+    assert "export w.safetensors (MiB) [" in err and "] 12/12" in err, err

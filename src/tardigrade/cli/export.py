@@ -11,7 +11,6 @@ import json
 import os
 import struct
 import tempfile
-from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import torch
@@ -21,7 +20,7 @@ from ..errors import CheckpointExistsError, InsufficientMemoryError, InvalidArgu
 from ..format.dtypes import TORCH_DTYPES
 from ..format.manifest import Manifest
 from ._listing import require_single
-from ._output import ProgressBar, human_bytes
+from ._output import ReadProgress, human_bytes
 from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
 from .inspect import per_rank_paths
@@ -267,15 +266,18 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(
             f"{out_path}: a file is in the way of its folder {out_dir}; choose another path"
         ) from None
-    # On a terminal, a bar of the tensors written (stderr); never in --json or --quiet.
-    bar = ProgressBar(len(order), f"export {os.path.basename(out_path)}", enabled=None)
-    bar.enabled = bar.enabled and not (args.json or args.quiet)
+    # On a terminal, a bar of the bytes read (stderr): a single tensor of gigabytes moves it
+    # too (a count of tensors sat at 0/1 for its whole read). Never in --json or --quiet.
+    stored = {tensors[name].entry for name in order}
+    total = sum(ckpt.manifest.tensors[e].nbytes for e in stored)
+    bar = ReadProgress(total, f"export {os.path.basename(out_path)}",
+                       enabled=not (args.json or args.quiet))  # fmt: skip
     # Write beside OUT and rename, so OUT is never left half-written.
     fd, tmp = tempfile.mkstemp(prefix=".tardigrade-export-", suffix=".tmp", dir=out_dir)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with bar, os.fdopen(fd, "wb") as f:
             write_header(f, order, tensors, metadata)
-            write_tensors(f, order, tensors, ckpt, bar.update)
+            write_tensors(f, order, tensors, ckpt)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp made it private; OUT is an ordinary file
@@ -284,8 +286,6 @@ def run(args: argparse.Namespace) -> int:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    finally:
-        bar.close()
     size = os.path.getsize(out_path)
     if args.json:
         report = {
@@ -370,11 +370,8 @@ def write_tensors(
     order: list[str],
     tensors: dict[str, TensorRef],
     ckpt: Checkpoint,
-    progress: Callable[[int], object] | None = None,
 ) -> None:
     """Read (and verify) the tensors a batch at a time and write their bytes in ``order``.
-
-    ``progress(n)`` is told how many tensors are written after each batch.
 
     Every batch is read into one buffer allocated once, as large as the largest batch: memory
     stays bounded by it, whatever the allocator does with freed blocks.
@@ -388,7 +385,6 @@ def write_tensors(
     # named twice (tied weights) is read once per batch.
     need = [sum(_aligned(m.tensors[e].nbytes) for e in {entry[n] for n in b}) for b in plan]
     buf = _buffer(max(need, default=0), f"{ckpt.url}: export buffer")
-    written = 0
     for batch in plan:
         dest: dict[int, torch.Tensor] = {}
         at = 0
@@ -410,9 +406,6 @@ def write_tensors(
             if t.numel():
                 # A complex tensor is written as the bytes of its stored real view: the same.
                 f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-        written += len(batch)
-        if progress is not None:
-            progress(written)
 
 
 def _buffer(nbytes: int, what: str) -> torch.Tensor:

@@ -203,7 +203,9 @@ def test_verify_and_export_draw_progress_on_a_terminal_only(
 ) -> None:
     ck = str(ckpts / "step-000000001")
     assert "verify step-000000001 (MiB) [" in _on_a_terminal("verify", ck)
-    assert "export a.safetensors [" in _on_a_terminal("export", ck, str(tmp_path / "a.safetensors"))
+    assert "export a.safetensors (MiB) [" in _on_a_terminal(
+        "export", ck, str(tmp_path / "a.safetensors")
+    )
     assert "[" not in _on_a_terminal("verify", "--quiet", ck)
     # Not a terminal (captured): no bar.
     assert main(["verify", ck]) == 0
@@ -275,3 +277,23 @@ def test_export_counts_bytes_not_tensors(
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "w.safetensors")]) == 0
     err = capsys.readouterr().err
     assert "export w.safetensors (MiB) [" in err and "] 12/12" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "rc"),
+    [
+        (["diff", "{dir}"], 2),  # one checkpoint: a usage error
+        (["export"], 2),
+        (["convert", "nonexistent-source", "x"], 1),
+        (["convert", "--from", "nope", "a", "b"], 2),
+        (["export", "{dir}/missing", "out.safetensors"], 1),
+        (["diff", "{dir}/missing", "{dir}/step-000000001"], 2),
+    ],
+)
+def test_usage_and_missing_path_errors_come_before_torch_is_imported(
+    ckpts: Path, argv: list[str], rc: int
+) -> None:
+    """torch takes seconds to import on a loaded machine: a typo must not wait for it."""
+    proc, modules = _imports(*(a.format(dir=ckpts) for a in argv))
+    assert proc.returncode == rc, proc.stderr
+    assert "torch" not in {m.split(".")[0] for m in modules}, proc.stderr[-500:]

@@ -23,11 +23,8 @@ import pickle
 import re
 import stat
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .. import save
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -40,6 +37,10 @@ from ..errors import (
 from ._output import ReadProgress, human_bytes
 from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
+
+if TYPE_CHECKING:
+    import torch
+
 
 HELP = "import a torch.save file, a PyTorch DCP checkpoint or a safetensors folder"
 
@@ -176,6 +177,8 @@ def refusal(e: BaseException) -> str:
 
 def read_torch(source: str) -> tuple[Any, dict[str, Any]]:
     """The object in a ``torch.save`` file, loaded without unpickling arbitrary objects."""
+    import torch
+
     if not os.path.isfile(source):
         raise InvalidArgumentError(f"{source}: --from torch needs a file written by torch.save")
     with open(source, "rb") as f:
@@ -208,6 +211,8 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         # Classes only: constructing one of these runs no code beyond filling its fields.
+        import torch
+
         allowed = (
             (module == "torch.distributed.checkpoint.metadata" and not name.startswith("__"))
             or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
@@ -229,6 +234,7 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
 
 def read_dcp(source: str) -> tuple[Any, dict[str, Any]]:
     """The whole state of a DCP checkpoint directory, read in this one process."""
+    import torch
     from torch.distributed.checkpoint import CheckpointException, FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -369,6 +375,8 @@ READERS: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
 
 def count_tensors(value: Any) -> tuple[int, int, int]:
     """(tensors, their bytes, other leaves) in a tree of dicts, lists and tuples."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         return 1, value.numel() * value.element_size(), 0
     if isinstance(value, dict):
@@ -409,6 +417,8 @@ def run(args: argparse.Namespace) -> int:
         state, extra = READERS[kind](source)
     tensors, nbytes, others = count_tensors(state)
     metadata = {"converted_from": {"kind": kind, "source": os.path.abspath(source)}, **extra}
+    from .. import save  # torch: only once SOURCE was found and read
+
     try:
         save(
             args.dest,

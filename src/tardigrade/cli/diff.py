@@ -18,19 +18,21 @@ import argparse
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-from .. import Checkpoint, SparseRef, TensorRef
+from .. import read_manifest
 from ..errors import TardigradeError
-from ..format.dtypes import TORCH_DTYPES
 from ..format.manifest import Manifest
 from ._listing import require_single
 from ._output import ReadProgress, error
 from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
+
+if TYPE_CHECKING:
+    import torch
+
+    from .. import TensorRef
+
 
 HELP = "show what differs between two checkpoints"
 
@@ -74,6 +76,8 @@ class _Side:
     """One checkpoint: its manifest and its leaves by path."""
 
     def __init__(self, path: str, options: Mapping[str, Any] | None = None) -> None:
+        from .. import Checkpoint
+
         require_single(path, options)
         self.ckpt = Checkpoint.open(path, options)
         self.m = self.ckpt.manifest
@@ -95,6 +99,10 @@ class _Side:
 
     def entry_bytes(self, e: int) -> torch.Tensor:
         """One stored tensor, read and checksum-verified."""
+        import torch
+
+        from ..format.dtypes import TORCH_DTYPES
+
         info = self.m.tensors[e]
         dest = {e: torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])}
         self.ckpt.read_into(dest, workers=2)
@@ -106,6 +114,8 @@ def _chunking(m: Manifest, e: int) -> list[tuple[tuple[int, ...], tuple[int, ...
 
 
 def _leaf_text(v: Any) -> str:
+    from .. import SparseRef, TensorRef
+
     if isinstance(v, TensorRef):
         return _text(v)
     if isinstance(v, SparseRef):
@@ -114,6 +124,8 @@ def _leaf_text(v: Any) -> str:
 
 
 def _short(v: Any) -> str:
+    import torch
+
     if isinstance(v, torch.Generator):
         digest = hashlib.blake2b(v.get_state().numpy().tobytes(), digest_size=4).hexdigest()
         return f"torch.Generator({v.device.type}, state #{digest})"
@@ -122,6 +134,9 @@ def _short(v: Any) -> str:
 
 
 def _same_scalar(x: Any, y: Any) -> bool:
+    import numpy as np
+    import torch
+
     if type(x) is not type(y):
         return False
     if isinstance(x, np.generic):
@@ -136,10 +151,14 @@ def _same_scalar(x: Any, y: Any) -> bool:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _same_tensor(a: _Side, ta: TensorRef, b: _Side, tb: TensorRef) -> bool:
+    import torch
+
     ea, eb = ta.entry, tb.entry
     va, vb = ta.view, tb.view
     ia, ib = a.m.tensors[ea], b.m.tensors[eb]
@@ -168,6 +187,8 @@ def compare(
     (CorruptCheckpointError otherwise), so equal recorded checksums mean equal bytes on disk.
     ``options_a`` and ``options_b`` are the storage options of each location.
     """
+    from .. import Checkpoint, SparseRef, TensorRef
+
     a, b = _Side(path_a, options_a), _Side(path_b, options_b)
     if verified:
         a.ckpt.verify()
@@ -226,6 +247,8 @@ EXIT_SAME, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
 
 def _data_bytes(*where: tuple[str, dict[str, Any] | None]) -> int:
+    from .. import Checkpoint
+
     try:
         return sum(Checkpoint.open(p, options).nbytes for p, options in where)
     except TardigradeError:
@@ -240,6 +263,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         options_a = storage_options(args, args.a, args.b)
         options_b = storage_options(args, args.b, args.a)
+        # Both are checkpoints, checked from their manifests without torch: a mistyped path
+        # is said at once (torch takes seconds to import on a loaded machine).
+        read_manifest(args.a, storage_options=options_a)
+        read_manifest(args.b, storage_options=options_b)
         nbytes = _data_bytes((args.a, options_a), (args.b, options_b)) if show else 0
         with ReadProgress(nbytes, "diff", enabled=show):
             diffs = compare(

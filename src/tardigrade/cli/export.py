@@ -7,23 +7,27 @@ file loads with ``safetensors.torch.load_file`` anywhere, without Tardigrade.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import struct
 import tempfile
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
-
-from .. import Checkpoint, SparseRef, TensorRef
+from .. import read_manifest
 from ..errors import CheckpointExistsError, InsufficientMemoryError, InvalidArgumentError
-from ..format.dtypes import TORCH_DTYPES
 from ..format.manifest import Manifest
 from ._listing import require_single
 from ._output import ReadProgress, human_bytes
 from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
 from .inspect import per_rank_paths
+
+if TYPE_CHECKING:
+    import torch
+
+    from .. import Checkpoint, TensorRef
+
 
 HELP = "write a checkpoint's tensors (e.g. the model weights) to one .safetensors file"
 
@@ -33,20 +37,27 @@ BATCH_BYTES = 16 * 2**20
 
 # The safetensors names of the dtypes it stores, in the order ``safetensors.torch.save_file``
 # lays tensors out (by dtype, this order, then by name), which this writer reproduces.
-SAFETENSORS_DTYPES = {
-    name: getattr(torch, attr)
-    for name, attr in (
-        ("U64", "uint64"), ("I64", "int64"), ("F64", "float64"), ("C64", "complex64"),
-        ("F32", "float32"), ("U32", "uint32"), ("I32", "int32"), ("BF16", "bfloat16"),
-        ("F16", "float16"), ("U16", "uint16"), ("I16", "int16"),
-        ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
-        ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("I8", "int8"),
-        ("U8", "uint8"), ("BOOL", "bool"),
-    )
-    if hasattr(torch, attr)
-}  # fmt: skip
-_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-_DTYPE_ORDER = {dtype: i for i, dtype in enumerate(SAFETENSORS_DTYPES.values())}
+_SAFETENSORS_DTYPES = (
+    ("U64", "uint64"), ("I64", "int64"), ("F64", "float64"), ("C64", "complex64"),
+    ("F32", "float32"), ("U32", "uint32"), ("I32", "int32"), ("BF16", "bfloat16"),
+    ("F16", "float16"), ("U16", "uint16"), ("I16", "int16"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("I8", "int8"),
+    ("U8", "uint8"), ("BOOL", "bool"),
+)  # fmt: skip
+
+
+@functools.cache
+def _dtypes() -> tuple[dict[Any, str], dict[Any, int]]:
+    """(torch dtype -> safetensors name, torch dtype -> rank in the layout order); made on
+    first use, so that the command's usage errors come before torch is imported."""
+    import torch
+
+    present = [(name, getattr(torch, attr)) for name, attr in _SAFETENSORS_DTYPES
+               if hasattr(torch, attr)]  # fmt: skip
+    return {d: n for n, d in present}, {d: i for i, (_, d) in enumerate(present)}
+
+
 # Tensors in the read buffer start at multiples of this, so each can be viewed as its dtype.
 _ALIGN = 64
 
@@ -144,6 +155,8 @@ def resolve_key(tree: dict[str, Any], text: str, where: str) -> tuple[tuple[Any,
 
 def load_key(node: Any) -> Any:
     """The Python value of a dict key node (keys are plain values, never tensors)."""
+    from .. import Checkpoint
+
     return Checkpoint.decode_node(node)
 
 
@@ -161,6 +174,8 @@ def collect(
     Sparse tensors are left out too (a safetensors file holds dense tensors only); their
     paths go to ``sparse``. Subtrees at a path in ``leave_out`` go to ``left_out`` unread.
     """
+    from .. import SparseRef, TensorRef
+
     if prefix in leave_out:
         if left_out is not None:
             left_out.append(".".join(prefix) or "the whole state")
@@ -203,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--no-prefix needs exactly one --keys KEY")
     options = storage_options(args, args.ckpt)
     require_single(args.ckpt, options)
+    read_manifest(args.ckpt, storage_options=options)  # a mistyped path: said before torch loads
+    from .. import Checkpoint
+
     ckpt = Checkpoint.open(args.ckpt, options)
     m = ckpt.manifest
     manifest = m.raw
@@ -317,12 +335,13 @@ def run(args: argparse.Namespace) -> int:
 def file_order(tensors: dict[str, TensorRef], where: str) -> list[str]:
     """The names in the order ``safetensors.torch.save_file`` would store them."""
     for name, t in tensors.items():
-        if t.torch_dtype not in _DTYPE_NAMES:
+        if t.torch_dtype not in _dtypes()[0]:
             raise InvalidArgumentError(
                 f"{where}: tensor {name!r} is {t.torch_dtype}, which a safetensors file cannot "
                 "hold; export the other tensors with --keys"
             )
-    return sorted(tensors, key=lambda name: (_DTYPE_ORDER[tensors[name].torch_dtype], name))
+    order = _dtypes()[1]
+    return sorted(tensors, key=lambda name: (order[tensors[name].torch_dtype], name))
 
 
 def write_header(
@@ -335,7 +354,7 @@ def write_header(
     for name in order:
         t = tensors[name]
         doc[name] = {
-            "dtype": _DTYPE_NAMES[t.torch_dtype],
+            "dtype": _dtypes()[0][t.torch_dtype],
             "shape": list(t.shape),
             "data_offsets": [at, at + t.nbytes],
         }
@@ -376,6 +395,10 @@ def write_tensors(
     Every batch is read into one buffer allocated once, as large as the largest batch: memory
     stays bounded by it, whatever the allocator does with freed blocks.
     """
+    import torch
+
+    from ..format.dtypes import TORCH_DTYPES
+
     m = ckpt.manifest
     entry = {name: tensors[name].entry for name in order}
     ckpt.check_sizes(sorted(set(entry.values())))
@@ -411,6 +434,8 @@ def write_tensors(
 def _buffer(nbytes: int, what: str) -> torch.Tensor:
     """A byte buffer, with running out of memory as a TardigradeError (torch raises
     RuntimeError)."""
+    import torch
+
     try:
         return torch.empty((nbytes,), dtype=torch.uint8)
     except (RuntimeError, MemoryError) as e:

@@ -230,7 +230,8 @@ def test_assert_resumes_exactly_passes_a_loop_killed_twice_in_a_row() -> None:
         code=TRAIN, kills=[[{"at": "commit", "nth": 2}, {"at": "committed", "nth": 3}]]
     )
     # Four checkpoints (steps 3, 6, 9, 12) and the final state.
-    assert report.steps == 12 and report.counts["commit"] == 5
+    # The final state's save is the harness's, not a moment of training: not counted.
+    assert report.steps == 12 and report.counts["commit"] == 4
     ((first, second),) = report.scenarios
     assert first.where.startswith("commit #2: ") and second.where.startswith("committed #3: ")
 
@@ -334,3 +335,49 @@ def test_a_rank_killed_between_the_phases_of_a_collective_save_commits_nothing(
 def test_a_phase_kill_point_is_checked_when_made() -> None:
     with pytest.raises(tg.InvalidArgumentError, match="phase must be a non-empty part"):
         kill_during(code="pass", at="phase", phase="")
+
+
+def test_drawn_kills_fall_inside_training_never_in_the_final_save() -> None:
+    report = assert_resumes_exactly(code=TRAIN, kills=4, seed=0)
+    assert report.counts["commit"] == 4  # steps 3, 6, 9, 12: the final save is not counted
+    for (kill,) in report.scenarios:
+        assert kill.killed and ".final" not in (kill.where or ""), kill.where
+
+
+def test_a_kill_point_that_never_comes_says_why(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="kill_during: not killed: the script made no 'put'"):
+        r, _ = saves(tmp_path, at="operation", op="put", nth=1)
+    assert not r.killed and r.returncode == 0
+    assert r.note is not None and "begin" in r.note and "ask for one the script makes" in r.note
+    with pytest.warns(UserWarning, match=r"made 3 'commit' operation\(s\), fewer than nth=9"):
+        r, _ = saves(tmp_path / "b", at="commit", nth=9)
+    assert not r.killed
+
+
+def test_a_lost_reply_on_begin_leaves_nothing_gc_cannot_remove_at_once(tmp_path: Path) -> None:
+    """The staging a lost reply hid from the save is a dead writer's leftover: gc removes it
+    in this very process (its flock was let go)."""
+    from tardigrade.testing import FaultyStorage
+
+    faulty = FaultyStorage(str(tmp_path))
+    faulty.fail("begin", error="lost_reply")
+    with pytest.raises(tg.SaveError, match="injected lost_reply"):
+        tg.save(faulty.url("step-1"), {"w": torch.ones(3)})
+    assert staging(tmp_path)  # the staging directory exists: the operation was done
+    done = tg.Catalog(tmp_path).tidy()
+    assert [t.action for t in done] == ["removed"], done
+    assert not staging(tmp_path)
+
+
+def test_faulty_urls_work_below_the_root_wherever_a_path_does(tmp_path: Path) -> None:
+    from tardigrade.testing import FaultyStorage
+
+    faulty = FaultyStorage(str(tmp_path))
+    tg.save(faulty.url("run/step-1"), {"w": torch.ones(3)})
+    assert tg.load(faulty.url("run/step-1"))["w"].sum() == 3
+    with tg.CheckpointManager(faulty.url("run2"), {"w": torch.ones(3)}, async_save=False) as mgr:
+        faulty.fail("commit", error="EIO")  # armed on the root: fires below it too
+        assert mgr.save(1) is False and mgr.save(2) is True
+        assert mgr.steps() == [2]
+    assert any(op == "commit" and "run2/step-000000001" in where for op, where in faulty.log)
+    assert faulty.injected and (tmp_path / "run2" / "step-000000002").is_dir()

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, StorageError
 from ..format.checksum import Hasher
-from ..storage import Reader, Stat, Storage, Writer, open_root, register_scheme
+from ..storage import Reader, Stat, Storage, Writer, check_name, open_root, register_scheme
 from ..storage.base import ManifestLastCommit, PutMode, Tidied
 from ..storage.lease import ObjectLease
 from ._kill import KillResult, kill_during
@@ -109,6 +109,7 @@ class FaultyStorage(Storage):
         self, inner: Storage | str, storage_options: Mapping[str, Any] | None = None
     ) -> None:
         self.inner = inner if isinstance(inner, Storage) else open_root(inner, storage_options)
+        self._options = storage_options  # to open the inner backend below its root (below())
         self.id = str(next(_ids))
         self.root = f"{SCHEME}://{self.id}"
         self.ops: list[str] = []
@@ -116,7 +117,8 @@ class FaultyStorage(Storage):
         self.count: Counter[str] = Counter()
         self.injected: list[str] = []
         self._faults: list[_Fault] = []
-        self._outage: str | None = None  # the error every operation fails with, in an outage
+        # The error every operation fails with, in an outage (a dict: shared with below()).
+        self._shared: dict[str, str | None] = {"outage": None}
         self._lock = threading.Lock()
         _instances[self.id] = self
 
@@ -152,11 +154,22 @@ class FaultyStorage(Storage):
         with self._lock:
             self._faults.append(_Fault(op, nth, error, times, outage, where))
 
+    def below(self, path: str) -> FaultyStorage:
+        """This storage rooted at ``path`` under its root (what ``url("run")`` names when a
+        manager or ``tg.save`` opens it), sharing its faults and its log."""
+        for part in path.split("/"):
+            check_name(part, f"{self.root}/{path}")
+        view = FaultyStorage.__new__(FaultyStorage)
+        view.__dict__.update(self.__dict__)  # the same faults, log, counts and lock
+        view.inner = open_root(self.inner.url(path), self._options)
+        view.root = f"{self.root}/{path}"
+        return view
+
     def heal(self) -> None:
         """Disarm every fault not yet fired."""
         with self._lock:
             self._faults.clear()
-            self._outage = None
+            self._shared["outage"] = None
 
     def _op(self, op: str, what: str) -> str | StorageError | None:
         """Log ``op``; raise if a fault fires. A short write returns ``"short_write"``; a lost
@@ -166,7 +179,7 @@ class FaultyStorage(Storage):
             self.ops.append(op)
             self.log.append((op, what))
             k = self.count[op]
-            error = self._outage
+            error = self._shared["outage"]
             if error is None:
                 fault = None
                 for f in self._faults:
@@ -181,7 +194,7 @@ class FaultyStorage(Storage):
                 if fault.times == 0 or fault.outage:
                     self._faults.remove(fault)
                 if fault.outage:
-                    self._outage = fault.error
+                    self._shared["outage"] = fault.error
                 error = fault.error
                 self.injected.append(f"{op} #{k}: {error}")
         if error == "short_write":
@@ -255,6 +268,10 @@ class FaultyStorage(Storage):
     def begin(self, name: str, save_id: str) -> str:
         late = self._op("begin", self.url(name))
         staging = self.inner.begin(name, save_id)
+        if late is not None:
+            # The caller never learns the staging name: let go of what this process holds of
+            # it (a local staging's flock), so it is a dead writer's leftover that gc removes.
+            self.inner.abandon(staging)
         self._after(late)
         return staging
 
@@ -377,14 +394,15 @@ class _FaultyReader(Reader):
 
 
 def _open(root: str, options: Any) -> Storage:
-    ident = root.removeprefix(f"{SCHEME}://").split("/", 1)[0]
+    ident, _, below = root.removeprefix(f"{SCHEME}://").partition("/")
     storage = _instances.get(ident)
-    if storage is None or root.rstrip("/") != storage.root:
+    if storage is None:
         raise InvalidArgumentError(
-            f"{root}: no FaultyStorage of this process has this URL (it was garbage collected, "
-            "or the URL names a path below its root); use FaultyStorage.url(name)."
+            f"{root}: no FaultyStorage of this process has this URL (it was garbage "
+            "collected); use FaultyStorage.url(name) of a live one."
         )
-    return storage
+    below = below.strip("/")
+    return storage.below(below) if below else storage
 
 
 register_scheme(SCHEME, _open)

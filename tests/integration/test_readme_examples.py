@@ -222,12 +222,31 @@ OWN_TESTS = [
 ]
 
 
+CONTINUES = "# Continues "  # the first line of a block that runs after the one(s) it names
+
+
 @pytest.mark.parametrize("chain", list(CHAINS))
 def test_readme_blocks_run_in_order(tmp_path: Path, chain: str) -> None:
-    code = "\n".join(readme_block(marker) for marker in CHAINS[chain])
+    blocks = [readme_block(marker) for marker in CHAINS[chain]]
+    # A reader sees which blocks do not run on their own: each says what it continues.
+    for block in blocks[1:]:
+        assert block.startswith(CONTINUES), f"unmarked continuation: {block.splitlines()[0]!r}"
+    code = "\n".join(blocks)
     run = run_example(code + "\nprint('CHAIN OK')\n", tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert run.stdout.splitlines()[-1] == "CHAIN OK", run.stdout[-2000:]
+
+
+def test_every_marked_continuation_is_run_as_one() -> None:
+    """A block marked as a continuation is one in a chain (never run alone, where it fails);
+    every other block runs on its own (a chain's head) or in a test of its own."""
+    continuing = {m for chain in CHAINS.values() for m in chain[1:]}
+    heads = {chain[0] for chain in CHAINS.values()}
+    for block in python_blocks():
+        if block.startswith(CONTINUES):
+            assert any(m in block for m in continuing), block.splitlines()[0]
+        else:
+            assert not any(m in block for m in continuing - heads), block.splitlines()[0]
 
 
 def test_every_readme_block_is_run() -> None:

@@ -15,6 +15,10 @@ set-ups resume inexactly while the state holds ``tg.RNGState()`` or a ``tg.Resum
 A fourth: a ``ResumableSampler`` that feeds a live loader but is left out of the state saved
 (with ``tg.RNGState()`` in it): its position is in no checkpoint.
 
+A fifth: a ``ResumableSampler`` read by workers over a dataset that is not a
+``tg.SeededDataset``, which a random augmentation in ``__getitem__`` makes inexact (said as a
+condition: whether ``__getitem__`` draws random numbers cannot be seen from here).
+
 They are found by looking at the live DataLoader iterators when ``RNGState`` or a
 ``ResumableSampler`` is saved. Finding them walks the garbage collector's objects (about 50 ms
 per 350,000 objects), so it is done only until a scan sees a loader (a training loop builds
@@ -53,6 +57,17 @@ def _samplers(it: _BaseDataLoaderIter) -> list[Any]:
         out.append(s)
         todo += [getattr(s, "sampler", None), getattr(s, "batch_sampler", None)]
     return out
+
+
+def _seeded(dataset: Any) -> bool:
+    """Whether ``dataset`` is a tg.SeededDataset, also under a few wrappers (Subset, ...)."""
+    for _ in range(4):
+        if dataset is None:
+            return False
+        if type(dataset).__name__ == "SeededDataset" and hasattr(dataset, "dataset"):
+            return True
+        dataset = getattr(dataset, "dataset", None)
+    return False
 
 
 def _warn(kind: str, obj: object, message: str) -> None:
@@ -138,6 +153,18 @@ def _audit(saved: set[int] | None) -> None:
                         "state['data'] = sampler) or to the CheckpointManager's state.",
                     )
                 workers = getattr(it, "_num_workers", 0)
+                if workers > 0 and not _seeded(getattr(it, "_dataset", None)):
+                    _warn(
+                        "augmentation",
+                        sampler,
+                        f"tardigrade: a DataLoader with num_workers={workers} reads a "
+                        "tg.ResumableSampler over a dataset that is not a tg.SeededDataset: if "
+                        "its __getitem__ draws random numbers (augmentation), each worker draws "
+                        "them from a stream that restarts with every pass, so a resumed run "
+                        "augments its samples differently. Wrap the dataset: "
+                        "DataLoader(tg.SeededDataset(dataset), ...) (per-sample randomness from "
+                        "seed, epoch and index, whatever the worker count).",
+                    )
                 # _position_external: a framework restores the position itself (transformers).
                 if workers > 0 and not (sampler._pass_tracked or sampler._position_external):
                     _warn(

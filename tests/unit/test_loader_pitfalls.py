@@ -58,8 +58,20 @@ def test_workers_reading_a_sampler_without_track_warn(tmp_path: Path) -> None:
 
 def test_workers_read_through_track_do_not_warn(tmp_path: Path) -> None:
     s = tg.ResumableSampler(N, seed=1)
-    loader = DataLoader(_ds(), batch_size=BS, sampler=s, num_workers=2, generator=s.generator)
+    ds = tg.SeededDataset(_ds())
+    loader = DataLoader(ds, batch_size=BS, sampler=s, num_workers=2, generator=s.generator)
     assert not _save_during(s.track(loader), {"data": s, "rng": tg.RNGState()}, tmp_path / "a")
+
+
+def test_workers_over_a_dataset_that_is_not_seeded_warn_about_augmentation(
+    tmp_path: Path,
+) -> None:
+    s = tg.ResumableSampler(N, seed=1)
+    loader = s.loader(_ds(), batch_size=BS, num_workers=2)
+    got = _save_during(loader, {"data": s, "rng": tg.RNGState()}, tmp_path / "a")
+    assert any("draws random numbers (augmentation)" in m and "tg.SeededDataset(" in m
+               for m in got), got  # fmt: skip
+    assert len(got) == 1, got  # nothing else is wrong with this loader
 
 
 def test_a_loader_without_the_sampler_generator_warns(tmp_path: Path) -> None:

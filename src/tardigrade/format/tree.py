@@ -10,6 +10,7 @@ commands (``tardigrade inspect``) start without importing torch (a second or mor
 
 from __future__ import annotations
 
+import array
 import base64
 import math
 import struct
@@ -19,15 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
-
 from ..errors import CorruptCheckpointError
-from . import limits
-from .names import COMPLEX_STORED, NUMPY_SCALAR_DTYPES
+from . import limits, names
+from .names import COMPLEX_STORED, NUMPY_SCALAR_DTYPE_NAMES
 from .sizes import ITEMSIZE
 from .sparse import SPARSE_PARTS, sparse_problem
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 # Device types a torch.device leaf may name. Decoding checks the recorded type against this
@@ -66,19 +66,26 @@ def float_node(x: float) -> dict[str, Any]:
     return {"t": "float", "v": x.hex()}
 
 
-PACKED_DTYPES = {"i8": np.dtype("<i8"), "f8": np.dtype("<f8")}
+# A packed list's items: little-endian int64 or float64 (numpy's dtype strings, for the writer;
+# the reader decodes them with the array module, so inspect needs no numpy).
+PACKED_DTYPES = {"i8": "<i8", "f8": "<f8"}
+_PACKED_ARRAY = {"i8": "q", "f8": "d"}
 
 
 def _unpacked(
     node: dict[str, Any], where: str, path: tuple[Any, ...]
 ) -> list[Any] | tuple[Any, ...]:
-    dtype = PACKED_DTYPES.get(node.get("of"))  # type: ignore[arg-type]
-    if dtype is None or node.get("as") not in ("list", "tuple") or type(node.get("v")) is not str:
+    code = _PACKED_ARRAY.get(node.get("of"))  # type: ignore[arg-type]
+    if code is None or node.get("as") not in ("list", "tuple") or type(node.get("v")) is not str:
         raise _bad(where, path, "malformed packed list")
     raw = base64.b64decode(node["v"], validate=True)
-    if len(raw) % dtype.itemsize:
+    if len(raw) % 8:
         raise _bad(where, path, f"packed {node['of']} list of {len(raw)} bytes")
-    items = np.frombuffer(raw, dtype=dtype).tolist()
+    values = array.array(code)
+    values.frombytes(raw)
+    if sys.byteorder == "big":
+        values.byteswap()
+    items = values.tolist()
     return items if node["as"] == "list" else tuple(items)
 
 
@@ -207,8 +214,8 @@ def _decode(
             if type(re) is not float or type(im) is not float:
                 raise _bad(where, path, "complex parts are not floats")
             return complex(re, im)  # keeps -0.0 and NaN payloads of both parts
-        if tag == "npscalar" and type(v) is str and node.get("dtype") in NUMPY_SCALAR_DTYPES:
-            return _npscalar(NUMPY_SCALAR_DTYPES[node["dtype"]], v, where, path)
+        if tag == "npscalar" and type(v) is str and node.get("dtype") in NUMPY_SCALAR_DTYPE_NAMES:
+            return _npscalar(names.NUMPY_SCALAR_DTYPES[node["dtype"]], v, where, path)
         if tag == "size" and type(v) is list and all(type(n) is int for n in v):
             if stand_ins:
                 return TorchValue("size", f"torch.Size({v})")
@@ -279,7 +286,9 @@ def _decode(
 
 
 def _check_hashable(k: Any, what: str, where: str, path: tuple[Any, ...]) -> None:
-    if isinstance(k, (np.ndarray, SparseRef, TensorRef)) or _is_tensor(k):
+    numpy = sys.modules.get("numpy")  # no numpy loaded: no array can be here
+    is_array = numpy is not None and isinstance(k, numpy.ndarray)
+    if is_array or isinstance(k, (SparseRef, TensorRef)) or _is_tensor(k):
         raise _bad(where, path, f"{what} is a {type(k).__name__}")
     try:
         hash(k)
@@ -288,6 +297,8 @@ def _check_hashable(k: Any, what: str, where: str, path: tuple[Any, ...]) -> Non
 
 
 def _npscalar(dtype: np.dtype, hexbytes: str, where: str, path: tuple[Any, ...]) -> np.generic:
+    import numpy as np
+
     raw = bytes.fromhex(hexbytes)
     if len(raw) != dtype.itemsize:
         raise _bad(where, path, f"numpy {dtype} scalar of {len(raw)} bytes")

@@ -9,6 +9,7 @@ POSIX directory can do (rename aside) it asks the storage whether it can.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
@@ -40,6 +41,8 @@ __all__ = [
     "Tidied",
     "step_name",
 ]
+
+log = logging.getLogger("tardigrade")
 
 STEP_NAME = re.compile(r"^step-(\d{9,})$")
 # A committed checkpoint of a timeline that restore(step) abandoned, moved aside by the manager;
@@ -272,6 +275,13 @@ class Catalog:
             return False
         return g is not None and any(g < fg and step > fs for fg, fs in fences)
 
+    def occupant(self, name: str) -> str:
+        """Who holds ``name``: "run" (a checkpoint of the run), "fenced" (a commit made after
+        its writer lost the lease, which a save replaces), or "" (nobody)."""
+        if not self.committed(name):
+            return ""
+        return "fenced" if self.fenced(name) else "run"
+
     def visible(self, name: str) -> bool:
         """Whether ``name`` is a committed checkpoint of the run: committed, and not fenced."""
         return self.committed(name) and not self.fenced(name)
@@ -401,9 +411,52 @@ class Catalog:
                 self.storage.abandon(name)
                 raise
 
+    def retire_fenced(
+        self,
+        names: list[str],
+        *,
+        dry_run: bool = False,
+        progress: Callable[[Tidied], None] | None = None,
+    ) -> list[Tidied]:
+        """Retire checkpoints ``names`` (``scan().fenced``): committed by a writer after it lost
+        the lease, they are no checkpoints of the run. The caller holds the lease."""
+        done = []
+        for name in names:
+            log.warning(
+                "tardigrade: removing %s: it was committed by a writer after it lost the lease "
+                "of %s (a stalled process that woke up); it is no checkpoint of the run",
+                self.path(name),
+                self.root,
+            )
+            why = f"{name} (committed after its writer lost the lease)"
+            done.append(Tidied(why, "removed", self.size(name)))
+            if not dry_run:
+                self.retire(name)
+            if progress is not None:
+                progress(done[-1])
+        return done
+
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
     ) -> list[Tidied]:
-        """Clean up what dead writers left here (see ``Storage.tidy``); ``progress`` is
-        called with each leftover once it is dealt with."""
-        return self.storage.tidy(dry_run=dry_run, progress=progress)
+        """Clean up what dead writers left here (see ``Storage.tidy``), and the checkpoints a
+        writer committed after it lost the lease (``fence``); ``progress`` is called with each
+        leftover once it is dealt with. The caller holds the lease."""
+        done = self.storage.tidy(dry_run=dry_run, progress=progress)
+        if self.fences():  # one stat, once per catalog
+            done += self.retire_fenced(self.scan().fenced, dry_run=dry_run, progress=progress)
+        return done
+        for name in self.scan().fenced:
+            log.warning(
+                "tardigrade: removing %s: it was committed by a writer after it lost the lease "
+                "of %s (a stalled process that woke up); it is no checkpoint of the run",
+                self.path(name),
+                self.root,
+            )
+            done.append(Tidied(f"{name} (committed after its writer lost the lease)", "removed",
+                               self.size(name)))  # fmt: skip
+            if not dry_run:
+                self.retire(name)
+            if progress is not None:
+                progress(done[-1])
+        return done

@@ -319,20 +319,27 @@ def _permanent(e: BaseException) -> bool:
     return isinstance(e, CheckpointExistsError)
 
 
-def another_runs(local: Catalog, remote: Catalog) -> str | None:
-    """Why ``remote`` holds checkpoints of another run than ``local``'s (a warning), or None:
-    its newest step is also in ``local`` as another save (two runs saved the same steps)."""
-    steps = remote.steps()
-    if not steps:
-        return None
-    name = step_name(steps[-1])
-    if not local.committed(name) or local.save_id(name) == remote.save_id(name):
-        return None
-    return (
-        f"{remote.root} already holds checkpoints of another run (steps {steps[0]}..{steps[-1]}"
-        f"; its {name} is another save than {local.path(name)}): uploads of steps it holds will "
-        "fail. Resume from it (restore() downloads the newest checkpoint of either tier), or "
-        "give upload_to another prefix."
+def warn_of_another_run(local: Catalog, remote: Catalog) -> None:
+    """Warn when ``remote`` holds checkpoints of another run than ``local``'s: its newest step
+    is also in ``local``, as another save (two runs saved the same steps there), so uploads of
+    the steps it holds will fail. Never raises: the uploads say what fails, and why."""
+    try:
+        steps = remote.steps()
+        name = step_name(steps[-1]) if steps else ""
+        if not name or not local.committed(name) or local.save_id(name) == remote.save_id(name):
+            return
+    except TardigradeError as e:
+        log.debug("tardigrade: could not compare %s with %s: %s", remote.root, local.root, e)
+        return
+    log.warning(
+        "tardigrade: %s already holds checkpoints of another run (steps %d..%d; its %s is another "
+        "save than %s): uploads of steps it holds will fail. Resume from it (restore() downloads "
+        "the newest checkpoint of either tier), or give upload_to another prefix.",
+        remote.root,
+        steps[0],
+        steps[-1],
+        name,
+        local.path(name),
     )
 
 

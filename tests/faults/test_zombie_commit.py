@@ -101,3 +101,30 @@ def test_a_stalled_writer_that_lost_its_lease_never_commits_into_the_new_run(
         assert again.restore() == 4
         assert again.steps() == [3, 4]
     assert torch.equal(fresh["w"], torch.full((4,), 40.0)) and fresh["step"] == 4
+
+
+def test_gc_removes_a_fenced_commit_and_a_fence_hides_only_older_generations() -> None:
+    """The rule alone, on memory://: a fence (generation 2, step 2) hides a checkpoint of
+    generation 1 past step 2, never one at or below it, nor one of generation 2 or later."""
+    from tardigrade._save import save_with
+    from tardigrade._save_job import SaveOptions
+
+    url = f"memory://zombie-{uuid.uuid4().hex[:12]}/run"
+    for step, generation in ((1, 1), (2, 1), (5, 1), (6, 2)):
+        save_with(f"{url}/step-00000000{step}", state(step),
+                  SaveOptions(step=step, lease_generation=generation))  # fmt: skip
+    catalog = tg.Catalog(url)
+    assert catalog.steps() == [1, 2, 5, 6]  # no fence yet
+    tg.Catalog(url).fence(2)  # the newest step in view is 6: nothing fenced by this one
+    assert tg.Catalog(url).steps() == [1, 2, 5, 6]
+    storage = catalog.storage
+    storage.put(".fences.json", b'{"fences": [[2, 2]]}', mode="overwrite")
+    fresh = tg.Catalog(url)
+    assert fresh.steps() == [1, 2, 6] and fresh.scan().fenced == ["step-000000005"]
+    assert [e.status for e in fresh.listing()] == ["committed", "committed", "fenced", "committed"]
+    done = fresh.tidy()
+    assert [t.name for t in done] == ["step-000000005 (committed after its writer lost the lease)"]
+    assert not storage.exists("step-000000005/manifest.json")
+    storage.put(".fences.json", b'{"fences": "bad"}', mode="overwrite")
+    with pytest.raises(tg.CorruptCheckpointError, match=r"\.fences\.json: not a record"):
+        tg.Catalog(url).steps()

@@ -33,7 +33,7 @@ from .._open import open_manifest
 from .._ramtier import RamTier, RamTierStats, open_ram_tier
 from .._save import save_with
 from .._save_job import SaveOptions, SaveResult
-from .._tiers import Uploader, UploadStats, another_runs
+from .._tiers import Uploader, UploadStats, warn_of_another_run
 from ..distributed._collectives import DEFAULT_TIMEOUT
 from ..errors import (
     CheckpointExistsError,
@@ -48,7 +48,6 @@ from ..errors import (
     TardigradeError,
     UnsupportedTypeError,
 )
-from ..format.manifest import MANIFEST
 from ..storage import open_root
 from ..storage.lease import Lease
 from ._agreement import DUE, NOTHING, PREEMPTED, agreement
@@ -59,6 +58,7 @@ from ._options import (
     check_non_negative,
     check_one_of,
     check_positive,
+    check_run_directory,
     check_signals,
     check_step,
 )
@@ -155,8 +155,9 @@ class CheckpointManager:
         ``lock_timeout``: seconds the constructor waits for a lock whose holder may be dead
             (another machine's, until its lease expires), logging who holds it, before it
             raises ``CheckpointLockedError`` (default None: one lease, so that a restarted job
-            whose previous process died anywhere starts; 0: fail at once). A holder known to
-            live (a process on this machine) is never waited for.
+            whose previous process died anywhere starts; 0: fail at once). A holder that waiting
+            cannot help (a directory's flock held on this machine, another manager of this
+            process) is refused at once.
         ``process_group``: in a distributed job (``torch.distributed`` initialized) the group
             whose ranks share this manager (default: the whole job); ignored otherwise.
         ``timeout``: seconds any rank waits for the others in one of the manager's collectives
@@ -246,15 +247,8 @@ class CheckpointManager:
         # Every byte, listing and delete goes through the catalog over the storage contract.
         self._storage_options = storage_options
         self._upload_storage_options = upload_storage_options
-        self._catalog = Catalog(check_directory(directory), storage_options)
+        self._catalog = check_run_directory(Catalog(check_directory(directory), storage_options))
         self.directory = self._catalog.root
-        if self._catalog.storage.exists(MANIFEST):
-            # One checkpoint given as the run directory: its saves would nest inside it.
-            raise InvalidArgumentError(
-                f"{self.directory}: this is one checkpoint (it holds {MANIFEST}), not a "
-                "directory of checkpoints; give the manager its parent directory (the run's), "
-                f"e.g. CheckpointManager({os.path.dirname(self.directory.rstrip('/'))!r}, ...)"
-            )
         self.state = state
         self._policy = SavePolicy(
             every_steps=check_positive("every_steps", every_steps),
@@ -369,13 +363,7 @@ class CheckpointManager:
                 # One job uploads into a remote root, as one job saves into a directory.
                 self._remote_lock = remote.lease(lease_seconds=self._lock.lease)
                 self._remote_lock.acquire()
-                try:
-                    foreign = another_runs(self._catalog, Catalog(remote))
-                except TardigradeError as e:  # said again, with its cause, by the uploads
-                    foreign = None
-                    log.debug("tardigrade: could not list %s: %s", remote.root, e)
-                if foreign:
-                    log.warning("tardigrade: %s", foreign)
+                warn_of_another_run(self._catalog, Catalog(remote))
 
             # Rank 0's lease stands for the job; its error is raised on every rank.
             self._ranks.on_coordinator(
@@ -630,14 +618,6 @@ class CheckpointManager:
     def _exists_here(self, step: int) -> bool:
         return self._catalog.visible(step_name(step))
 
-    def _occupant_here(self, step: int) -> str:
-        """Who holds ``step``'s name: "run" (a checkpoint of the run), "fenced" (a commit
-        made after its writer lost the lease, which a save replaces), or "" (nobody)."""
-        name = step_name(step)
-        if not self._catalog.committed(name):
-            return ""
-        return "fenced" if self._catalog.fenced(name) else "run"
-
     def path(self, step: int) -> str:
         """The directory of the checkpoint for ``step``."""
         return self._catalog.path(step_name(step))
@@ -671,20 +651,14 @@ class CheckpointManager:
     def _remove_leftovers(self) -> None:
         """Remove tmp dirs of dead writers; put back a checkpoint a crashed replace moved aside."""
         if self._lock.held and self._still_ours("cleaning up leftovers"):
-            self._catalog.tidy()
+            self._catalog.storage.tidy()  # fenced checkpoints: see _candidates_here
 
     def _candidates_here(self, step: int | None) -> dict[str, list[int]]:
         """Clean up, then the committed steps and those ``restore(step)`` tries, newest first."""
         self._remove_leftovers()
         committed, uncommitted, recorded, fenced = self._catalog.scan()
-        for n in fenced:
-            log.warning(
-                "tardigrade: ignoring checkpoint %s: it was committed by a writer after it lost "
-                "the lease of this directory (a stalled process that woke up); removing it",
-                self._catalog.path(n),
-            )
-            if self._lock.held and self._still_ours(f"removing {n}"):
-                self._remove(n, "committed after its writer lost the lease")
+        if fenced and self._lock.held and self._still_ours("removing commits of a zombie"):
+            self._catalog.retire_fenced(fenced)  # passed over by the scan in any case
         if step is not None:
             if step not in committed:
                 raise CheckpointNotFoundError(
@@ -984,7 +958,7 @@ class CheckpointManager:
         try:
             occupant = self._agreed(
                 f"CheckpointManager({self.directory!r}): is step {step} there",
-                lambda: self._occupant_here(step),
+                lambda: self._catalog.occupant(step_name(step)),
             )
         except (StorageError, CheckpointLockedError, CorruptCheckpointError) as e:
             # Storage failed before the save began (a transient error, a full disk): a failed

@@ -7,13 +7,27 @@ import signal
 from collections.abc import Iterable
 from typing import Any
 
+from .._catalog import Catalog
 from ..errors import InvalidArgumentError
+from ..format.manifest import MANIFEST
 
 
 def check_directory(v: Any) -> str | os.PathLike[str]:
     if not isinstance(v, (str, os.PathLike)):
         raise InvalidArgumentError(f"directory must be a path or URL, got {v!r}")
     return v
+
+
+def check_run_directory(catalog: Catalog) -> Catalog:
+    """``catalog``, unless its root is one checkpoint (a manager's saves would nest in it)."""
+    if catalog.storage.exists(MANIFEST):
+        parent = os.path.dirname(catalog.root.rstrip("/"))
+        raise InvalidArgumentError(
+            f"{catalog.root}: this is one checkpoint (it holds {MANIFEST}), not a directory of "
+            f"checkpoints; give the manager its parent directory (the run's), e.g. "
+            f"CheckpointManager({parent!r}, ...)"
+        )
+    return catalog
 
 
 def check_positive(name: str, v: Any, kind: type = int) -> Any:

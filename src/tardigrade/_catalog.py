@@ -437,13 +437,19 @@ class Catalog:
         return done
 
     def tidy(
-        self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
+        self,
+        *,
+        dry_run: bool = False,
+        progress: Callable[[Tidied], None] | None = None,
+        fenced: bool = True,
     ) -> list[Tidied]:
-        """Clean up what dead writers left here (see ``Storage.tidy``), and the checkpoints a
-        writer committed after it lost the lease (``fence``); ``progress`` is called with each
-        leftover once it is dealt with. The caller holds the lease."""
+        """Clean up what dead writers left here (see ``Storage.tidy``), and, with ``fenced``,
+        the checkpoints a writer committed after it lost the lease (``fence``; a caller that
+        lists the root next retires those from its own listing: ``retire_fenced``).
+        ``progress`` is called with each leftover once it is dealt with. The caller holds the
+        lease."""
         done = self.storage.tidy(dry_run=dry_run, progress=progress)
-        if self.fences():  # one stat, once per catalog
+        if fenced and self.fences():  # one stat, once per catalog
             done += self.retire_fenced(self.scan().fenced, dry_run=dry_run, progress=progress)
         return done
         for name in self.scan().fenced:

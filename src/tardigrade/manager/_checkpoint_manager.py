@@ -651,7 +651,7 @@ class CheckpointManager:
     def _remove_leftovers(self) -> None:
         """Remove tmp dirs of dead writers; put back a checkpoint a crashed replace moved aside."""
         if self._lock.held and self._still_ours("cleaning up leftovers"):
-            self._catalog.storage.tidy()  # fenced checkpoints: see _candidates_here
+            self._catalog.tidy(fenced=False)  # those: from the listing that follows
 
     def _candidates_here(self, step: int | None) -> dict[str, list[int]]:
         """Clean up, then the committed steps and those ``restore(step)`` tries, newest first."""

@@ -77,15 +77,25 @@ _DEAD = "its owner"  # how a takeover reason begins when the holder is known to 
 _let_go: set[str] = set()
 
 
+def local_pid(rec: dict[str, Any]) -> int | None:
+    """The pid a lease record names, when it names a process of this kernel and this PID
+    namespace (where a pid means something here), else None."""
+    pid = rec.get("pid")
+    if (
+        BOOT_ID is None
+        or rec.get("boot_id") != BOOT_ID
+        or rec.get("pid_namespace") != PID_NAMESPACE
+        or type(pid) is not int
+        or pid <= 0
+    ):
+        return None
+    return pid
+
+
 def _this_process(rec: dict[str, Any]) -> bool:
     """Whether a record names this very process (another manager of ours holds the lease:
     waiting for it cannot help). Another live process may yet stall past its lease, or exit."""
-    return (
-        BOOT_ID is not None
-        and rec.get("boot_id") == BOOT_ID
-        and rec.get("pid_namespace") == PID_NAMESPACE
-        and rec.get("pid") == os.getpid()
-    )
+    return local_pid(rec) == os.getpid()
 
 
 class Lease(abc.ABC):
@@ -231,16 +241,8 @@ class ObjectLease(Lease):
             return ""
         if rec.get("owner") in _let_go:
             return "this process released it, but could not record that"
-        pid = rec.get("pid")
-        if (
-            BOOT_ID is not None
-            and rec.get("boot_id") == BOOT_ID
-            and rec.get("pid_namespace") == PID_NAMESPACE
-            and type(pid) is int
-            and pid > 0
-            and pid != os.getpid()
-            and not _pid_alive(pid)
-        ):
+        pid = local_pid(rec)
+        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
             # Its holder ran on this kernel, in this PID namespace, and is gone (a crash a
             # restarter follows at once): nothing of it can still write. A pid reused since
             # reads as alive, and then the lease is waited out as for any other holder.

@@ -44,7 +44,7 @@ import weakref
 from typing import Any
 
 from ..errors import CheckpointLockedError
-from .lease import BOOT_ID, LOCK, PID_NAMESPACE, Lease, _pid_alive
+from .lease import BOOT_ID, LOCK, PID_NAMESPACE, Lease, _pid_alive, local_pid
 
 log = logging.getLogger("tardigrade")
 
@@ -291,15 +291,8 @@ class DirectoryLock(Lease):
             # Same kernel: its holder would still hold the flock. A pid proves nothing here
             # (another PID namespace, or reused), so it is not consulted.
             return f"its owner (pid {pid}) has exited"
-        if (
-            not flocked
-            and BOOT_ID is not None
-            and rec.get("boot_id") == BOOT_ID
-            and rec.get("pid_namespace") == PID_NAMESPACE
-            and isinstance(pid, int)
-            and pid != os.getpid()
-            and not _pid_alive(pid)
-        ):
+        here = local_pid(rec)
+        if not flocked and here is not None and here != os.getpid() and not _pid_alive(here):
             return f"its owner (pid {pid}) has exited"
         beat = _number(rec.get("heartbeat"))
         age = time.time() - (os.fstat(fd).st_mtime if beat is None else beat)

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.s3, pytest.mark.crash, pytest.mark.timeout(240)]
 
 STALLS_IN_COMMIT = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal, sys, threading
     import torch
     import tardigrade as tg
     from tardigrade.storage.s3 import S3Storage
@@ -37,7 +37,10 @@ STALLS_IN_COMMIT = textwrap.dedent(
 
     def stalling_put(self, name, data, **kw):
         if name.endswith("step-000000004/manifest.json"):
-            os.kill(os.getpid(), signal.SIGSTOP)  # past its lease, after every check
+            # Past its lease, after every check. Sent to this very thread: a process-wide
+            # kill() may be taken by another thread, and this one then runs the put before
+            # the whole process stops (the manifest was seen committed 2 runs in 6).
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         return put(self, name, data, **kw)
 
     S3Storage.put = stalling_put
@@ -70,6 +73,8 @@ def test_a_stalled_writer_that_lost_its_lease_never_commits_into_the_new_run(
     try:
         _, status = os.waitpid(zombie.pid, os.WUNTRACED)  # stopped inside its commit
         assert os.WIFSTOPPED(status), zombie.communicate()
+        # Stopped before its manifest went up: step 4 is not committed yet.
+        assert tg.Catalog(url).steps() == [2]
         live = state()
         # The new job waits out the stalled holder's 1 s lease (lock_timeout's default), takes
         # the lease over and restores the last step the old one committed.

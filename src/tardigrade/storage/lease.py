@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import CheckpointLockedError, CorruptCheckpointError, StorageError
 from .base import PreconditionFailed
@@ -71,7 +71,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-_DEAD = "its owner"  # how a takeover reason begins when the holder is known to be gone
+class Takeover(NamedTuple):
+    """Why a lease record does not stop a new holder, and whether its holder may still live
+    (stalled past its lease, not known gone): then it may yet commit what it began."""
+
+    why: str
+    may_live: bool
+
+
 # Owners (of this process) whose release could not be written: their records read as held, but
 # this process knows they were let go, so its next holder need not wait for them to expire.
 _let_go: set[str] = set()
@@ -189,16 +196,15 @@ class ObjectLease(Lease):
         if self.held:
             return
         rec, version = self._read()
-        reason = None
+        taken = None
         if rec is not None:
-            reason = self._free(rec)
-            if reason is None:
+            taken = self._free(rec)
+            if taken is None:
                 raise self._locked(rec)
         previous = rec.get("generation") if rec else None
         previous = previous if type(previous) is int and previous >= 0 else 0
         self.generation = previous + 1
-        # Released or known dead: nothing of it can still write. Otherwise it may be stalled.
-        self.superseded = previous if reason and not reason.startswith(_DEAD) else None
+        self.superseded = previous if taken is not None and taken.may_live else None
         try:
             if version is None:
                 self._version = self.storage.put(LOCK, self._record(), mode="create")
@@ -222,8 +228,8 @@ class ObjectLease(Lease):
                 self.url,
                 e,
             )
-        if reason:
-            log.warning("tardigrade: took over the lease of %s: %s", self.url, reason)
+        if taken is not None and taken.why:
+            log.warning("tardigrade: took over the lease of %s: %s", self.url, taken.why)
         if rec:
             _let_go.discard(str(rec.get("owner")))
         self.held = True
@@ -233,25 +239,26 @@ class ObjectLease(Lease):
         )
         self._thread.start()
 
-    def _free(self, rec: dict[str, Any]) -> str | None:
+    def _free(self, rec: dict[str, Any]) -> Takeover | None:
         """Why the lease in ``rec`` may be taken (released, expired, unreadable), or None."""
         if not rec:
-            return "its record was unreadable"
+            return Takeover("its record was unreadable", may_live=True)
         if rec.get("released") is True:
-            return ""
+            return Takeover("", may_live=False)
         if rec.get("owner") in _let_go:
-            return "this process released it, but could not record that"
+            return Takeover("this process released it, but could not record that", False)
         pid = local_pid(rec)
         if pid is not None and pid != os.getpid() and not _pid_alive(pid):
             # Its holder ran on this kernel, in this PID namespace, and is gone (a crash a
             # restarter follows at once): nothing of it can still write. A pid reused since
             # reads as alive, and then the lease is waited out as for any other holder.
-            return f"{_DEAD} (pid {pid} on this machine) has exited"
+            return Takeover(f"its owner (pid {pid} on this machine) has exited", may_live=False)
         beat, lease = rec.get("heartbeat"), rec.get("lease_seconds")
         if not isinstance(beat, (int, float)) or not isinstance(lease, (int, float)):
-            return "its record had no heartbeat"
+            return Takeover("its record had no heartbeat", may_live=True)
         if time.time() - beat > lease:
-            return f"its holder's heartbeat is {time.time() - beat:.0f} s old (lease {lease} s)"
+            age = time.time() - beat
+            return Takeover(f"its holder's heartbeat is {age:.0f} s old (lease {lease} s)", True)
         return None
 
     def _locked(self, rec: dict[str, Any] | None) -> CheckpointLockedError:

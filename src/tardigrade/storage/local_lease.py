@@ -44,7 +44,7 @@ import weakref
 from typing import Any
 
 from ..errors import CheckpointLockedError
-from .lease import BOOT_ID, LOCK, PID_NAMESPACE, Lease, _pid_alive, local_pid
+from .lease import BOOT_ID, LOCK, PID_NAMESPACE, Lease, Takeover, _pid_alive, local_pid
 
 log = logging.getLogger("tardigrade")
 
@@ -248,25 +248,26 @@ class DirectoryLock(Lease):
 
     def _take(self, fd: int, flocked: bool) -> None:
         rec = _parse(_pread(fd))
-        why = self._takeover_reason(fd, rec, flocked)
+        taken = self._takeover_reason(fd, rec, flocked)
         prev = rec.get("generation") if rec is not None else None
         ok = isinstance(prev, int) and not isinstance(prev, bool) and prev >= 0
         with self._mutex:
             self.generation = prev + 1 if ok else 1
-            # A holder judged by its heartbeat alone may be stalled, not dead (see Lease).
-            expired = why is not None and why.startswith("its heartbeat")
-            self.superseded = (prev if ok else 0) if expired else None
+            may_live = taken is not None and taken.may_live
+            self.superseded = (prev if ok else 0) if may_live else None
             self._flocked, self.held, self._unwritten = flocked, True, False
             self._publish()
             if not flocked and not self._ours(_parse(_pread(fd))):
                 raise self._locked(_parse(_pread(fd)), held_now=False)  # someone else won
-        if why is not None:
-            log.warning("tardigrade: took over the lock of %s: %s", self.directory, why)
+        if taken is not None:
+            log.warning("tardigrade: took over the lock of %s: %s", self.directory, taken.why)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="tardigrade-lock", daemon=True)
         self._thread.start()
 
-    def _takeover_reason(self, fd: int, rec: dict[str, Any] | None, flocked: bool) -> str | None:
+    def _takeover_reason(
+        self, fd: int, rec: dict[str, Any] | None, flocked: bool
+    ) -> Takeover | None:
         """Why the previous holder's record does not stop us (None: nothing to take over).
 
         Raises CheckpointLockedError while it may still be alive.
@@ -276,7 +277,9 @@ class DirectoryLock(Lease):
                 # No live holder on this kernel (it would hold the flock), and a record that
                 # names no kernel cannot be a holder elsewhere: debris of a failed write.
                 if os.fstat(fd).st_size:
-                    return "its record was unreadable and no process holds the lock"
+                    return Takeover(
+                        "its record was unreadable and no process holds the lock", False
+                    )
                 return None
             rec = {}  # lease only: judge an unreadable record by the file's age below
         if rec.get("released") is True or rec.get("owner") == self.owner:
@@ -290,15 +293,16 @@ class DirectoryLock(Lease):
         ):
             # Same kernel: its holder would still hold the flock. A pid proves nothing here
             # (another PID namespace, or reused), so it is not consulted.
-            return f"its owner (pid {pid}) has exited"
+            return Takeover(f"its owner (pid {pid}) has exited", may_live=False)
         here = local_pid(rec)
         if not flocked and here is not None and here != os.getpid() and not _pid_alive(here):
-            return f"its owner (pid {pid}) has exited"
+            return Takeover(f"its owner (pid {pid}) has exited", may_live=False)
         beat = _number(rec.get("heartbeat"))
         age = time.time() - (os.fstat(fd).st_mtime if beat is None else beat)
         lease = self._lease_of(rec)
         if age > lease:
-            return f"its heartbeat is {age:.0f} s old (lease {lease:.0f} s)"
+            # Judged by its heartbeat alone: it may be stalled, not dead (see Lease.superseded).
+            return Takeover(f"its heartbeat is {age:.0f} s old (lease {lease:.0f} s)", True)
         raise self._locked(rec, held_now=False)
 
     def _lease_of(self, rec: dict[str, Any] | None) -> float:

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo test docs bench fuzz soak lint format clean
+.PHONY: demo test test-fast docs bench fuzz soak lint format clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,12 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests
+
+# The inner loop (about a minute): the unit tests and the storage conformance suite on memory://
+# alone. `make test` (all of it, every backend) is what CI runs.
+test-fast: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	TARDIGRADE_TEST_BACKENDS=memory $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests/unit tests/storage/test_conformance.py
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict turns a broken link or a page
 # left out of the nav into an error. `make test` builds it too (tests/integration/test_docs.py).

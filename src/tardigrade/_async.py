@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _sinks
 from ._plan import plan_files
 from ._save_job import (
     SaveJob,
@@ -34,6 +35,7 @@ from ._save_job import (
     item_source,
     make_job,
 )
+from ._sinks import Sink
 from ._staging import Slab, SlabPool, StagingStats
 from ._tree import Entry, as_bytes, flatten
 from ._warn import warn_user
@@ -289,19 +291,16 @@ def stage_entries(
 
 
 def _write_staged(
-    job: SaveJob, readers: list[Any], staged: threading.Event, mirror: Any = None
+    job: SaveJob, readers: list[Any], staged: threading.Event, sinks: Sequence[Sink] = ()
 ) -> SaveResult:
     """Write and commit in the background; report how long staging blocked the caller.
 
     Under a budget the writers run while ``save`` is still staging, and may commit before the
     caller's clock stops: the blocking time is read only once staging has set it (and the save
-    as a whole took at least as long as it blocked the caller). A ``mirror`` (the RAM tier's
-    ``RamMirror``) writes its copy from the same staged blocks beside the disk writers.
+    as a whole took at least as long as it blocked the caller). Each of ``sinks`` (the RAM
+    tier's copy) writes from the same staged blocks beside the disk writers.
     """
-    if mirror is None:
-        result = write_and_commit(job, readers)
-    else:
-        result = mirror.around(job, lambda: write_and_commit(job, readers))
+    result = _sinks.around(sinks, job, lambda: write_and_commit(job, readers))
     staged.wait()
     blocking = job.blocking_seconds
     assert blocking is not None  # set before ``staged``
@@ -525,11 +524,11 @@ class AsyncCheckpointer:
         state: Any,
         options: SaveOptions,
         *,
-        mirror: Any = None,
+        sinks: Sequence[Sink] = (),
     ) -> SaveFuture | None:
         """:meth:`save` with its options as one object (what ``tg.save`` passes on).
 
-        ``mirror``: a second destination fed from the same staged blocks (the manager's RAM
+        ``sinks``: more destinations fed from the same staged blocks (the manager's RAM
         tier, ``_ramtier.RamMirror``), so the state is copied once whatever the tiers.
         """
         with self._lock:
@@ -552,14 +551,14 @@ class AsyncCheckpointer:
             streams: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in job.plan.files]
             # The writers read until END/ABORT, so the iterators' own sentinel never matches.
             readers = [iter(q.get, _NEVER) for q in streams]
-            # The stager puts each block into the writers' queues, and the mirror's too.
-            into: list[Any] = list(streams) if mirror is None else mirror.tee(streams)
+            # The stager puts each block into the writers' queues, and the sinks' too.
+            into: list[Any] = _sinks.tee(sinks, list(streams))
             # Under a budget the writers must drain slabs while staging goes on; without one
             # they start once the copy is done, so nothing competes with it for the cores.
             bounded = self.pool.max_bytes is not None
             staged = threading.Event()
             background = (
-                self._executor.submit(_write_staged, job, readers, staged, mirror)
+                self._executor.submit(_write_staged, job, readers, staged, sinks)
                 if bounded
                 else None
             )
@@ -576,7 +575,7 @@ class AsyncCheckpointer:
                     background.exception()  # let the writers clean up before we report
                 raise
             if background is None:
-                background = self._executor.submit(_write_staged, job, readers, staged, mirror)
+                background = self._executor.submit(_write_staged, job, readers, staged, sinks)
             fut = SaveFuture(job.storage.url(job.name), background)
             fut.blocking_seconds = job.blocking_seconds
             fut._staged.set()

@@ -14,15 +14,15 @@ import math
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ._open import manifest_at
-from .errors import CorruptCheckpointError, StorageError, TardigradeError
+from .errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
 from .format.jsonio import dumps, loads_strict
-from .format.manifest import LEASE_GENERATION, MANIFEST
+from .format.manifest import LEASE_GENERATION, MANIFEST, Manifest
 from .storage import Storage, open_root, storage_for
-from .storage.base import TMP_PREFIX, Tidied
+from .storage.base import TMP_PREFIX, Tidied, due, grace_cutoff
 
 __all__ = [
     "ABANDONED",
@@ -34,7 +34,7 @@ __all__ = [
     "INCOMPLETE",
     "INCOMPLETE_TMP",
     "NO_MANIFEST",
-    "STEP_NAME",
+    "STEP_NAMES",
     "UNREADABLE",
     "Catalog",
     "Listed",
@@ -44,7 +44,6 @@ __all__ = [
 
 log = logging.getLogger("tardigrade")
 
-STEP_NAME = re.compile(r"^step-(\d{9,})$")
 # A committed checkpoint of a timeline that restore(step) abandoned, moved aside by the manager;
 # a step directory without a manifest, moved aside so the step can be saved again.
 ABANDONED = "abandoned"
@@ -66,8 +65,38 @@ _MAX_FENCES = 64  # a writer superseded that many times over is long gone
 _RECORD_BYTES = 1 << 20  # a record of abandoned checkpoints is a few bytes per checkpoint
 
 
+@dataclass(frozen=True)
+class StepNames:
+    """How the checkpoints of a root are named by step: ``template`` holds one ``{step}``
+    field (``"step-{step:09d}"``, a manager's; ``"checkpoint-{step}"``, the HF Trainer's)."""
+
+    template: str = "step-{step:09d}"
+
+    def __post_init__(self) -> None:
+        m = re.fullmatch(r"(.*?)\{step(?::0(\d+)d)?\}(.*)", self.template)
+        if m is None or "{" in m.group(1) + m.group(3) or "/" in self.template:
+            raise InvalidArgumentError(
+                f"names={self.template!r}: a name format takes one {{step}} field (optionally "
+                "zero-padded, {step:09d}) and no '/', e.g. 'checkpoint-{step}'"
+            )
+        digits = f"\\d{{{m.group(2)},}}" if m.group(2) else "\\d+"
+        pattern = f"{re.escape(m.group(1))}({digits}){re.escape(m.group(3))}"
+        object.__setattr__(self, "_pattern", re.compile(pattern))
+
+    def name(self, step: int) -> str:
+        return self.template.format(step=step)
+
+    def step(self, name: str) -> int | None:
+        """The step ``name`` is named after, or None when the format does not name it."""
+        m = self._pattern.fullmatch(name)  # type: ignore[attr-defined]  # set in __post_init__
+        return int(m.group(1)) if m else None
+
+
+STEP_NAMES = StepNames()  # a manager's
+
+
 def step_name(step: int) -> str:
-    return f"step-{step:09d}"
+    return STEP_NAMES.name(step)
 
 
 # What an entry of a checkpoint directory is, as listings show it.
@@ -111,6 +140,26 @@ class Scan(NamedTuple):
     fenced: list[str]
 
 
+@dataclass
+class _Marks:
+    """What the committed manifests of a root reference: each file they list (by its name
+    under the root), each name's committing save (its data objects' prefix: a save's own
+    objects stay with it), and the names whose manifest did not read (kept whole)."""
+
+    files: set[str] = field(default_factory=set)
+    owners: dict[str, str] = field(default_factory=dict)
+    kept: set[str] = field(default_factory=set)
+
+    def reachable(self, name: str, data: str) -> bool:
+        """Whether data object ``data`` under ``name`` is referenced (kept by the sweep)."""
+        owner = self.owners.get(name)
+        return (
+            name in self.kept
+            or f"{name}/{data}" in self.files
+            or (owner is not None and data.startswith(owner))
+        )
+
+
 def _deleting_name(name: str) -> str:
     """Where a retire moves a checkpoint before deleting it (never half-deleted in view)."""
     return f"{TMP_PREFIX}deleting-{name}"
@@ -136,8 +185,16 @@ class Catalog:
     UNREADABLE = UNREADABLE
     Listed = Listed
     step_in_name = staticmethod(step_in_name)
+    step_name = staticmethod(step_name)  # a manager's checkpoint of a step: step-NNNNNNNNN
 
-    def __init__(self, location: Any, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        location: Any,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        names: str = STEP_NAMES.template,
+    ) -> None:
+        self.naming = StepNames(names)
         self.storage: Storage = (
             location if isinstance(location, Storage) else open_root(location, storage_options)
         )
@@ -179,6 +236,16 @@ class Catalog:
     def names(self) -> list[str]:
         return self.storage.list()
 
+    def numbered(self) -> list[tuple[int, str]]:
+        """(step, name) of each entry named by this catalog's format (``names=``), committed
+        or not, by step."""
+        found = [(s, n) for n in self.names() if (s := self.naming.step(n)) is not None]
+        return sorted(found)
+
+    def step_path(self, step: int) -> str:
+        """The location of the checkpoint of ``step``."""
+        return self.path(self.naming.name(step))
+
     def steps(self) -> list[int]:
         """The steps of the committed ``step-N`` checkpoints, ascending."""
         return self.scan()[0]
@@ -195,15 +262,15 @@ class Catalog:
         names = self.names()
         fences = self.fences() if FENCES in names else []
         for n in names:
-            m = STEP_NAME.match(n)
-            if m is None:
+            step = self.naming.step(n)
+            if step is None:
                 continue
             if not self.committed(n):
                 uncommitted.append(n)
             elif fences and self.fenced(n, fences):
                 fenced.append(n)
             else:
-                committed.append(int(m.group(1)))
+                committed.append(step)
         return Scan(sorted(committed), uncommitted, ABANDONED_RECORD in names, sorted(fenced))
 
     # -- fencing ---------------------------------------------------------------------------
@@ -363,6 +430,11 @@ class Catalog:
         self.storage.move(name, aside)
         return aside
 
+    def manifest(self, name: str) -> Manifest:
+        """The parsed, validated manifest of committed checkpoint ``name`` (read through this
+        catalog's storage: a path would reopen it without its options)."""
+        return manifest_at(self.storage, name)
+
     def save_id(self, name: str) -> str | None:
         """The save id of committed checkpoint ``name`` (None for a manifest without one)."""
         save_id = manifest_at(self.storage, name).raw.get("save_id")
@@ -377,7 +449,7 @@ class Catalog:
         doc = loads_strict(self.storage.read_bytes(ABANDONED_RECORD, _RECORD_BYTES), where)
         saves = doc.get("abandoned") if isinstance(doc, dict) else None
         if not isinstance(saves, dict) or not all(
-            STEP_NAME.match(k) and isinstance(v, str) for k, v in saves.items()
+            STEP_NAMES.step(k) is not None and isinstance(v, str) for k, v in saves.items()
         ):
             raise CorruptCheckpointError(
                 f"{where}: not a record of abandoned checkpoints ({{'abandoned': {{step name: "
@@ -411,6 +483,16 @@ class Catalog:
                 self.storage.abandon(name)
                 raise
 
+    def remove(self, name: str, why: str) -> bool:
+        """``retire(name)``, logged with ``why``; False (logged) if storage failed to."""
+        try:
+            self.retire(name)
+        except OSError as e:
+            log.warning("tardigrade: could not remove %s: %s", self.path(name), e)
+            return False
+        log.info("tardigrade: removed %s (%s)", name, why)
+        return True
+
     def retire_fenced(
         self,
         names: list[str],
@@ -436,6 +518,99 @@ class Catalog:
                 progress(done[-1])
         return done
 
+    def collect(
+        self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
+    ) -> list[Tidied]:
+        """Garbage collection by reachability, on a store (a POSIX root's saves stage apart,
+        and ``Storage.tidy`` removes what dies there): delete each data object no committed
+        manifest references, once it is older than the grace period (``gc_grace_seconds``)
+        or, written by a save this process saw fail, at once. The caller holds the lease.
+
+        Mark, then sweep: when some object is old enough and not plainly its committed
+        save's, every committed manifest under the root is read and what each references is
+        kept; the rest goes. A store cannot tell a dead save from a live one, so the grace
+        period is what spares a zombie writer's objects (its commit would otherwise be
+        unloadable). Today's rule is the special case that costs no read: a committed name
+        whose objects all belong to one save holds that save's, which committed it. A
+        manifest that does not read keeps everything under its name (evidence). One item per
+        name dealt with, to ``progress`` too.
+        """
+        storage = self.storage
+        if storage.can_move or not hasattr(storage, "tidy_candidates"):
+            return []
+        cutoff = grace_cutoff(storage.gc_grace_seconds)
+        gone = storage.abandoned_saves()
+        listed = list(storage.tidy_candidates())
+        marks: _Marks | None = None
+        done: list[Tidied] = []
+        for name, objects, committed in listed:
+            if not name:  # the root's probes: a preflight whose delete failed; no save's
+                done += self._remove_probes(objects, dry_run=dry_run, progress=progress)
+                continue
+            if committed and len({storage.save_of(n) for n, _ in objects}) == 1:
+                continue  # the one save found under a manifest is the save that committed it
+            abandoned = gone.get(name)
+            if all(st is not None for _, st in objects):  # ages known: no manifest read
+                objects = [
+                    (n, st) for n, st in objects if st is not None and due(st, cutoff, abandoned)
+                ]
+                if not objects:
+                    continue
+            if marks is None:
+                marks = self._mark([n for n, _, c in listed if n and c])
+            dead: list[tuple[str, int]] = []
+            for n, st in objects:
+                if marks.reachable(name, n):
+                    continue
+                st = st or storage.stat(f"{name}/{n}")
+                if st is not None and not st.is_dir and due(st, cutoff, abandoned):
+                    dead.append((f"{name}/{n}", st.size))
+            if not dead:
+                continue
+            if not dry_run:
+                storage.delete_many([n for n, _ in dead])
+            done.append(Tidied(name, "removed", sum(size for _, size in dead)))
+            if progress is not None:
+                progress(done[-1])
+        return done
+
+    def _remove_probes(
+        self,
+        probes: list[tuple[str, Any]],
+        *,
+        dry_run: bool,
+        progress: Callable[[Tidied], None] | None,
+    ) -> list[Tidied]:
+        done = []
+        for probe, st in probes:
+            st = st or self.storage.stat(probe)
+            if st is None or st.is_dir:
+                continue
+            if not dry_run:
+                self.storage.delete(probe)
+            done.append(Tidied(probe, "removed", st.size))
+            if progress is not None:
+                progress(done[-1])
+        return done
+
+    def _mark(self, committed: list[str]) -> _Marks:
+        """What the committed manifests at ``committed`` reference (the mark of ``collect``)."""
+        marks = _Marks()
+        for name in committed:
+            try:
+                m = self.manifest(name)
+            except TardigradeError as e:
+                if self.storage.stat(f"{name}/{MANIFEST}") is None:
+                    continue  # retired since it was listed: no checkpoint any more
+                log.warning("tardigrade: leaving %s as it is: %s", self.path(name), e)
+                marks.kept.add(name)
+                continue
+            marks.files.update(f"{name}/{f}" for f in m.files)
+            save_id = m.raw.get("save_id")
+            if isinstance(save_id, str) and save_id:
+                marks.owners[name] = self.storage.data_name("", save_id)
+        return marks
+
     def tidy(
         self,
         *,
@@ -448,21 +623,8 @@ class Catalog:
         lists the root next retires those from its own listing: ``retire_fenced``).
         ``progress`` is called with each leftover once it is dealt with. The caller holds the
         lease."""
-        done = self.storage.tidy(dry_run=dry_run, progress=progress)
+        done = self.collect(dry_run=dry_run, progress=progress)
+        done += self.storage.tidy(dry_run=dry_run, progress=progress)
         if fenced and self.fences():  # one stat, once per catalog
             done += self.retire_fenced(self.scan().fenced, dry_run=dry_run, progress=progress)
-        return done
-        for name in self.scan().fenced:
-            log.warning(
-                "tardigrade: removing %s: it was committed by a writer after it lost the lease "
-                "of %s (a stalled process that woke up); it is no checkpoint of the run",
-                self.path(name),
-                self.root,
-            )
-            done.append(Tidied(f"{name} (committed after its writer lost the lease)", "removed",
-                               self.size(name)))  # fmt: skip
-            if not dry_run:
-                self.retire(name)
-            if progress is not None:
-                progress(done[-1])
         return done

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._catalog import STEP_NAME, Catalog
+from ._catalog import STEP_NAMES, Catalog
 from ._load import load, load_from
 from ._save_job import SaveJob, SaveResult, file_header
 from ._tiers import CopyPlan
@@ -257,7 +257,7 @@ class RamTier:
         free = self._free_bytes()
         if free >= need + HEADROOM_BYTES:
             return
-        older = [n for n in self.catalog.names() if STEP_NAME.match(n) and n != keep]
+        older = [n for n in self.catalog.names() if STEP_NAMES.step(n) is not None and n != keep]
         held = sum(self.catalog.size(n) for n in older)
         if free + held >= need + HEADROOM_BYTES:
             for n in older:
@@ -285,7 +285,7 @@ class RamTier:
         with self._lock:
             self.stats.stored.append(name)
         for n in self.catalog.names():
-            if STEP_NAME.match(n) and n != name:
+            if STEP_NAMES.step(n) is not None and n != name:
                 try:
                     self.catalog.retire(n)
                 except OSError as e:

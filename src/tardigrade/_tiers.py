@@ -523,7 +523,7 @@ class Uploader:
         steps = catalog.steps()
         for step in steps[: max(0, len(steps) - self.keep_last_remote)]:
             try:
-                catalog.retire(f"step-{step:09d}")
+                catalog.retire(step_name(step))
             except TardigradeError as e:
                 log.warning("tardigrade: retiring step %d on %s: %s", step, self.remote.root, e)
 

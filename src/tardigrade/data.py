@@ -471,7 +471,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             self._tracked = False
             self._tracked_len = None
 
-    def _hand_over(self, batch_size: int, drop_last: bool) -> _BatchCount:
+    def _hand_over(self, batch_size: int, drop_last: bool) -> BatchCount:
         """Let a framework's hooks count the batches training got (``tardigrade.integrations``).
 
         Frameworks iterate the loader themselves and fetch ahead of training (Lightning one
@@ -487,7 +487,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             )
         self._hooked = True
         self._tracked = True
-        return _BatchCount(self, batch_size, drop_last or self.drop_last)
+        return BatchCount(self, batch_size, drop_last or self.drop_last)
 
     def loader(self, dataset: Any, **kwargs: Any) -> torch.utils.data.DataLoader[Any]:
         """A ``DataLoader`` over ``dataset`` wired for exact resume: this sampler, its generator,
@@ -592,7 +592,7 @@ class _Untracked:
         return torch.utils.data.DataLoader.__iter__(self.loader)
 
 
-class _BatchCount:
+class BatchCount:
     """The position of a :class:`ResumableSampler` advanced by a framework's batch hooks.
 
     ``before_batch()`` and ``after_batch()`` bracket each batch training gets; ``epoch_end()``

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import tardigrade as tg
 from tardigrade import _tiers
 from tardigrade._load import load_from
+from tardigrade.manager._tiers import MemoryTier, RemoteTier
 from tardigrade.storage import open_root
 from tardigrade.testing import FaultyStorage
 
@@ -31,6 +32,20 @@ from ._harness import caught, run_ranks, run_ranks_and_exits
 from .test_manager_distributed import make_state, set_state, state_value
 
 pytestmark = pytest.mark.distributed
+
+
+def uploader_of(mgr: tg.CheckpointManager) -> Any:
+    """The manager's uploader (its remote tier's), for tests that wait on it."""
+    tier = mgr._tiers.first(RemoteTier)
+    assert tier is not None and tier.uploader is not None
+    return tier.uploader
+
+
+def ram_of(mgr: tg.CheckpointManager) -> Any:
+    """The manager's RAM tier (``_ramtier.RamTier``)."""
+    tier = mgr._tiers.first(MemoryTier)
+    assert tier is not None
+    return tier.ram
 
 
 @pytest.fixture(params=["directory", pytest.param("s3", marks=pytest.mark.s3)])
@@ -54,7 +69,7 @@ def upload_rank(rank: int, world: int, local: str, remote: str) -> dict[str, Any
             set_state(state, rank, float(step))
             mgr.step(step)
         mgr.wait()
-        assert mgr._uploader is not None and mgr._uploader.wait(60)
+        assert uploader_of(mgr).wait(60)
         uploads = mgr.uploads
         assert uploads is not None
         return {"uploaded": list(uploads.uploaded), "failed": uploads.failed}
@@ -110,10 +125,9 @@ def failing_upload_rank(rank: int, world: int, local: str, remote: str) -> dict[
     target = faulty.root
     state = make_state(rank, world, 1.0)
     with tg.CheckpointManager(local, state, async_save=False, upload_to=target) as mgr:
-        assert mgr._uploader is not None
-        mgr._uploader.backoff = 0.0  # retried at once: the test need not wait
+        uploader_of(mgr).backoff = 0.0  # retried at once: the test need not wait
         saved = mgr.save(1)
-        assert mgr._uploader.wait(60)
+        assert uploader_of(mgr).wait(60)
         uploads = mgr.uploads
         assert uploads is not None
         return {
@@ -147,10 +161,9 @@ def dying_upload_rank(rank: int, world: int, local: str, remote: str) -> dict[st
     first data object of step 2's upload. Rank 0 reports what its uploads and close() saw."""
     state = make_state(rank, world, 1.0)
     mgr = tg.CheckpointManager(local, state, async_save=False, upload_to=remote, timeout=30)
-    assert mgr._uploader is not None
-    mgr._uploader.backoff = 0.0  # retried at once: the test need not wait
+    uploader_of(mgr).backoff = 0.0  # retried at once: the test need not wait
     mgr.save(1)
-    assert mgr._uploader.wait(60)
+    assert uploader_of(mgr).wait(60)
     if rank == 1:
         copy_file = _tiers._copy_file
 
@@ -164,7 +177,7 @@ def dying_upload_rank(rank: int, world: int, local: str, remote: str) -> dict[st
         _tiers._copy_file = dies_mid_object
     set_state(state, rank, 2.0)
     mgr.save(2)
-    assert mgr._uploader.wait(120)  # given up on, not hung: rank 1 is gone
+    assert uploader_of(mgr).wait(120)  # given up on, not hung: rank 1 is gone
     uploads = mgr.uploads
     assert uploads is not None
     saved = sorted(n for n in os.listdir(local) if n.startswith("step-"))  # steps() is collective
@@ -212,8 +225,7 @@ def ram_job_rank(rank: int, world: int, local: str, shm: str, last: int) -> dict
         set_state(state, rank, float(step))
         mgr.step(step)
     mgr.wait()
-    assert mgr._ram is not None
-    mgr._ram.wait()  # this rank's copy is in memory
+    ram_of(mgr).wait()  # this rank's copy is in memory
     report["stored"] = list(mgr.ram_tier_stats.stored)  # type: ignore[union-attr]
     root = Path(report["root"])
     report["files"] = sorted(os.listdir(root / f"step-{last:09d}"))
@@ -233,14 +245,13 @@ def teed_ram_rank(rank: int, world: int, local: str, shm: str) -> dict[str, Any]
         mgr.save(1)
         set_state(state, rank, 5.0)  # training goes on at once
         mgr.wait()
-        assert mgr._ram is not None
-        mgr._ram.wait()
+        ram_of(mgr).wait()
         read_back = [w for op, w in faulty.log if op == "open_reader" and "data-r" in w]
         stats = mgr.ram_tier_stats
         assert stats is not None
         files = sorted(os.listdir(Path(stats.root) / name))
         # This rank's files from memory, the other's from the directory, every byte verified.
-        ram = mgr._ram
+        ram = ram_of(mgr)
         tree = load_from(lambda: ram.overlay(name, faulty), name, into=None, verify="all")
         return {
             "stored": stats.stored,

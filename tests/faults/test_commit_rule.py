@@ -23,7 +23,7 @@ from torch import nn
 
 import tardigrade as tg
 import tardigrade._write as write_mod
-import tardigrade.manager._checkpoint_manager as manager_mod
+import tardigrade.manager._tiers as manager_mod
 from tardigrade.errors import SaveError
 from tardigrade.format import limits
 from tardigrade.format.jsonio import dumps

@@ -732,8 +732,8 @@ def test_a_manager_that_lost_its_lock_deletes_nothing(
         monkeypatch.setattr(mgr._lock, "check", lost)
         mgr.keep_last = 1
         caplog.set_level(logging.ERROR, logger="tardigrade")
-        mgr._retain()
-        mgr._remove_leftovers()
+        mgr._retainer.retain()
+        mgr._restorer.tidy()
         assert mgr.steps() == [1, 2, 3]
         assert (tmp_path / ".tmp-step-000000009-dead").is_dir()
         assert any("not removing old checkpoints" in r.getMessage() for r in caplog.records)

@@ -1220,6 +1220,6 @@ def test_save_honours_a_pending_signal_like_step(
         assert mgr.save(2) is True
         assert mgr.should_stop
         # Saved synchronously: committed before save() returned, nothing left in flight.
-        assert mgr.exists(2) and not mgr._pending
+        assert mgr.exists(2) and not mgr._outcomes.pending
         assert saved_value(mgr, 2) == 2.0
         assert mgr._preemption.received is None

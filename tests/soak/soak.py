@@ -63,7 +63,7 @@ WEIGHTS = (25, 15, 10, 10, 10, 15, 8, 7)
 # local cleanup removes directories with os calls, which the storage kill points do not see).
 TRACED = {
     "gc": ["storage.local.LocalStorage.tidy"],
-    "retention": ["manager.CheckpointManager._retain"],
+    "retention": ["manager._retainer.Retainer.retain"],
 }
 
 

@@ -15,6 +15,7 @@ filesystem would add nothing the local backend does not test, and no object stor
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,8 +27,12 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from tardigrade.storage import Storage, open_root
 
-BACKENDS = ["local", "memory", "s3", "fsspec"]
-STORES = ["memory", "s3", "fsspec"]  # the backends without rename: manifest-last commit
+# TARDIGRADE_TEST_BACKENDS="memory" (names, space-separated) narrows the tests to those backends:
+# `make test-fast` runs the conformance suite on memory:// alone. `make test` runs them all.
+_ONLY = os.environ.get("TARDIGRADE_TEST_BACKENDS", "").split()
+BACKENDS = [b for b in ("local", "memory", "s3", "fsspec") if not _ONLY or b in _ONLY]
+# The backends without rename: manifest-last commit.
+STORES = [b for b in ("memory", "s3", "fsspec") if not _ONLY or b in _ONLY]
 FSSPEC_SCHEME = "tgfs"
 
 

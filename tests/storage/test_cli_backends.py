@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load
 
 import tardigrade as tg
 from tardigrade.cli import main
@@ -64,6 +65,28 @@ def test_export_reads_any_backend(
     assert rc == 0, err
     with safe_open(str(out_file), "pt") as f:
         assert torch.equal(f.get_tensor("w"), torch.full((100,), 20.0))
+
+
+def test_export_writes_to_any_backend(
+    ckpts: str, root_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OUT may be a URL too: written through its storage's writer, whole or not at all."""
+    out = f"{root_url}/exports/w.safetensors"
+    rc, _, err = cli(capsys, "export", f"{ckpts}/step-000000020", out)
+    assert rc == 0, err
+    storage = open_root(root_url)
+    with storage.open_reader("exports/w.safetensors") as r:
+        raw = bytearray(r.size)
+        r.readinto(0, memoryview(raw))
+    assert torch.equal(load(bytes(raw))["w"], torch.full((100,), 20.0))
+    rc, _, err = cli(capsys, "export", f"{ckpts}/step-000000010", out)
+    assert rc == 1 and "already exists; pass --force" in err  # never overwritten unasked
+    rc, _, err = cli(capsys, "export", "--force", f"{ckpts}/step-000000010", out)
+    assert rc == 0, err
+    with storage.open_reader("exports/w.safetensors") as r:
+        raw = bytearray(r.size)
+        r.readinto(0, memoryview(raw))
+    assert torch.equal(load(bytes(raw))["w"], torch.full((100,), 10.0))
 
 
 def test_verify_fails_on_a_damaged_checkpoint(ckpts: str, capsys: pytest.CaptureFixture[str]):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import threading
 import time
@@ -224,8 +225,9 @@ def committed(root_url: str, storage: Storage, name: str) -> list[str]:
 
 
 class TestTidy:
-    """What ``tidy`` removes of saves that never committed, and when (see
-    ``ManifestLastCommit.tidy``; POSIX staging directories go by their flock instead)."""
+    """What a tidy (``Catalog.tidy``: the storage's, then the sweep by reachability of
+    ``Catalog.collect``) removes of saves that never committed, and when (POSIX staging
+    directories go by their flock instead)."""
 
     def test_stat_says_when_an_object_was_written(self, storage: Storage) -> None:
         before = time.time()
@@ -244,11 +246,11 @@ class TestTidy:
             staging = storage.begin(name, "b" * 32)
             write(storage, f"{staging}/{storage.data_name('data-0.bin', 'b' * 32)}", b"dead")
             storage.abandon(staging)  # its abort failed too (``_write.end_staging``)
-        done = storage.tidy()
+        done = tg.Catalog(storage).tidy()
         assert done and all(t.action == "removed" for t in done)
         assert storage.list() == ["ckpt"]
         assert sorted(storage.list("ckpt")) == kept
-        assert storage.tidy() == []
+        assert tg.Catalog(storage).tidy() == []
         tg.verify(f"{root_url}/ckpt" if "://" in root_url else os.path.join(root_url, "ckpt"))
 
 
@@ -284,15 +286,15 @@ class TestStoreTidy:
         first = self.other_process_s_save(storage, "step-2", "b" * 32)
         beside = self.other_process_s_save(storage, "ckpt", "c" * 32)  # a replace
         storage.put(".probe-0123", b"", mode="overwrite")  # a preflight whose delete failed
-        done = storage.tidy()
+        done = tg.Catalog(storage).tidy()
         assert [t.name for t in done] == [".probe-0123"]  # probes go at once
         assert storage.exists(first) and storage.exists(beside)
         later(monkeypatch, 3500)
-        assert storage.tidy() == [] and storage.exists(first) and storage.exists(beside)
+        assert tg.Catalog(storage).tidy() == [] and storage.exists(first) and storage.exists(beside)
         later(monkeypatch, 3700)
-        assert len(storage.tidy(dry_run=True)) == 2 and storage.exists(first)
+        assert len(tg.Catalog(storage).tidy(dry_run=True)) == 2 and storage.exists(first)
         seen: list[Tidied] = []
-        done = storage.tidy(progress=seen.append)
+        done = tg.Catalog(storage).tidy(progress=seen.append)
         assert sorted(t.name for t in done) == ["ckpt", "step-2"] and seen == done
         assert not storage.exists(first) and not storage.exists(beside)
         assert storage.list() == ["ckpt"] and sorted(storage.list("ckpt")) == kept
@@ -305,7 +307,7 @@ class TestStoreTidy:
         storage.abandon("step-2")  # this process's save of step-2 failed 100 s ago
         later(monkeypatch, 0)
         late = self.other_process_s_save(storage, "step-2", "d" * 32)  # then another's began
-        assert storage.tidy() == [] and storage.exists(late)
+        assert tg.Catalog(storage).tidy() == [] and storage.exists(late)
 
     def test_an_object_of_unknown_age_counts_as_young(
         self, store_url: str, monkeypatch: pytest.MonkeyPatch
@@ -322,9 +324,11 @@ class TestStoreTidy:
         monkeypatch.setattr(type(storage), "stat", ageless)
         monkeypatch.setattr(type(storage), "tidy_candidates", ManifestLastCommit.tidy_candidates)
         later(monkeypatch, 10 * 3600)
-        assert storage.tidy() == [] and storage.exists(data)
+        assert tg.Catalog(storage).tidy() == [] and storage.exists(data)
         storage.abandon("step-2")  # unless this process abandoned its save
-        assert [t.name for t in storage.tidy()] == ["step-2"] and not storage.exists(data)
+        assert [t.name for t in tg.Catalog(storage).tidy()] == ["step-2"] and not storage.exists(
+            data
+        )
 
     def test_a_committed_checkpoint_s_data_are_never_removed(
         self, store_url: str, monkeypatch: pytest.MonkeyPatch
@@ -333,5 +337,32 @@ class TestStoreTidy:
         kept = committed(store_url, storage, "ckpt")
         storage.abandon("ckpt")  # e.g. a save whose outcome was unknown, committed after all
         later(monkeypatch, 10 * 3600)
-        assert storage.tidy() == [] and sorted(storage.list("ckpt")) == kept
+        assert tg.Catalog(storage).tidy() == [] and sorted(storage.list("ckpt")) == kept
         tg.verify(f"{store_url}/ckpt")
+
+    def test_the_sweep_keeps_what_any_committed_manifest_references(
+        self, store_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Reachability (``Catalog.collect``): once there is something to sweep, every
+        committed manifest is read; an object one of them references stays, one none does
+        goes, and a manifest that does not read keeps everything under its name."""
+        storage = store(store_url, gc_grace_seconds=60)
+        a = committed(store_url, storage, "a")
+        b = committed(store_url, storage, "b")
+        stray_a = self.other_process_s_save(storage, "a", "e" * 32)
+        stray_b = self.other_process_s_save(storage, "b", "f" * 32)
+        storage.put("b/manifest.json", b'{"not": "a manifest"}', mode="overwrite")
+        reads: list[str] = []
+        catalog = tg.Catalog(storage)
+        real = type(catalog).manifest
+        monkeypatch.setattr(type(catalog), "manifest", lambda c, n: reads.append(n) or real(c, n))
+        assert catalog.tidy() == []  # nothing old enough
+        assert storage.exists(stray_a) and storage.exists(stray_b)
+        reads.clear()
+        later(monkeypatch, 120)
+        caplog.set_level(logging.WARNING, logger="tardigrade")
+        assert [t.name for t in catalog.tidy()] == ["a"]
+        assert sorted(reads) == ["a", "b"]  # the mark reads every committed manifest
+        assert not storage.exists(stray_a) and sorted(storage.list("a")) == a
+        assert storage.exists(stray_b) and set(b) <= set(storage.list("b"))
+        assert any("leaving" in r.getMessage() and "/b" in r.getMessage() for r in caplog.records)

@@ -19,7 +19,8 @@ import tardigrade as tg
 from tardigrade import _async
 from tardigrade._tiers import Uploader, copy_checkpoint, file_rank
 from tardigrade.errors import CheckpointExistsError, CorruptCheckpointError
-from tardigrade.manager import _checkpoint_manager as _manager
+from tardigrade.manager import _dispatch as _manager
+from tardigrade.manager._tiers import RemoteTier
 from tardigrade.storage import open_root
 from tardigrade.testing import FaultyStorage
 
@@ -33,6 +34,13 @@ def remote_url(request: pytest.FixtureRequest) -> Iterator[str]:
         url = f"memory://tier-{uuid.uuid4().hex[:12]}/remote"
     yield url
     open_root(url).delete("")
+
+
+def uploader_of(mgr: tg.CheckpointManager) -> Any:
+    """The manager's uploader (its remote tier's), for tests that wait on it."""
+    tier = mgr._tiers.first(RemoteTier)
+    assert tier is not None and tier.uploader is not None
+    return tier.uploader
 
 
 def state_at(step: int) -> dict[str, Any]:
@@ -128,7 +136,7 @@ def test_a_failed_upload_is_counted_retried_and_never_stops_training(
         faulty.fail("commit", error="EIO")  # the first upload's commit fails once
         state["w"].fill_(1.0)
         assert mgr.save(1) is True  # training goes on
-        assert mgr._uploader is not None and mgr._uploader.wait(60)
+        assert uploader_of(mgr).wait(60)
         uploads = mgr.uploads
         assert uploads is not None
         assert uploads.failed == 1 and uploads.uploaded == ["step-000000001"]
@@ -149,7 +157,7 @@ def test_a_remote_holding_another_runs_checkpoints_is_said_once_and_not_retried(
     with tg.CheckpointManager(tmp_path / "b", state_at(0), upload_to=remote_url) as mgr:
         mgr.save(1)  # another run, the same step: its upload conflicts
         mgr.wait()
-        assert mgr._uploader is not None and mgr._uploader.wait(60)
+        assert uploader_of(mgr).wait(60)
         uploads = mgr.uploads
         assert uploads is not None and uploads.failed == 1 and uploads.uploaded == []
     with tg.CheckpointManager(tmp_path / "b", state_at(0), upload_to=remote_url) as mgr:
@@ -183,7 +191,7 @@ def test_uploads_wait_while_training_waits_on_a_save(
     state = state_at(0)
     open_while: list[bool] = []  # whether uploads could copy while training waited
     with tg.CheckpointManager(tmp_path / "run", state, async_save=async_save, upload_to=url) as mgr:
-        uploader = mgr._uploader
+        uploader = uploader_of(mgr)
         assert uploader is not None
         if async_save:
             stage_copy = _async.stage_copy

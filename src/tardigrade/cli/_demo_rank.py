@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import tardigrade as tg
 
@@ -46,6 +45,7 @@ from ._demo_worker import (
     make_data,
     make_loader,
     make_model,
+    train_step,
 )
 from ._listing import COMMITTED, list_checkpoints
 
@@ -126,7 +126,7 @@ def train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, cfg: Config, rank: int, world: int) -> int:
     dataset = make_data(cfg)
     state = make_state(cfg, args.steps, rank, world)
-    model, optim, sched, sampler = state["model"], state["optim"], state["sched"], state["data"]
+    model, sampler = state["model"], state["data"]
     loader = make_loader(cfg, dataset, sampler)
     params = list(model.parameters())
 
@@ -151,15 +151,7 @@ def _train(args: argparse.Namespace, cfg: Config, rank: int, world: int) -> int:
     model.train()
     data = batches(loader)
     for step in range(start + 1, args.steps + 1):
-        x, y = next(data)
-        loss = F.cross_entropy(model(x), y)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        state["losses"].append(average_gradients(params, loss, world))
-        optim.step()
-        sched.step()
-        state["step"] = step
-        state["epoch"] = sampler.epoch
+        train_step(state, data, step, lambda loss: average_gradients(params, loss, world))
         if args.ckpt_dir and step % args.every == 0:
             path = os.path.join(args.ckpt_dir, checkpoint_name(step))
             began = time.perf_counter()

@@ -26,7 +26,9 @@ EVENT_PREFIX = "@tg "
 
 
 def checkpoint_name(step: int) -> str:
-    return f"step-{step:09d}"
+    from .. import Catalog  # a manager's names (torch-free, as this module)
+
+    return Catalog.step_name(step)
 
 
 def default_kill_step(steps: int, every: int) -> int:

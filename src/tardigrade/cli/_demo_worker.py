@@ -222,13 +222,33 @@ def report_saves(mgr: tg.CheckpointManager, sent: int) -> int:
     return len(mgr.stats)
 
 
+def train_step(
+    state: dict[str, Any],
+    data: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    step: int,
+    reduce: Any = None,
+) -> None:
+    """One training step of the demo's model on the next batch of ``data``; ``reduce`` (the
+    ranks' demo: all-reduce the gradients) turns the loss into the number recorded."""
+    model, optim, sched, sampler = state["model"], state["optim"], state["sched"], state["data"]
+    x, y = next(data)
+    loss = F.cross_entropy(model(x), y)
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    state["losses"].append(loss.item() if reduce is None else reduce(loss))
+    optim.step()
+    sched.step()
+    state["step"] = step
+    state["epoch"] = sampler.epoch
+
+
 def train(args: argparse.Namespace) -> None:
     cfg = Config(seed=args.seed)
     # A model this small runs fastest on one thread; it also keeps every run's math identical.
     torch.set_num_threads(1)
     dataset = make_data(cfg)
     state = make_state(cfg, args.steps)
-    model, optim, sched, sampler = state["model"], state["optim"], state["sched"], state["data"]
+    model, sampler = state["model"], state["data"]
     loader = make_loader(cfg, dataset, sampler)
 
     mgr = None
@@ -250,15 +270,7 @@ def train(args: argparse.Namespace) -> None:
     model.train()
     data = batches(loader)
     for step in range(start + 1, args.steps + 1):
-        x, y = next(data)
-        loss = F.cross_entropy(model(x), y)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        sched.step()
-        state["step"] = step
-        state["epoch"] = sampler.epoch
-        state["losses"].append(loss.item())
+        train_step(state, data, step)
         if mgr is not None:
             # Saves when step % every == 0: blocks only to copy the state to host memory.
             mgr.step(step, epoch=sampler.epoch, metrics={"loss": state["losses"][-1]})

@@ -7,16 +7,19 @@ file loads with ``safetensors.torch.load_file`` anywhere, without Tardigrade.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import struct
 import tempfile
-from typing import TYPE_CHECKING, Any, BinaryIO
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import read_manifest
 from ..errors import CheckpointExistsError, InsufficientMemoryError, InvalidArgumentError
 from ..format.manifest import Manifest
+from ..storage import storage_for
 from ._listing import require_single
 from ._output import ReadProgress, human_bytes
 from ._storage_options import add_argument as add_storage_option
@@ -77,7 +80,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory, or its URL")
-    p.add_argument("out", metavar="OUT.safetensors", help="file to write")
+    p.add_argument(
+        "out",
+        metavar="OUT.safetensors",
+        help="file to write, or a URL (s3://bucket/model.safetensors)",
+    )
     p.add_argument(
         "--keys",
         action="append",
@@ -102,7 +109,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    add_storage_option(p)  # for CKPT; OUT is a local file
+    add_storage_option(p)  # for CKPT and OUT, whichever is a URL
     p.set_defaults(run=run)
 
 
@@ -209,14 +216,11 @@ def collect(
 def run(args: argparse.Namespace) -> int:
     out_path = args.out
     keys = [k.strip() for group in args.keys or [] for k in group.split(",")]
-    if os.path.isdir(out_path):
-        raise InvalidArgumentError(f"{out_path}: is a directory; give a file name to write")
-    if os.path.lexists(out_path) and not args.force:
-        raise CheckpointExistsError(f"{out_path}: already exists; pass --force to overwrite it")
-    out_dir = os.path.dirname(os.path.abspath(out_path))
+    target = _Target(out_path, storage_options(args, out_path, args.ckpt))
+    target.check(force=args.force)
     if args.no_prefix and len(keys) != 1:
         raise InvalidArgumentError("--no-prefix needs exactly one --keys KEY")
-    options = storage_options(args, args.ckpt)
+    options = storage_options(args, args.ckpt, out_path)
     require_single(args.ckpt, options)
     read_manifest(args.ckpt, storage_options=options)  # a mistyped path: said before torch loads
     from .. import Checkpoint
@@ -278,33 +282,16 @@ def run(args: argparse.Namespace) -> int:
     if args.rank is not None:
         metadata["tardigrade_rank"] = str(args.rank)
     order = file_order(tensors, where)
-    try:
-        os.makedirs(out_dir, exist_ok=True)  # a new folder for the export is the common case
-    except FileExistsError:
-        raise InvalidArgumentError(
-            f"{out_path}: a file is in the way of its folder {out_dir}; choose another path"
-        ) from None
     # On a terminal, a bar of the bytes read (stderr): a single tensor of gigabytes moves it
     # too (a count of tensors sat at 0/1 for its whole read). Never in --json or --quiet.
     stored = {tensors[name].entry for name in order}
     total = sum(ckpt.manifest.tensors[e].nbytes for e in stored)
     bar = ReadProgress(total, f"export {os.path.basename(out_path)}",
                        enabled=not (args.json or args.quiet))  # fmt: skip
-    # Write beside OUT and rename, so OUT is never left half-written.
-    fd, tmp = tempfile.mkstemp(prefix=".tardigrade-export-", suffix=".tmp", dir=out_dir)
-    try:
-        with bar, os.fdopen(fd, "wb") as f:
-            write_header(f, order, tensors, metadata)
-            write_tensors(f, order, tensors, ckpt)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp made it private; OUT is an ordinary file
-        os.replace(tmp, out_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    size = os.path.getsize(out_path)
+    with bar, target.writing() as f:
+        write_header(f, order, tensors, metadata)
+        write_tensors(f, order, tensors, ckpt)
+    size = target.size()
     if args.json:
         report = {
             "out": out_path,
@@ -332,6 +319,86 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class Appends(Protocol):
+    """Where the safetensors bytes go, in order: a local file or a storage writer."""
+
+    def write(self, data: Any, /) -> Any: ...
+
+
+class _Target:
+    """OUT: a local file, written beside and renamed into place, or an object at a URL
+    (``s3://``, ``memory://``, an fsspec URL), written through its storage's writer, which
+    makes it visible only once complete. Either way OUT is never left half-written."""
+
+    def __init__(self, out: str, options: dict[str, Any] | None) -> None:
+        self.out = out
+        self.url = "://" in out and not out.lower().startswith("file://")
+        if self.url:
+            self.storage, self.name = storage_for(out, options)
+
+    def check(self, *, force: bool) -> None:
+        """Refuse an OUT that is a directory, or that exists (unless ``force``)."""
+        if self.url:
+            st = self.storage.stat(self.name)
+            if st is not None and st.is_dir:
+                raise InvalidArgumentError(f"{self.out}: is a prefix of objects; name an object")
+            exists = st is not None
+        else:
+            if os.path.isdir(self.out):
+                raise InvalidArgumentError(f"{self.out}: is a directory; give a file name to write")
+            exists = os.path.lexists(self.out)
+        if exists and not force:
+            raise CheckpointExistsError(f"{self.out}: already exists; pass --force to overwrite it")
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[Any]:
+        """A file-like object to write OUT's bytes into; OUT appears when the block ends."""
+        if self.url:
+            writer = self.storage.open_writer(self.name)
+            try:
+                yield _Appender(writer)
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+            return
+        folder = os.path.dirname(os.path.abspath(self.out))
+        try:
+            os.makedirs(folder, exist_ok=True)  # a new folder for the export is the common case
+        except FileExistsError:
+            raise InvalidArgumentError(
+                f"{self.out}: a file is in the way of its folder {folder}; choose another path"
+            ) from None
+        fd, tmp = tempfile.mkstemp(prefix=".tardigrade-export-", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp made it private; OUT is an ordinary file
+            os.replace(tmp, self.out)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def size(self) -> int:
+        if self.url:
+            st = self.storage.stat(self.name)
+            return 0 if st is None else st.size
+        return os.path.getsize(self.out)
+
+
+class _Appender:
+    """A storage ``Writer`` as the file object the safetensors writer appends to."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def write(self, data: Any) -> None:
+        self.writer.write(data)
+
+
 def file_order(tensors: dict[str, TensorRef], where: str) -> list[str]:
     """The names in the order ``safetensors.torch.save_file`` would store them."""
     for name, t in tensors.items():
@@ -345,7 +412,7 @@ def file_order(tensors: dict[str, TensorRef], where: str) -> list[str]:
 
 
 def write_header(
-    f: BinaryIO, order: list[str], tensors: dict[str, TensorRef], metadata: dict[str, str]
+    f: Appends, order: list[str], tensors: dict[str, TensorRef], metadata: dict[str, str]
 ) -> None:
     """The safetensors header: its length (8 bytes, little-endian), then JSON padded with
     spaces to a multiple of 8 bytes; tensors follow back to back in ``order``."""
@@ -385,7 +452,7 @@ def _aligned(nbytes: int) -> int:
 
 
 def write_tensors(
-    f: BinaryIO,
+    f: Appends,
     order: list[str],
     tensors: dict[str, TensorRef],
     ckpt: Checkpoint,

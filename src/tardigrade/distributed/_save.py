@@ -22,12 +22,13 @@ import json
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from .. import _sinks
 from .._async import stage_entries
 from .._plan import (
     GlobalPlan,
@@ -38,6 +39,7 @@ from .._plan import (
     plan_from_wire,
 )
 from .._save_job import SaveJob, SaveOptions, SaveResult, check_target, make_header
+from .._sinks import Sink
 from .._staging import SlabPool
 from .._tree import Flat, flatten, path_str
 from .._write import (
@@ -384,7 +386,7 @@ def stage_collective(
     path: Any,
     state: Any,
     options: SaveOptions,
-    mirror: Any = None,
+    sinks: Sequence[Sink] = (),
 ) -> Callable[[], SaveResult]:
     """The caller's half of an async collective save; returns the half to run in the background.
 
@@ -394,8 +396,8 @@ def stage_collective(
     meets the training's collectives) from the staged copy, and gives the slabs back. A
     failure here is not raised here: it is raised at "begin" on every rank alike, as the
     synchronous save raises it, so no rank is left waiting for a peer that gave up.
-    ``options`` are the save's knobs (``tg.save``'s). ``mirror``: the manager's RAM tier
-    (``_ramtier.RamMirror``), fed this rank's files from the same staged copy.
+    ``options`` are the save's knobs (``tg.save``'s). ``sinks``: the manager's other copies
+    (its RAM tier's ``_ramtier.RamMirror``), fed this rank's files from the same staged copy.
     """
     save = _Save(ranks, path, state, options)
     staged = None
@@ -414,7 +416,7 @@ def stage_collective(
         save.begin_payload = fail
     else:
         save.begin_payload = lambda: payload
-        save.make_streams = staged.streams if mirror is None else mirror.feed(staged.streams)
+        save.make_streams = _sinks.feed(sinks, staged.streams)
         # Only shapes are needed from here on: holding no live tensor means the background
         # cannot read memory that training mutates, nor keep freed tensors alive.
         for e in entries:
@@ -423,7 +425,7 @@ def stage_collective(
 
     def background() -> SaveResult:
         try:
-            return save.run() if mirror is None else mirror.after(save.run)
+            return _sinks.after(sinks, save.run)
         finally:
             if staged is not None:
                 staged.release()

@@ -16,8 +16,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._tree import is_stateful, path_str
 from ..errors import InvalidArgumentError, UnsupportedTypeError
+from ..format.tree import path_str
+
+
+def _stateful(obj: object) -> bool:
+    """Saved through its own ``state_dict()`` (``tg.Stateful``, whose methods are callable)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
 
 _LEAVES = (
     type(None),
@@ -60,11 +68,11 @@ def _walk(obj: Any, path: tuple[Any, ...], unknown: str | None, depth: int = 0) 
     t = type(obj)
     if t in (OrderedDict, Counter):
         return t((k, _walk(v, (*path, k), unknown, depth + 1)) for k, v in obj.items())
-    if isinstance(obj, Mapping) and not is_stateful(obj):
+    if isinstance(obj, Mapping) and not _stateful(obj):
         return {k: _walk(v, (*path, k), unknown, depth + 1) for k, v in obj.items()}
     if t in (list, tuple):
         return t(_walk(v, (*path, i), unknown, depth + 1) for i, v in enumerate(obj))
-    if unknown is None or t in _LEAVES or isinstance(obj, _LEAVES[7:]) or is_stateful(obj):
+    if unknown is None or t in _LEAVES or isinstance(obj, _LEAVES[7:]) or _stateful(obj):
         return obj  # tg.save stores it or names the path of what it cannot
     if t in (set, frozenset) and all(type(x) in _LEAVES for x in obj):
         return obj

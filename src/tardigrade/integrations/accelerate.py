@@ -31,23 +31,17 @@ FSDP, DeepSpeed and Megatron keep their own checkpoint formats and are refused.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from accelerate import Accelerator
 
-from .. import _load, _save
-from .._catalog import Catalog
-from .._open import read_manifest
-from .._rng import RNGState
-from .._sharding import PerRank
-from ..data import ResumableSampler
+from .. import Catalog, PerRank, ResumableSampler, RNGState, load, read_manifest, save
 from ..errors import CheckpointNotFoundError, InvalidArgumentError
 from ..format.manifest import MANIFEST
 
 __all__ = ["TardigradeAccelerator", "load_state", "save_state"]
 
-_NAME = re.compile(r"^checkpoint_(\d+)$")
+_NAMES = "checkpoint_{step}"  # accelerate's automatic_checkpoint_naming
 
 
 def _samplers(accelerator: Accelerator) -> list[ResumableSampler]:
@@ -107,13 +101,9 @@ def _checkpoints_dir(accelerator: Accelerator) -> str:
 
 def _complete(directory: str) -> list[tuple[int, str]]:
     """(iteration, path) of each committed ``checkpoint_N`` in ``directory``, oldest first."""
-    catalog = Catalog(directory)
-    found = []
-    for name in catalog.names():  # none when the directory does not exist yet
-        m = _NAME.match(name)
-        if m and catalog.committed(name):
-            found.append((int(m.group(1)), os.path.join(directory, name)))
-    return sorted(found)
+    catalog = Catalog(directory, names=_NAMES)
+    # None when the directory does not exist yet.
+    return [(s, os.path.join(directory, n)) for s, n in catalog.numbered() if catalog.committed(n)]
 
 
 def save_state(accelerator: Accelerator, output_dir: str | None = None) -> str:
@@ -133,7 +123,7 @@ def save_state(accelerator: Accelerator, output_dir: str | None = None) -> str:
             "ProjectConfiguration(automatic_checkpoint_naming=True, project_dir=...)"
         )
     output_dir = os.fspath(output_dir)
-    _save.save(
+    save(
         output_dir,
         _state(accelerator),
         overwrite=not config.automatic_checkpoint_naming,
@@ -179,7 +169,7 @@ def load_state(accelerator: Accelerator, input_dir: str | None = None) -> str | 
             f"{input_dir}: no Tardigrade checkpoint here (no {MANIFEST}); pass a directory "
             "written by save_state(), or input_dir=None to take the newest complete one"
         )
-    _load.load(input_dir, into=_state(accelerator))
+    load(input_dir, into=_state(accelerator))
     saved = (read_manifest(input_dir).get("metadata") or {}).get("accelerate_iteration")
     if type(saved) is int:
         config.iteration = saved + 1  # the next automatic name follows the loaded one

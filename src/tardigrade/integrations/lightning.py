@@ -43,11 +43,8 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.core import saving
 
-from .. import _load, _save
-from .._catalog import Catalog
-from .._rng import RNGState
-from .._warn import warn_user
-from ..data import ResumableSampler, _BatchCount
+from .. import Catalog, ResumableSampler, RNGState, load, save
+from ..data import BatchCount
 from ..errors import InvalidArgumentError
 from ._plain import check_unknown, storable
 
@@ -161,15 +158,17 @@ class TardigradeCheckpointIO(CheckpointIO):
             isinstance(callbacks, dict) and any("TardigradeCallback" in str(k) for k in callbacks)
         ):
             self._warned = True
-            warn_user(
+            warnings.warn(
                 "tardigrade: TardigradeCheckpointIO saves this checkpoint without the state of "
                 "TardigradeCallback: the RNGs and the exact data position are not in it, so a "
                 "resumed run differs from an uninterrupted one. Add the callback: "
-                "L.Trainer(plugins=[TardigradeCheckpointIO()], callbacks=[TardigradeCallback()])."
+                "L.Trainer(plugins=[TardigradeCheckpointIO()], callbacks=[TardigradeCallback()]).",
+                UserWarning,
+                stacklevel=2,  # Lightning's call of save_checkpoint
             )
         tree = storable(checkpoint, self.unknown_hparams, free_keys=_HPARAMS_KEYS)
         step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
-        _save.save(
+        save(
             os.fspath(path),
             tree,
             overwrite=True,  # ModelCheckpoint rewrites last.ckpt; the swap is atomic
@@ -183,7 +182,7 @@ class TardigradeCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         # Tensors come back on the CPU; Lightning moves the model and optimizer state to their
         # devices itself. (weights_only: nothing here can run code, whatever it says.)
-        tree: dict[str, Any] = _load.load(os.fspath(path), process_group=self._own_group)
+        tree: dict[str, Any] = load(os.fspath(path), process_group=self._own_group)
         if isinstance(map_location, (str, torch.device)):
             tree = _to_device(tree, torch.device(map_location))
         return tree
@@ -229,11 +228,11 @@ class TardigradeCallback(pl.Callback):
                 "sampler=tg.ResumableSampler(len(dataset), seed=...)"
             )
         self.sampler = sampler
-        self._count: _BatchCount | None = None
+        self._count: BatchCount | None = None
         self._rng_to_restore: Any = None  # RNGState's dict, or one rank's bytes (DDP)
         self._distributed = False
 
-    def _counter(self, trainer: pl.Trainer) -> _BatchCount | None:
+    def _counter(self, trainer: pl.Trainer) -> BatchCount | None:
         if self.sampler is None:
             return None
         if self._count is None:

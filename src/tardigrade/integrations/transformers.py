@@ -33,36 +33,27 @@ What changes, and what does not:
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from transformers import Trainer
 
-from .. import _load, _save
-from .._catalog import Catalog
-from .._rng import RNGState
-from .._sharding import PerRank
-from ..data import ResumableSampler
+from .. import Catalog, PerRank, ResumableSampler, RNGState, load, save
 from ..errors import CheckpointNotFoundError
 from ..storage import open_root
 
 __all__ = ["TardigradeTrainer", "TardigradeTrainerMixin", "last_complete_checkpoint"]
 
 TARDIGRADE_DIR = "tardigrade"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_NAMES = "checkpoint-{step}"  # the Trainer's checkpoint folders
 # What the Trainer pickles into a checkpoint folder besides the state Tardigrade holds.
 _PICKLED_ARGS = "training_args.bin"
 
 
 def last_complete_checkpoint(output_dir: str) -> str | None:
     """The newest ``checkpoint-N`` in ``output_dir`` whose Tardigrade checkpoint committed."""
-    catalog = Catalog(output_dir)
-    found = []
-    for name in catalog.names():  # none when the directory does not exist
-        m = _CHECKPOINT.match(name)
-        if m and catalog.committed(f"{name}/{TARDIGRADE_DIR}"):
-            found.append((int(m.group(1)), name))
-    return os.path.join(output_dir, max(found)[1]) if found else None
+    catalog = Catalog(output_dir, names=_NAMES)
+    found = [n for _, n in catalog.numbered() if catalog.committed(f"{n}/{TARDIGRADE_DIR}")]
+    return os.path.join(output_dir, found[-1]) if found else None
 
 
 class TardigradeTrainerMixin:
@@ -147,7 +138,7 @@ class TardigradeTrainerMixin:
             step = self.state.global_step  # type: ignore[attr-defined]
             folder = os.path.join(run_dir, f"checkpoint-{step}")
             # Its commit is what makes checkpoint-N complete for resume_from_checkpoint=True.
-            _save.save(
+            save(
                 os.path.join(folder, TARDIGRADE_DIR),
                 self._tardigrade_state(),
                 overwrite=True,
@@ -193,7 +184,7 @@ class TardigradeTrainerMixin:
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
             return
         target = model if model is not None else self.model  # type: ignore[attr-defined]
-        _load.load(path, into={"model": target}, keys=["model"])
+        load(path, into={"model": target}, keys=["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         path = self._tardigrade_checkpoint(checkpoint)
@@ -201,7 +192,7 @@ class TardigradeTrainerMixin:
             super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
             return
         into = {k: v for k, v in self._tardigrade_state().items() if k in ("optim", "sched")}
-        _load.load(path, into=into, keys=list(into))
+        load(path, into=into, keys=list(into))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         path = self._tardigrade_checkpoint(checkpoint)
@@ -210,21 +201,21 @@ class TardigradeTrainerMixin:
             return
         scaler = self._tardigrade_state().get("scaler")
         if scaler is not None:
-            _load.load(path, into={"scaler": scaler}, keys=["scaler"])
+            load(path, into={"scaler": scaler}, keys=["scaler"])
 
     def _load_best_model(self) -> None:
         path = self._tardigrade_checkpoint(self.state.best_model_checkpoint)  # type: ignore[attr-defined]
         if path is None:  # a checkpoint the plain Trainer wrote
             super()._load_best_model()  # type: ignore[misc]
             return
-        _load.load(path, into={"model": self.model}, keys=["model"])  # type: ignore[attr-defined]
+        load(path, into={"model": self.model}, keys=["model"])  # type: ignore[attr-defined]
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         path = self._tardigrade_checkpoint(checkpoint)
         if path is None:
             super()._load_rng_state(checkpoint)  # type: ignore[misc]
             return
-        _load.load(path, into={"rng": PerRank(RNGState())}, keys=["rng"])
+        load(path, into={"rng": PerRank(RNGState())}, keys=["rng"])
 
 
 class TardigradeTrainer(TardigradeTrainerMixin, Trainer):

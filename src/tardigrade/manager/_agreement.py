@@ -14,11 +14,12 @@ import abc
 import functools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._async import AsyncCheckpointer, SaveFuture
 from .._save_job import SaveOptions
+from .._sinks import Sink
 from .._tiers import copy_checkpoint, copy_on_ranks, file_rank
 from .._tree import flatten
 from ..distributed._collectives import Ranks
@@ -148,10 +149,10 @@ class Agreement(abc.ABC):
         path: str,
         state: Any,
         options: SaveOptions,
-        mirror: Any = None,
+        sinks: Sequence[Sink] = (),
     ) -> SaveFuture:
-        """Start the background save of ``state`` to ``path`` (``mirror``: the RAM tier's
-        writer fed from the same staging copy)."""
+        """Start the background save of ``state`` to ``path`` (``sinks``: the other tiers'
+        writers fed from the same staging copy)."""
 
 
 class SingleProcess(Agreement):
@@ -222,9 +223,9 @@ class SingleProcess(Agreement):
         path: str,
         state: Any,
         options: SaveOptions,
-        mirror: Any = None,
+        sinks: Sequence[Sink] = (),
     ) -> SaveFuture:
-        fut = saver.submit(path, state, options, mirror=mirror)
+        fut = saver.submit(path, state, options, sinks=sinks)
         assert fut is not None
         return fut
 
@@ -382,10 +383,10 @@ class RankGroup(Agreement):
         path: str,
         state: Any,
         options: SaveOptions,
-        mirror: Any = None,
+        sinks: Sequence[Sink] = (),
     ) -> SaveFuture:
         stage = functools.partial(
-            stage_collective, path=path, state=state, options=options, mirror=mirror
+            stage_collective, path=path, state=state, options=options, sinks=sinks
         )
         fut = saver.save_collective(self.ranks, path, stage)
         assert fut is not None

@@ -1,73 +1,56 @@
 """The ``CheckpointManager`` facade: its public calls, over this package's collaborators.
 
-Restore with fallback, save dispatch and set-aside, and uploads live here; the decisions (save
-policy, retention, agreement between ranks, ...) are made by the collaborators that the package
-docstring lists.
+The decisions and the work live in the collaborators the package docstring lists: the save
+policy, the tiers (``_tiers``), restore with its fallback (``_restore``), the abandoned
+timeline (``_timeline``), outcome recording (``_pending``), retention (``_retainer``) and the
+agreement between ranks (``_agreement``). Here they are wired together, once, at construction.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 from .._async import AsyncCheckpointer, StagingReservation
-from .._catalog import (
-    ABANDONED,
-    ABANDONED_NAME,
-    ABANDONED_RECORD,
-    INCOMPLETE,
-    Catalog,
-    step_in_name,
-    step_name,
-)
+from .._catalog import Catalog, step_name
 from .._load import load
 from .._match import Key
-from .._open import open_manifest
-from .._ramtier import RamTier, RamTierStats, open_ram_tier
-from .._save import save_with
-from .._save_job import SaveOptions, SaveResult
-from .._tiers import Uploader, UploadStats, warn_of_another_run
+from .._ramtier import RamTierStats
+from .._tiers import UploadStats
 from ..distributed._collectives import DEFAULT_TIMEOUT
 from ..errors import (
-    CheckpointExistsError,
-    CheckpointLockedError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
-    DistributedError,
     InvalidArgumentError,
-    SaveError,
-    StateMismatchError,
-    StorageError,
-    TardigradeError,
-    UnsupportedTypeError,
 )
-from ..storage import open_root
 from ..storage.lease import Lease
 from ._agreement import DUE, NOTHING, PREEMPTED, agreement
+from ._dispatch import SaveDispatch
 from ._options import (
-    check_best_metric,
     check_directory,
     check_flag,
     check_non_negative,
     check_one_of,
+    check_policy,
     check_positive,
+    check_retention,
     check_run_directory,
     check_signals,
     check_step,
 )
-from ._pending import Failure, PendingSaves, failure_of
-from ._policy import SavePolicy
-from ._preflight import DirectoryLock
+from ._pending import Outcomes, PendingSaves
+from ._preflight import RunLock
+from ._restore import Restorer
+from ._retainer import Retainer
 from ._retention import Retention
 from ._signals import Preemption
-from ._stats import ManagerStats, SaveStats
+from ._stats import ManagerStats
+from ._tiers import MemoryTier, RemoteTier, RootTier, Tiers, open_memory_tier, open_remote_tier
+from ._timeline import Timeline
 
 log = logging.getLogger("tardigrade")
 
@@ -88,23 +71,30 @@ def _run_to_end(part: Callable[[], None], errors: list[BaseException], tries: in
 
 
 class _Knob:
-    """A public setting of the manager kept in one of its frozen policies: setting it (as
-    ``mgr.keep_last = 1``) replaces that policy with one that differs in this field only."""
+    """A public setting of the manager kept by one of its collaborators (``path``: the
+    attributes leading to it). In a frozen policy, setting it (``mgr.keep_last = 1``) replaces
+    that policy with one that differs in this field only."""
 
-    def __init__(self, policy: str) -> None:
-        self._policy = policy
+    def __init__(self, *path: str) -> None:
+        self._path = path
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
 
+    def _holder(self, mgr: Any) -> tuple[Any, Any]:
+        for attr in self._path[:-1]:
+            mgr = getattr(mgr, attr)
+        return mgr, getattr(mgr, self._path[-1])
+
     def __get__(self, mgr: Any, owner: type | None = None) -> Any:
-        if mgr is None:
-            return self
-        return getattr(getattr(mgr, self._policy), self._name)
+        return self if mgr is None else getattr(self._holder(mgr)[1], self._name)
 
     def __set__(self, mgr: Any, value: Any) -> None:
-        policy = getattr(mgr, self._policy)
-        setattr(mgr, self._policy, dataclasses.replace(policy, **{self._name: value}))
+        parent, holder = self._holder(mgr)
+        if dataclasses.is_dataclass(holder):
+            setattr(parent, self._path[-1], dataclasses.replace(holder, **{self._name: value}))  # type: ignore[arg-type]  # an instance, not a class
+        else:
+            setattr(holder, self._name, value)
 
 
 class CheckpointManager:
@@ -210,11 +200,12 @@ class CheckpointManager:
     every_steps = _Knob("_policy")
     every_epochs = _Knob("_policy")
     every_seconds = _Knob("_policy")
-    keep_last = _Knob("_retention")
-    keep_every_steps = _Knob("_retention")
-    keep_best = _Knob("_retention")
-    best_metric = _Knob("_retention")
-    best_mode = _Knob("_retention")
+    keep_last = _Knob("_retainer", "policy")
+    keep_every_steps = _Knob("_retainer", "policy")
+    keep_best = _Knob("_retainer", "policy")
+    best_metric = _Knob("_retainer", "policy")
+    best_mode = _Knob("_retainer", "policy")
+    on_save_error = _Knob("_outcomes")
 
     def __init__(
         self,
@@ -246,86 +237,94 @@ class CheckpointManager:
     ) -> None:
         # Every byte, listing and delete goes through the catalog over the storage contract.
         self._storage_options = storage_options
-        self._upload_storage_options = upload_storage_options
         self._catalog = check_run_directory(Catalog(check_directory(directory), storage_options))
         self.directory = self._catalog.root
         self.state = state
-        self._policy = SavePolicy(
-            every_steps=check_positive("every_steps", every_steps),
-            every_epochs=check_positive("every_epochs", every_epochs),
-            every_seconds=check_positive("every_seconds", every_seconds, float),
-        )
-        self._retention = Retention(
-            keep_last=check_positive("keep_last", keep_last),
-            keep_every_steps=check_positive("keep_every_steps", keep_every_steps),
-            keep_best=check_positive("keep_best", keep_best),
-            best_mode=check_one_of("best_mode", best_mode, ("min", "max")),
-            best_metric=check_best_metric(keep_best, best_metric),
-        )
-        self.on_save_error = check_one_of("on_save_error", on_save_error, ("warn", "raise"))
+        self._policy = check_policy(every_steps, every_epochs, every_seconds)
+        retention = check_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
+        on_error = check_one_of("on_save_error", on_save_error, ("warn", "raise"))
         check_flag("async_save", async_save)
-        self.stats = ManagerStats()
         self.should_stop = False
         self._closed = False
         self._last_step: int | None = None
         self._last_epoch: int | None = None
         self._last_save_time = time.monotonic()
-        self._restored_step: int | None = None
-        # Steps above a restored older step that could not be moved aside (restore(step) moves
-        # them to step-N.abandoned-*); each is replaced (once) when this run saves that step
-        # again, and none of them counts for retention.
-        self._abandoned: set[int] = set()
-        # On a store: whether its record of abandoned checkpoints may list some (read or
-        # written by this manager's restore), to update as this run saves past them.
-        self._recorded = False
-        self._pending = PendingSaves()
-        self._loading: set[int] = set()
-        self._metric_cache: dict[int, float | None] = {}
-        self._readable_cache: dict[int, bool] = {}
-        self._preemption = Preemption()
-        self._async: AsyncCheckpointer | None = None
-        self._uploader: Uploader | None = None
-        self._upload_stats: UploadStats | None = None  # the final figures, once closed
-        self._remote_lock: Any = None
-        self._ram: RamTier | None = None
-        self._ram_keep = False  # leave the RAM tier in place at close (left by an exception)
+        self._ram_keep = False  # leave the local tiers in place at close (left by an exception)
         self.restored_from: str | None = None  # where restore() read its checkpoint
         self.keep_last_remote = check_positive("keep_last_remote", keep_last_remote)
         self.upload_timeout = check_positive("upload_timeout", upload_timeout, float)
-        self._staging: StagingReservation | None = None  # with async saves
         signals = check_signals(save_on_signals)
         # In a single process, the null agreement: nothing talks to other ranks.
         self._ranks = agreement(f"CheckpointManager({self.directory!r})", process_group, timeout)
-        self._directory_lock = DirectoryLock(
-            self._catalog,
-            self.directory,
-            lease_seconds=lock_lease_seconds,
-            timeout=check_non_negative("lock_timeout", lock_timeout),
+        lock_timeout = check_non_negative("lock_timeout", lock_timeout)
+        self._run_lock = RunLock(
+            self._catalog, self.directory, lease_seconds=lock_lease_seconds, timeout=lock_timeout
         )
+        self._wire(retention, on_error)
         self._open()
-        async_save = self._ranks.async_saves(async_save, max_staging_bytes)
-        try:
-            self._preemption.listen(signals)
-            self._async = (
-                AsyncCheckpointer(max_staging_bytes=max_staging_bytes) if async_save else None
-            )
-        except BaseException:
-            self._preemption.stop_listening()
-            self._lock.release()
-            raise
-        if self._async is not None:
-            self._staging = StagingReservation(self._async, self.state, self._ranks.staging_need)
-            self._staging.restart()
+        self._start(async_save, max_staging_bytes, signals)
         if upload_to is not None:
-            self._start_uploads(upload_to)
-        if ram_tier is not False:
-            self._open_ram_tier(ram_tier)
+            self._open_tier(lambda: self._remote_tier(upload_to, upload_storage_options))
+        self._open_tier(lambda: open_memory_tier(ram_tier, root=self._catalog, ranks=self._ranks))
+
+    def _wire(self, retention: Retention, on_save_error: str) -> None:
+        """Make the collaborators, each given what it needs (none reaches back in here)."""
+        catalog, ranks, lock = self._catalog, self._ranks, self._run_lock
+        self._preemption = Preemption()
+        self._staging: StagingReservation | None = None  # with async saves
+        self._tiers = Tiers(RootTier(catalog, self._collective))
+        self._timeline = Timeline.of(catalog, lock)
+        self._loading: set[int] = set()
+        pending = PendingSaves()
+        self._retainer = Retainer(
+            retention,
+            catalog=catalog,
+            lock=lock,
+            timeline=self._timeline,
+            pending=pending,
+            loading=self._loading,
+            tiers=self._tiers,
+            coordinator=ranks.coordinator,
+        )
+        self.stats = ManagerStats()
+        self._outcomes = Outcomes(
+            catalog=catalog,
+            ranks=ranks,
+            tiers=self._tiers,
+            timeline=self._timeline,
+            pending=pending,
+            stats=self.stats,
+            on_save_error=on_save_error,
+            teed=False,
+            forget=self._retainer.forget,
+            retain=self._retainer.retain,
+        )
+        self._restorer = Restorer(
+            self.state,
+            catalog=catalog,
+            ranks=ranks,
+            tiers=self._tiers,
+            lock=lock,
+            timeline=self._timeline,
+            loading=self._loading,
+        )
+        self._dispatch = SaveDispatch(
+            self.state,
+            catalog=catalog,
+            ranks=ranks,
+            lock=lock,
+            tiers=self._tiers,
+            timeline=self._timeline,
+            outcomes=self._outcomes,
+            retainer=self._retainer,
+            storage_options=self._storage_options,
+        )
 
     def _open(self) -> None:
         """Check the directory and take its lock (on rank 0); raise its error on every rank."""
 
         def check_and_lock() -> None:
-            self._directory_lock.open(raising=self.on_save_error == "raise")
+            self._run_lock.open(raising=self.on_save_error == "raise")
 
         # A directory another job holds raises CheckpointLockedError on every rank; a rank
         # that passed another directory makes a different call, a DistributedError everywhere.
@@ -335,200 +334,69 @@ class CheckpointManager:
             self._lock.release()  # perhaps taken here, but another rank failed: not ours to keep
             raise
 
-    @property
-    def _coordinating(self) -> bool:
-        """Whether this process does the directory's housekeeping (rank 0, or the only one)."""
-        return self._ranks.coordinator
+    def _start(self, async_save: bool, max_staging_bytes: int | None, signals: Any) -> None:
+        """Listen for the preemption signals; start the background saver."""
+        async_save = self._ranks.async_saves(async_save, max_staging_bytes)
+        try:
+            self._preemption.listen(signals)
+            if async_save:
+                self._dispatch.saver = AsyncCheckpointer(max_staging_bytes=max_staging_bytes)
+        except BaseException:
+            self._preemption.stop_listening()
+            self._lock.release()
+            raise
+        if self._async is not None:
+            self._outcomes.teed = True  # each save's sinks copy it into the faster tiers
+            self._staging = StagingReservation(self._async, self.state, self._ranks.staging_need)
+            self._staging.restart()
+
+    def _remote_tier(
+        self, upload_to: str | os.PathLike[str], options: Mapping[str, Any] | None
+    ) -> RemoteTier:
+        return open_remote_tier(
+            upload_to,
+            options,
+            root=self._catalog,
+            ranks=self._ranks,
+            lease_seconds=self._lock.lease,
+            keep_last=self.keep_last_remote,
+            timeout=self.upload_timeout,
+            retain=self._retainer.retain,
+        )
+
+    def _open_tier(self, make: Callable[[], Any]) -> None:
+        """Add the tier ``make`` opens (None: none); on its error, close and raise."""
+        try:
+            self._tiers.add(make())
+        except BaseException:
+            self._close(meet=False)
+            raise
 
     # -- lifecycle -------------------------------------------------------------------------
 
     @property
+    def _async(self) -> AsyncCheckpointer | None:
+        """The background saver (None: saves are synchronous)."""
+        return self._dispatch.saver
+
+    @property
     def _lock(self) -> Lease:
         """The directory's lease (one job per directory)."""
-        return self._directory_lock.lease
-
-    def _close_async(self) -> None:
-        if self._async is not None:
-            self._async.close()
-
-    def _start_uploads(self, upload_to: str | os.PathLike[str]) -> None:
-        try:
-            remote = open_root(upload_to, self._upload_storage_options)
-
-            def check_and_lock() -> None:
-                try:
-                    remote.preflight()
-                except TardigradeError as e:
-                    log.error("tardigrade: uploads to %s will fail: %s", remote.root, e)
-                # One job uploads into a remote root, as one job saves into a directory.
-                self._remote_lock = remote.lease(lease_seconds=self._lock.lease)
-                self._remote_lock.acquire()
-                warn_of_another_run(self._catalog, Catalog(remote))
-
-            # Rank 0's lease stands for the job; its error is raised on every rank.
-            self._ranks.on_coordinator(
-                f"CheckpointManager({self.directory!r}): upload_to={remote.root!r}",
-                check_and_lock,
-            )
-            # In a distributed job the upload threads agree over a group of their own.
-            ranks = self._ranks.fork()
-        except BaseException:
-            self._close(meet=False)
-            raise
-        self._uploader = Uploader(
-            self._catalog.storage,
-            remote,
-            keep_last_remote=self.keep_last_remote,
-            lease=self._remote_lock,
-            ranks=ranks,
-        )
-
-    def _open_ram_tier(self, ram_tier: Any) -> None:
-        error: BaseException | None = None
-        try:
-            self._ram = open_ram_tier(self.directory, ram_tier, rank=self._ranks.rank)
-        except BaseException as e:
-            error = e
-        try:
-            # Every rank has one, or none goes on: a restore agrees over all of them.
-            everywhere = self._ranks.everywhere(
-                error is None, f"CheckpointManager({self.directory!r}): ram_tier={ram_tier!r}"
-            )
-        except BaseException as e:
-            error = error or e
-            everywhere = False
-        if error is None and not everywhere:
-            error = InvalidArgumentError(
-                f"ram_tier={ram_tier!r}: another rank of the job could not open its RAM tier "
-                "(its error says why); fix it there, or pass ram_tier=False"
-            )
-        if error is not None:
-            self._close(meet=False)
-            raise error
+        return self._run_lock.lease
 
     @property
     def ram_tier_stats(self) -> RamTierStats | None:
         """What the RAM tier did so far (None without ``ram_tier``)."""
-        return None if self._ram is None else self._ram.stats
-
-    def _close_ram(self) -> None:
-        ram, self._ram = self._ram, None
-        if ram is not None:
-            ram.close(clean=not self._ram_keep)
-
-    def _load_candidate(self, s: int) -> str:
-        """Restore step ``s`` into the live state: from the RAM tier's copy when it holds this
-        very save (fastest tier first; on every rank, in a distributed job), else (or when
-        that copy fails) from the directory. Returns where it was read."""
-        name = step_name(s)
-        ram = self._ram.copy_of(name, self._catalog.storage) if self._ram is not None else None
-        if self._ram is not None:
-            # In a job each rank holds its own share: read from memory only when every rank
-            # holds this save there (a rank restarted elsewhere, or whose copy failed, has none).
-            held = self._ranks.everywhere(
-                ram is not None,
-                f"CheckpointManager({self.directory!r}).restore(): {name} in every RAM tier",
-            )
-            if ram is not None and not held:
-                log.info(
-                    "tardigrade: not every rank holds %s in its RAM tier; reading %s",
-                    name,
-                    self.path(s),
-                )
-            ram = ram if held else None
-        touched = False  # whether a failed read of the RAM copy left bytes in the live state
-        if ram is not None:
-            assert self._ram is not None
-            try:
-                return self._ram.restore(
-                    name, self._catalog.storage, self.state, self._ranks.collective
-                )
-            except StateMismatchError:
-                raise
-            except Exception as e:
-                touched = self._ranks.live_touched(
-                    e, f"CheckpointManager({self.directory!r}).restore() (from the RAM tier)"
-                )
-                log.warning(
-                    "tardigrade: restoring %s from the RAM tier failed (%s); reading %s instead",
-                    name,
-                    e,
-                    self.path(s),
-                )
-        try:
-            load(self.path(s), into=self.state, verify="all", **self._collective)
-        except TardigradeError as e:
-            if touched:
-                e.live_overwritten = True  # type: ignore[attr-defined]  # restore() reads this
-            raise
-        return self.path(s)
+        tier = self._tiers.first(MemoryTier)
+        return None if tier is None else tier.stats
 
     @property
     def uploads(self) -> UploadStats | None:
         """What the uploads to ``upload_to`` did so far: ``uploaded`` (the checkpoints'
         names, in order), ``failed`` attempts, ``last_error``, ``pending``; after ``close()``
         the final figures (None without ``upload_to``)."""
-        return self._upload_stats if self._uploader is None else self._uploader.stats
-
-    def _close_uploads(self) -> None:
-        try:
-            self._finish_uploads()
-        finally:
-            lock, self._remote_lock = self._remote_lock, None
-            if lock is not None:
-                lock.release()
-
-    def _finish_uploads(self) -> None:
-        uploader = self._uploader
-        if uploader is None:
-            return
-        self._upload_stats = uploader.stats  # still readable after close()
-        if uploader.close(self.upload_timeout):
-            self._uploader = None
-            # Retention spared what was still uploading; it catches up now.
-            if self._retention.active and self._coordinating:
-                self._retain()
-        else:
-            self._uploader = None
-            log.error(
-                "tardigrade: %d upload(s) to %s still pending after %.0f s (upload_timeout); "
-                "abandoned: nothing half-uploaded is visible there, and the checkpoints are "
-                "intact in %s",
-                uploader.stats.pending,
-                uploader.remote.root,
-                self.upload_timeout,
-                self.directory,
-            )
-
-    def _download_newer(self) -> None:
-        """Copy the remote tier's newest checkpoint here when it is newer than ours (rank 0
-        decides; in a distributed job every rank downloads its share into the directory)."""
-        if self._uploader is None:
-            return
-        remote = Catalog(self._uploader.remote)
-
-        def newer() -> str | None:
-            try:
-                theirs = remote.steps()
-            except TardigradeError as e:
-                log.warning("tardigrade: cannot list %s: %s", remote.root, e)
-                return None
-            ours = self._steps_here()
-            if not theirs or (ours and ours[-1] >= theirs[-1]):
-                return None
-            return step_name(theirs[-1])
-
-        name = self._agreed(
-            f"CheckpointManager({self.directory!r}).restore(): the remote tier's newest", newer
-        )
-        if name is None:
-            return
-        try:
-            self._ranks.copy(remote.storage, name, self._catalog.storage)
-            if self._coordinating:
-                log.info("tardigrade: downloaded %s from %s", name, remote.root)
-        except Exception as e:  # the local tier still restores what it has
-            log.warning("tardigrade: downloading %s from %s failed: %s", name, remote.root, e)
+        tier = self._tiers.first(RemoteTier)
+        return None if tier is None else tier.stats
 
     def close(self) -> None:
         """Wait for in-flight saves, apply retention, release the lock and signal handlers.
@@ -559,14 +427,17 @@ class CheckpointManager:
                 errors.append(e)
         for part in (
             self._close_async,
-            self._close_uploads,
-            self._close_ram,
+            *self._tiers.closers(clean=lambda: not self._ram_keep),
             self._preemption.stop_listening,
             self._lock.release,
         ):
             _run_to_end(part, errors)
         if errors:
             raise errors[0]
+
+    def _close_async(self) -> None:
+        if self._async is not None:
+            self._async.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -582,8 +453,6 @@ class CheckpointManager:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise InvalidArgumentError(f"CheckpointManager.{what}() called after close()")
-
-    # -- listing ---------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints on disk, ascending (rank 0's listing everywhere)."""
@@ -644,51 +513,11 @@ class CheckpointManager:
 
     # -- restore ---------------------------------------------------------------------------
 
-    def _still_ours(self, what: str) -> bool:
-        """Fencing: delete nothing unless the directory lock is still this manager's."""
-        return self._directory_lock.still_ours(what)
-
-    def _remove_leftovers(self) -> None:
-        """Remove tmp dirs of dead writers; put back a checkpoint a crashed replace moved aside."""
-        if self._lock.held and self._still_ours("cleaning up leftovers"):
-            self._catalog.tidy(fenced=False)  # those: from the listing that follows
-
-    def _candidates_here(self, step: int | None) -> dict[str, list[int]]:
-        """Clean up, then the committed steps and those ``restore(step)`` tries, newest first."""
-        self._remove_leftovers()
-        committed, uncommitted, recorded, fenced = self._catalog.scan()
-        if fenced and self._lock.held and self._still_ours("removing commits of a zombie"):
-            self._catalog.retire_fenced(fenced)  # passed over by the scan in any case
-        if step is not None:
-            if step not in committed:
-                raise CheckpointNotFoundError(
-                    f"{self.path(step)}: no committed checkpoint for step {step}; available: "
-                    f"{committed}"
-                )
-            return {"steps": committed, "candidates": [step]}
-        for n in uncommitted:
-            log.warning(
-                "tardigrade: skipping checkpoint %s: it has no manifest.json (a save that never "
-                "committed, or a copy still in progress); kept for inspection, and moved aside "
-                "if this run saves that step again",
-                self._catalog.path(n),
-            )
-        skip = self._recorded_here(committed) if recorded else set()
-        return {"steps": committed, "candidates": [s for s in committed[::-1] if s not in skip]}
-
-    def _live_touched(self, e: BaseException) -> bool:
-        """Whether a failed restore of one candidate changed the live state (on any rank).
-
-        Tardigrade's own errors say whether bytes landed; any other error might have come
-        after they did, so it counts as touched.
-        """
-        what = f"CheckpointManager({self.directory!r}).restore() (after a failed candidate)"
-        return self._ranks.live_touched(e, what)
-
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest committed checkpoint that verifies into ``state``; return its step.
 
-        Each candidate is read once: its bytes go into the live state and every byte of it is
+        Each candidate is read once, from the fastest tier that holds that very save (the RAM
+        tier, else the directory): its bytes go into the live state and every byte of it is
         checked against its checksums in the same pass. A corrupt, incomplete or unreadable
         newer checkpoint is skipped with a warning (and kept on disk as evidence). Damage
         found before any byte lands (manifest, structure, file sizes) leaves the live state
@@ -705,101 +534,20 @@ class CheckpointManager:
         """
         self._check_open("restore")
         # Our own async save still in flight has a .tmp-* staging directory that the cleanup
-        # below would take for a dead writer's leftover: let it commit (or fail) first.
+        # would take for a dead writer's leftover: let it commit (or fail) first.
         self._drain(wait=True)
         if step is None:
-            self._download_newer()
-        # Rank 0 cleans up and lists; every rank then tries the same candidates in order.
-        found = self._agreed(
-            f"CheckpointManager({self.directory!r}).restore({step!r})",
-            lambda: self._candidates_here(step),
-        )
-        committed, candidates = found["steps"], found["candidates"]
-        damaged: str | None = None  # a candidate that failed after bytes reached the live state
-        unread: StorageError | None = None  # the last candidate storage failed to read
-        for s in candidates:
-            self._loading.add(s)
-            loading = False
-            try:
-                epoch = self._agreed(
-                    f"CheckpointManager({self.directory!r}).restore(): manifest of step {s}",
-                    lambda s=s: open_manifest(self.path(s), self._storage_options)[2].epoch,
-                )
-                loading = True
-                # One pass: each byte is read once, into the live state, and every byte of the
-                # checkpoint (unread tensors and headers included) is checked on the way.
-                source = self._load_candidate(s)
-            except StateMismatchError:
-                raise  # the live state does not fit: an older checkpoint would not fit either
-            except Exception as e:
-                # Damaged, or unreadable here (permissions, a socket or device in place of a
-                # file, an I/O error), or failing in a way no check foresaw (a reader's bug):
-                # either way this one cannot be restored; an older may.
-                # Damage found before a byte lands (manifest, structure, sizes) leaves the
-                # live state untouched; damage in tensor bytes is found as they are read, so
-                # some live tensors may hold them: the next older checkpoint rewrites every
-                # live tensor (a full checkpoint of this state covers them all) and calls each
-                # load_state_dict(), or restore raises rather than train from a mix.
-                if loading and self._live_touched(e):
-                    damaged = self.path(s)
-                if isinstance(e, StorageError):
-                    unread = e
-                if step is not None:
-                    raise
-                log.warning(
-                    "tardigrade: skipping checkpoint %s: %s (kept on disk; trying the next "
-                    "older one)",
-                    self.path(s),
-                    e if isinstance(e, TardigradeError) else f"{type(e).__name__}: {e}",
-                )
-                continue
-            finally:
-                self._loading.discard(s)
-            self._restored_step = s
-            self.restored_from = source
-            # Checkpoints above an explicit restore(step) leave the listing, so that after a
-            # crash this timeline's newest is restored, not theirs. Newer ones restore() skipped
-            # stay in place as evidence (a crash skips them again) and are replaced as this
-            # run saves their steps.
-            self._abandoned = {x for x in committed if x > s}
-            if step is not None and self._abandoned:
-                self._abandoned = set(
-                    self._agreed(
-                        f"CheckpointManager({self.directory!r}).restore({s}): setting the "
-                        "later checkpoints aside",
-                        lambda s=s: self._abandon_after(s, committed),
-                    )
-                )
-            self._last_step = s
-            self._last_epoch = epoch
-            self._last_save_time = time.monotonic()
-            if self._coordinating:
-                if source == self.path(s):
-                    log.info("tardigrade: restored %s", source)
-                else:
-                    log.info("tardigrade: restored %s from the RAM tier (%s)", self.path(s), source)
-            if self._staging is not None:
-                self._staging.restart()  # the restored state may have grown (moments)
-            return s
-        if damaged is not None:
-            raise CorruptCheckpointError(
-                f"{damaged}: damaged tensor bytes were found while restoring it, after some had "
-                "been read into the live state, and no older checkpoint could be restored over "
-                "them: the live state is no longer as it was built. Rebuild it (restart the "
-                "process) and restore again, or delete the damaged checkpoints "
-                "(`tardigrade verify` names them) to start from scratch."
-            )
-        if unread is not None:
-            # Not None ("nothing to resume"): training would start from scratch and its saves
-            # would retire the checkpoints that only could not be read just now.
-            raise StorageError(
-                unread.errno,
-                f"{self.directory}: no checkpoint could be restored, and storage failed reading "
-                f"at least one of them ({unread}); committed steps: {committed}. Nothing was "
-                "restored and nothing was deleted: fix the storage (or wait for it) and restore "
-                "again.",
-            )
-        return None
+            self._tiers.fetch_newer()  # a fresh machine: the remote tier's newest, if newer
+        restored = self._restorer.restore(step)
+        if restored is None:
+            return None
+        self._last_step = restored.step
+        self.restored_from = restored.source
+        self._last_epoch = restored.epoch
+        self._last_save_time = time.monotonic()
+        if self._staging is not None:
+            self._staging.restart()  # the restored state may have grown (moments)
+        return restored.step
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -813,9 +561,9 @@ class CheckpointManager:
         here, every rank records its finished saves now (a rank cannot go by its own saves'
         state: the ranks finish a collective save moments apart).
         """
-        if self._take_signal(doing):
+        if self._preemption.taken(doing):
             mine = PREEMPTED
-        level, settled = self._ranks.level(mine, self._pending.running, call)
+        level, settled = self._ranks.level(mine, self._outcomes.pending.running, call)
         if level == PREEMPTED and mine != PREEMPTED:
             log.warning(
                 "tardigrade: another rank received a preemption signal: %s and stopping", doing
@@ -842,7 +590,7 @@ class CheckpointManager:
             )
         self._ranks.record_finished(self._drain)
         # time.monotonic looked up here: tests put a clock of their own in its place.
-        timed = self._coordinating and self._policy.due_by_time(
+        timed = self._ranks.coordinator and self._policy.due_by_time(
             time.monotonic, self._last_save_time
         )
         level = self._agree(f".step({step})", f"saving step {step}", DUE if timed else NOTHING)
@@ -859,14 +607,6 @@ class CheckpointManager:
             self._staging.tick()
         self._advance(step, epoch)
         return saved
-
-    def _take_signal(self, doing: str) -> bool:
-        """Consume a pending preemption signal; log what the manager does about it."""
-        signum = self._preemption.take()
-        if signum is None:
-            return False
-        log.warning("tardigrade: signal %s received: %s and stopping", signum, doing)
-        return True
 
     def stop_at_boundary(self, finished: bool = False) -> bool:
         """Whether to stop at a point where the latest state is already saved (e.g. between
@@ -929,400 +669,15 @@ class CheckpointManager:
         self._advance(max(step, self._last_step or 0), epoch)
         return ok
 
-    def _save(
-        self,
-        step: int,
-        epoch: int | None,
-        metrics: Mapping[str, float] | None,
-        *,
-        sync: bool,
-        force: bool = False,
-        from_step: bool = False,
-    ) -> bool:
-        # Outside the try below: the failure of a save in flight is not this one's.
-        self._ranks.before_save(self._drain)
-        started = time.perf_counter()
-        if (
-            self.best_metric is not None
-            and self.keep_best is not None
-            and (metrics is None or self.best_metric not in metrics)
-        ):
-            log.warning(
-                "tardigrade: step %d saved without metric %r; it will not rank as a best "
-                "checkpoint",
-                step,
-                self.best_metric,
-            )
-        # A committed checkpoint is replaced only when asked (force) or when it belongs to the
-        # timeline abandoned by restore(step); repeating a step otherwise is a programming error.
-        try:
-            occupant = self._agreed(
-                f"CheckpointManager({self.directory!r}): is step {step} there",
-                lambda: self._catalog.occupant(step_name(step)),
-            )
-        except (StorageError, CheckpointLockedError, CorruptCheckpointError) as e:
-            # Storage failed before the save began (a transient error, a full disk): a failed
-            # save like any other, never an error out of step() in "warn" mode.
-            self._record_failure(step, e, time.perf_counter() - started)
-            return False
-        replace = occupant != ""
-        if occupant == "run" and not force and step not in self._abandoned:
-            e = CheckpointExistsError(
-                f"{self.path(step)}: a checkpoint for step {step} already exists; "
-                "steps must not repeat (pass force=True to replace it)."
-            )
-            if from_step and self.on_save_error == "warn":
-                # Training goes on (the checkpoint there is kept): reported like a failed save.
-                self._record_failure(step, e, time.perf_counter() - started)
-                return False
-            raise e
-        if occupant == "fenced":
-            log.warning(
-                "tardigrade: replacing %s: it was committed by a writer after it lost the lease",
-                self.path(step),
-            )
-        try:
-            self._prepare(step, replace)
-            options = SaveOptions(
-                overwrite=replace,
-                step=step,
-                epoch=epoch,
-                metrics=metrics,
-                storage_options=self._storage_options,
-                lease_generation=self._lock.generation,
-            )
-            held = self._uploader.held() if self._uploader is not None else nullcontext()
-            if self._async is not None and not sync:
-                mirror = self._ram.mirror() if self._ram is not None else None
-                with held:  # training waits on the staging copy: uploads wait too
-                    fut = self._ranks.submit(
-                        self._async, self.path(step), self.state, options, mirror=mirror
-                    )
-                fut.observed = True  # the manager reports the outcome itself
-                self._pending.add(step, fut)
-            else:
-                if self._async is not None:
-                    self._drain(wait=True)
-                with held:  # training waits on the whole save: uploads wait too
-                    res = save_with(self.path(step), self.state, options, **self._ranks.collective)
-                self._record_ok(step, res)
-        except (InvalidArgumentError, UnsupportedTypeError):
-            raise  # a programming error, not a storage failure: never swallowed
-        except Exception as e:
-            if getattr(e, "committed", False) is True:
-                # The failure came after the commit point: the checkpoint is there and
-                # complete. Counted as saved (retention, stats), so nobody saves it again.
-                self._record_ok(step, None, time.perf_counter() - started, e)
-                if isinstance(e, DistributedError):
-                    raise  # the group is in an unknown state: never swallowed
-            elif isinstance(e, (SaveError, StorageError, CheckpointLockedError, OSError)):
-                # OSError includes CheckpointExistsError here: something else put a checkpoint
-                # at this step's name after the check above (a user copying one in). Nothing
-                # was overwritten; report it like any failed save.
-                self._record_failure(step, e, time.perf_counter() - started)
-                return False
-            else:
-                raise
-        self._last_save_time = time.monotonic()
-        return True
-
-    def _prepare(self, step: int, replace: bool) -> None:
-        """Before saving ``step``: hold the lock, move an uncommitted ``step-N`` aside.
-
-        Rank 0's work in a distributed job; its failure raises on every rank, as the same error
-        (an OSError there arrives as a SaveError).
-        """
-
-        def prepare_here() -> None:
-            self._directory_lock.ready(raising=self.on_save_error == "raise")
-            if not replace:
-                self._set_aside(step)
-
-        self._ranks.on_coordinator(
-            f"CheckpointManager({self.directory!r}): prepare step {step}",
-            prepare_here,
-            lambda e: SaveError(f"{self.path(step)}: cannot prepare the save: {e}"),
-        )
-
-    def _set_aside(self, step: int) -> None:
-        """Move an uncommitted ``step-N`` (no manifest) out of the way of saving step N.
-
-        It is what a save that died before this format's commit, a foreign tool or a user
-        copying a checkpoint in left there; ``restore()`` skipped it. It is never deleted: it
-        may be the half-copied checkpoint someone is restoring. It is renamed to a visible
-        ``step-N.incomplete-<time>`` that ``steps()`` ignores, and the new path is logged.
-        """
-        path, name = self.path(step), step_name(step)
-        storage = self._catalog.storage
-        # On a store a prefix without a manifest is no checkpoint and nothing in the way: the
-        # save writes under its own names and creates the manifest.
-        if not storage.can_move or not storage.exists(name) or self._exists_here(step):
-            return
-        aside = self._catalog.path(self._catalog.set_aside(name, INCOMPLETE))
-        log.warning(
-            "tardigrade: %s had no manifest.json (an uncommitted save, or a copy still in "
-            "progress); moved it aside to %s to save step %d. Nothing was deleted: inspect it "
-            "and remove it yourself when it is not needed.",
-            path,
-            aside,
-            step,
-        )
-
-    def _abandon_after(self, step: int, committed: list[int]) -> list[int]:
-        """Move the checkpoints above ``step`` aside: ``restore(step)`` began a new timeline.
-
-        On disk, so that a crash before this run saves again resumes from the new timeline,
-        not from the newest checkpoint of the abandoned one. Each ``step-N.abandoned-*`` is
-        deleted once this run commits a step at or above N (as saving step N again would
-        replace it). Returns the steps that could not be moved (kept in memory instead). An
-        object store cannot rename: there they stay in place, recorded by save id in the
-        store's ``.abandoned.json``, which ``restore()`` reads (``_record_abandoned``).
-        """
-        later = [x for x in committed if x > step]
-        if not self._lock.held or not self._still_ours("setting abandoned checkpoints aside"):
-            return later
-        if not self._catalog.storage.can_move:
-            self._record_abandoned(step, later)
-            return later  # they stay in place: still this run's to replace or pass over
-        left = []
-        for x in later:
-            try:
-                aside = self._catalog.set_aside(step_name(x), ABANDONED)
-            except OSError as e:
-                log.warning(
-                    "tardigrade: could not set %s aside (%s); a crash before this run saves "
-                    "step %d again would resume from it",
-                    self.path(x),
-                    e,
-                    x,
-                )
-                left.append(x)
-                continue
-            log.warning(
-                "tardigrade: restore(%d) began a new timeline: moved %s to %s (deleted once "
-                "this run saves step %d or later)",
-                step,
-                step_name(x),
-                aside,
-                x,
-            )
-        return left
-
-    def _record_abandoned(self, step: int, later: list[int]) -> None:
-        """On a store: record ``later`` (above the restored ``step``) as abandoned, each with
-        the save id it holds, so that a restore after a crash passes over them."""
-        names = [step_name(x) for x in later]
-        try:
-            saves = self._catalog.abandoned()
-            saves.update({n: self._catalog.save_id(n) or "" for n in names})
-            self._catalog.record_abandoned(saves)
-        except (OSError, TardigradeError) as e:
-            log.warning(
-                "tardigrade: could not record %s as abandoned in %s (%s); a crash before this "
-                "run saves step %d again would resume from it",
-                names,
-                self.directory,
-                e,
-                later[-1],
-            )
-            return
-        self._recorded = True
-        log.warning(
-            "tardigrade: restore(%d) began a new timeline: recorded %s as abandoned in %s "
-            "(each deleted once this run saves its step or a later one)",
-            step,
-            names,
-            self._catalog.path(ABANDONED_RECORD),
-        )
-
-    def _recorded_here(self, committed: list[int]) -> set[int]:
-        """On a store whose listing shows a record of abandoned checkpoints: the committed
-        steps it says ``restore(step)`` abandoned (still holding the save then recorded);
-        ``restore()`` passes over them."""
-        if self._catalog.storage.can_move:
-            return set()
-        try:
-            saves = self._catalog.abandoned()
-            skip = set()
-            for name, save_id in saves.items():
-                s = step_in_name(name)
-                if s in committed and self._catalog.save_id(name) == save_id:
-                    skip.add(s)
-        except (OSError, TardigradeError) as e:
-            log.warning(
-                "tardigrade: could not read which checkpoints of %s a restore(step) abandoned "
-                "(%s); restoring the newest of any timeline",
-                self.directory,
-                e,
-            )
-            return set()
-        self._recorded = bool(saves)
-        for s in sorted(skip, reverse=True):
-            log.warning(
-                "tardigrade: skipping checkpoint %s: an earlier run's restore(step) abandoned "
-                "its timeline (recorded in %s); deleted once this run saves past it",
-                self.path(s),
-                self._catalog.path(ABANDONED_RECORD),
-            )
-        return skip
-
-    def _drop_recorded(self, step: int) -> None:
-        """On a store: delete the recorded abandoned checkpoints that this run has now saved
-        past (``step`` committed) and drop them from the record; a step saved again holds
-        this run's save, which stays."""
-        try:
-            saves = self._catalog.abandoned()
-            left = {}
-            for name, save_id in saves.items():
-                s = step_in_name(name)
-                if s is not None and s > step:
-                    left[name] = save_id
-                    continue
-                theirs = self._catalog.committed(name) and self._catalog.save_id(name) == save_id
-                if theirs and not (
-                    self._still_ours("removing " + name)
-                    and self._remove(
-                        name, "a step of an abandoned timeline, saved past by this run"
-                    )
-                ):
-                    left[name] = save_id
-            if left != saves:
-                self._catalog.record_abandoned(left)
-            self._recorded = bool(left)
-        except (OSError, TardigradeError) as e:
-            log.warning(
-                "tardigrade: could not remove the abandoned checkpoints that step %d passed in "
-                "%s (tried again after the next save): %s",
-                step,
-                self.directory,
-                e,
-            )
-
-    def _drop_abandoned(self, step: int) -> None:
-        """Delete the abandoned checkpoints this run has now saved past (``step`` committed)."""
-        if not self._catalog.storage.can_move:
-            if self._recorded:
-                self._drop_recorded(step)
-            return
-        try:
-            names = self._catalog.names()
-        except OSError as e:
-            log.warning(
-                "tardigrade: could not list %s to remove the abandoned checkpoints that step %d "
-                "replaced (tried again after the next save): %s",
-                self.directory,
-                step,
-                e,
-            )
-            return
-        for n in names:
-            m = ABANDONED_NAME.match(n)
-            if m and int(m.group(1)) <= step and self._still_ours("removing " + n):
-                self._remove(n, "a step of an abandoned timeline, saved again by this run")
-
-    def _remove(self, name: str, why: str) -> bool:
-        """Retire checkpoint ``name`` (out of view first, then deleted); False if it failed."""
-        try:
-            self._catalog.retire(name)
-        except OSError as e:
-            log.warning("tardigrade: could not remove %s: %s", self._catalog.path(name), e)
-            return False
-        log.info("tardigrade: removed %s (%s)", name, why)
-        return True
-
-    def _record_ok(
-        self,
-        step: int,
-        res: SaveResult | None,
-        seconds: float = 0.0,
-        error: BaseException | None = None,
-    ) -> None:
-        """Count a committed save; ``res`` None: one that raised ``error`` after committing."""
-        self._metric_cache.pop(step, None)  # a replaced checkpoint has a new metric
-        self._readable_cache.pop(step, None)
-        self._abandoned.discard(step)
-        if res is None:
-            self.stats.append(SaveStats(step, 0, seconds, seconds, True, str(error)))
-            log.warning(
-                "tardigrade: step %d was committed in %s, but its save then failed; it counts "
-                "as saved. Cause: %s",
-                step,
-                self.directory,
-                error,
-            )
-        else:
-            s = SaveStats(step, res.nbytes, res.blocking_seconds, res.total_seconds, True)
-            self.stats.append(s)
-            log.info(
-                "tardigrade: saved step %d: %.1f MB, blocked %.3f s, total %.3f s, %.2f GB/s",
-                step,
-                s.nbytes / 1e6,
-                s.blocking_seconds,
-                s.total_seconds,
-                s.throughput_gbps,
-            )
-        if self._ram is not None:
-            # Every rank records the save here, once committed: each keeps its own files.
-            self._ram.saved(
-                self._catalog.storage,
-                step_name(step),
-                files=self._ranks.share,
-                teed=self._async is not None,
-            )
-        if self._uploader is not None:
-            self._uploader.submit(step_name(step))
-        if self._coordinating:
-            self._drop_abandoned(step)
-        if self._coordinating and self._retention.active:
-            self._retain()
-
-    def _record_failure(self, step: int, e: BaseException, seconds: float) -> None:
-        self.stats.append(SaveStats(step, 0, seconds, seconds, False, str(e)))
-        if self.on_save_error == "raise":
-            if isinstance(e, TardigradeError):
-                raise e
-            raise SaveError(f"{self.path(step)}: save of step {step} failed: {e}") from e
-        log.error(
-            "tardigrade: SAVE FAILED for step %d in %s (%d failed so far); training continues, "
-            "earlier checkpoints are intact. Cause: %s",
-            step,
-            self.directory,
-            self.stats.failed,
-            e,
-        )
+    def _save(self, step: int, epoch: int | None, metrics: Any, **how: bool) -> bool:
+        saved = self._dispatch.save(step, epoch, metrics, **how)
+        if saved:
+            self._last_save_time = time.monotonic()
+        return saved
 
     def _drain(self, *, wait: bool, agree: bool = True) -> None:
-        """Record the outcome of finished async saves (all of them when ``wait``).
-
-        In a distributed job every rank calls it at the same point with ``wait=True`` (the
-        pending saves are the same on every rank), and each outcome is agreed there unless
-        ``agree`` is False (a rank leaving alone).
-        """
-        for step, fut in self._pending.finished(wait=wait):
-            exc = fut.exception()
-            if agree:
-                exc = self._ranks.outcome(
-                    exc, path=self.path(step), step=step, forget_forks=self._forget_forks
-                )
-            if exc is None:
-                self._record_ok(step, fut.result())
-                continue
-            failure = failure_of(exc)
-            if failure is Failure.COMMITTED:
-                self._record_ok(step, None, fut.blocking_seconds, exc)
-            elif failure is Failure.MISUSE:
-                # A collective save learns only in the background that a rank cannot flatten
-                # its state, or that the ranks' states differ.
-                seconds = fut.blocking_seconds
-                self.stats.append(SaveStats(step, 0, seconds, seconds, False, str(exc)))
-                raise exc
-            else:
-                self._record_failure(step, exc, fut.blocking_seconds)
-
-    def _forget_forks(self) -> None:
-        """Drop the gloo groups forked for background saves (a lost save left them unusable)."""
-        if self._async is not None:
-            self._async.forget_forks()
+        """Record the outcome of finished async saves (all of them when ``wait``)."""
+        self._dispatch.drain(wait=wait, agree=agree)
 
     def wait(self) -> None:
         """Block until in-flight saves are committed (or failed and reported).
@@ -1334,69 +689,10 @@ class CheckpointManager:
 
     # -- retention -------------------------------------------------------------------------
 
-    def _metric(self, step: int) -> float | None:
-        if step not in self._metric_cache:
-            value = None
-            try:
-                metrics = (
-                    open_manifest(self.path(step), self._storage_options)[2].raw.get("metrics")
-                    or {}
-                )
-                v = metrics.get(self.best_metric)
-                value = float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
-            except TardigradeError:
-                value = None
-            self._metric_cache[step] = value
-        return self._metric_cache[step]
-
-    def _readable(self, step: int) -> bool:
-        """Whether the manifest of ``step`` reads and validates (remembered per step)."""
-        if step not in self._readable_cache:
-            try:
-                open_manifest(self.path(step), self._storage_options)
-                self._readable_cache[step] = True
-            except Exception as e:
-                log.warning("tardigrade: %s cannot be restored: %s", self.path(step), e)
-                self._readable_cache[step] = False
-        return self._readable_cache[step]
-
     def keep(self, steps: Sequence[int]) -> set[int]:
         """Which of ``steps`` (committed, ascending) the retention policy keeps.
 
         Checkpoints of an abandoned timeline (above a step restored explicitly) are neither
         ranked nor deleted here; this run replaces them as it saves those steps again.
         """
-        return self._retention.keep(
-            steps, readable=self._readable, metric=self._metric, abandoned=self._abandoned
-        )
-
-    def _retain(self) -> None:
-        try:
-            steps = self._steps_here()
-        except OSError as e:
-            # The save is committed and counted; the old checkpoints go at the next save.
-            log.warning(
-                "tardigrade: could not list %s to apply retention (tried again after the next "
-                "save): %s",
-                self.directory,
-                e,
-            )
-            return
-        # A step being loaded, or with a save of ours in flight (a replace: force=True or an
-        # abandoned step), is not deleted under that reader or writer.
-        busy = self._loading | self._pending.steps()
-        if self._uploader is not None:  # not retired before it reached the remote tier
-            busy |= {s for n in self._uploader.pinned() if (s := step_in_name(n)) is not None}
-        doomed_steps = self._retention.retire(
-            steps,
-            readable=self._readable,
-            metric=self._metric,
-            abandoned=self._abandoned,
-            busy=busy,
-        )
-        if not doomed_steps or not self._still_ours("removing old checkpoints"):
-            return
-        for s in doomed_steps:
-            if self._remove(step_name(s), "retention"):
-                self._metric_cache.pop(s, None)
-                self._readable_cache.pop(s, None)
+        return self._retainer.keep(steps)

@@ -10,6 +10,8 @@ from typing import Any
 from .._catalog import Catalog
 from ..errors import InvalidArgumentError
 from ..format.manifest import MANIFEST
+from ._policy import SavePolicy
+from ._retention import Retention
 
 
 def check_directory(v: Any) -> str | os.PathLike[str]:
@@ -91,3 +93,25 @@ def check_step(v: Any) -> int:
     if type(v) is not int or v < 0:
         raise InvalidArgumentError(f"step must be a non-negative int, got {v!r}")
     return v
+
+
+def check_policy(every_steps: Any, every_epochs: Any, every_seconds: Any) -> SavePolicy:
+    """The save policy of the manager's ``every_*`` arguments."""
+    return SavePolicy(
+        every_steps=check_positive("every_steps", every_steps),
+        every_epochs=check_positive("every_epochs", every_epochs),
+        every_seconds=check_positive("every_seconds", every_seconds, float),
+    )
+
+
+def check_retention(
+    keep_last: Any, keep_every_steps: Any, keep_best: Any, best_metric: Any, best_mode: Any
+) -> Retention:
+    """The retention policy of the manager's ``keep_*`` and ``best_*`` arguments."""
+    return Retention(
+        keep_last=check_positive("keep_last", keep_last),
+        keep_every_steps=check_positive("keep_every_steps", keep_every_steps),
+        keep_best=check_positive("keep_best", keep_best),
+        best_mode=check_one_of("best_mode", best_mode, ("min", "max")),
+        best_metric=check_best_metric(keep_best, best_metric),
+    )

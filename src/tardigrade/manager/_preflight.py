@@ -17,8 +17,9 @@ from ..errors import CheckpointLockedError, SaveError
 log = logging.getLogger("tardigrade")
 
 
-class DirectoryLock:
-    """One job per directory: the lease on ``storage``, taken at open and before each save."""
+class RunLock:
+    """One job per checkpoint root (a directory or a store prefix): the lease on its storage,
+    taken at open and before each save, and checked before anything there is deleted."""
 
     def __init__(
         self, catalog: Catalog, directory: str, *, lease_seconds: float, timeout: float | None
@@ -109,6 +110,10 @@ class DirectoryLock:
                 f"{self.error}"
             )
         self.lease.check()
+
+    def may_delete(self, what: str) -> bool:
+        """Whether ``what`` (a delete) may go ahead: the lease held by this manager, still."""
+        return self.lease.held and self.still_ours(what)
 
     def still_ours(self, what: str) -> bool:
         """Fencing: whether ``what`` (a delete) may go ahead, the lease being still ours."""

@@ -65,6 +65,13 @@ class Preemption:
         signum, self.received = self.received, None
         return signum
 
+    def taken(self, doing: str) -> bool:
+        """Consume a pending signal, logging what the manager does about it (``doing``)."""
+        signum = self.take()
+        if signum is not None:
+            log.warning("tardigrade: signal %s received: %s and stopping", signum, doing)
+        return signum is not None
+
 
 def _relay(signum: int, frame: FrameType | None) -> None:
     live = [p for r in list(_listeners.get(signum, ())) if (p := r()) is not None]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import abc
 import errno
-import json
 import logging
 import re
 import threading
@@ -39,9 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError, TardigradeError
-from ..format import limits
 from ..format.checksum import Hasher
-from ..format.manifest import MANIFEST, MANIFEST_START, parse
+from ..format.manifest import MANIFEST, MANIFEST_START
 
 log = logging.getLogger("tardigrade")
 
@@ -61,7 +59,7 @@ PERMANENT_ERRNOS = frozenset(
 PutMode = Literal["create", "if_match", "overwrite"]
 
 # The age below which a store's tidy leaves a save's data objects alone (see
-# ManifestLastCommit.tidy): a save may upload for a long time, and a zombie's may still commit.
+# Catalog.collect): a save may upload for a long time, and a zombie's may still commit.
 GRACE_SECONDS = 3600.0
 # How far a store's clock (its objects' modification times) may run ahead of this machine's.
 CLOCK_SKEW_SECONDS = 5.0
@@ -295,7 +293,7 @@ class Storage(abc.ABC):
         """Clean up after writers that died: their staging, half-done replaces and deletes.
 
         Only what no live writer holds, and never a committed checkpoint (a store, which
-        cannot tell, waits out a grace period: see :meth:`ManifestLastCommit.tidy`).
+        cannot tell, waits out a grace period: the catalog's sweep, ``Catalog.collect``).
         ``progress`` is called with each leftover once it is dealt with (``tardigrade gc``
         draws its bar)."""
         return []
@@ -344,7 +342,7 @@ _SAVE_ID_CHARS = 17  # what of a data object's name names its save: ``<16 hex di
 Candidate = tuple[str, list[tuple[str, Stat | None]], bool]
 
 
-def _due(st: Stat, cutoff: float, abandoned: float | None) -> bool:
+def due(st: Stat, cutoff: float, abandoned: float | None) -> bool:
     """Whether ``tidy`` may remove a save's data object: written before ``cutoff`` (past the
     grace period), or before ``abandoned`` (when this process abandoned its save, plus clock
     skew). One of unknown age counts as young unless abandoned."""
@@ -362,8 +360,11 @@ class ManifestLastCommit(Storage):
     conditional create: of two writers, exactly one commits. A prefix without a manifest holds
     no checkpoint; ``abort`` deletes the save's own objects. Replacing puts the new manifest
     only if the old one is still the version read (if-match), then deletes the old data.
-    ``tidy`` removes what saves that never committed left once older than a grace period
-    (``gc_grace_seconds``), or at once where this process saw the save fail (``abandon``).
+    What saves that never committed left is swept by the catalog, which reads manifests
+    (``Catalog.collect``: by reachability), once older than a grace period
+    (``gc_grace_seconds``), or at once where this process saw the save fail (``abandon``);
+    this class lists it (``tidy_candidates``) and says which save wrote an object
+    (``save_of``).
     """
 
     implicit_directories = True
@@ -440,93 +441,20 @@ class ManifestLastCommit(Storage):
         if probes:
             yield "", probes, False
 
-    def tidy(
-        self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
-    ) -> list[Tidied]:
-        """Delete the data objects of saves that never committed: those under a name that
-        has no manifest (a save that died, or whose abort failed), those under a committed
-        checkpoint that its manifest does not list (a replace that failed), and a preflight's
-        probe whose delete failed. Only objects named as a save's data are touched under a
-        name, never a manifest, a listed file or anything else.
-
-        A store cannot tell a dead save from a live one (no flock): a zombie writer whose
-        lease expired may still upload, and then commit its manifest; had its data been
-        deleted meanwhile, that checkpoint would be committed and unloadable. So a data
-        object goes only once older than the grace period (``gc_grace_seconds``), or at once
-        if it belongs to a save this process saw fail (``abandon``) and was written before
-        that. An object whose age the store does not report counts as young. A probe goes at
-        once (no save ever names one). A committed name whose data objects all belong to one
-        save is passed over unread: that is the save that committed it. One item per name
-        dealt with, to ``progress`` too.
-        """
-        cutoff = grace_cutoff(self.gc_grace_seconds)
+    def abandoned_saves(self) -> dict[str, float]:
+        """The names under which this process saw a save fail (``abandon``), each with the
+        time (plus clock skew) before which what that save wrote may go at once."""
         with _abandoned_lock:
-            gone = {
+            return {
                 staging: when + CLOCK_SKEW_SECONDS
                 for (scope, staging), when in _abandoned.items()
                 if scope == self.tidy_scope
             }
-        done: list[Tidied] = []
-        for name, objects, committed in self.tidy_candidates():
-            if not name:  # probes at the root
-                for probe, st in objects:
-                    st = st or self.stat(probe)
-                    if st is None or st.is_dir:
-                        continue
-                    if not dry_run:
-                        self.delete(probe)
-                    done.append(Tidied(probe, "removed", st.size))
-                    if progress is not None:
-                        progress(done[-1])
-                continue
-            if committed and len({n[:_SAVE_ID_CHARS] for n, _ in objects}) == 1:
-                # Every save writes at least one data object under its own prefix, so the one
-                # save found under a manifest is the save that committed it: nothing to remove,
-                # and no manifest to read (a request per checkpoint at every restore).
-                continue
-            abandoned = gone.get(name)
-            if all(st is not None for _, st in objects):  # ages known: no manifest read
-                objects = [
-                    (n, st) for n, st in objects if st is not None and _due(st, cutoff, abandoned)
-                ]
-                if not objects:
-                    continue
-            keep = self._committed_files(name) if committed else (set(), "\0")
-            if keep is None:
-                continue
-            dead: list[tuple[str, int]] = []
-            for n, st in objects:
-                if n in keep[0] or n.startswith(keep[1]):
-                    continue
-                st = st or self.stat(f"{name}/{n}")
-                if st is not None and not st.is_dir and _due(st, cutoff, abandoned):
-                    dead.append((f"{name}/{n}", st.size))
-            if not dead:
-                continue
-            if not dry_run:
-                self.delete_many([n for n, _ in dead])
-            done.append(Tidied(name, "removed", sum(size for _, size in dead)))
-            if progress is not None:
-                progress(done[-1])
-        return done
 
-    def _committed_files(self, name: str) -> tuple[set[str], str] | None:
-        """What of ``name``'s objects a committed checkpoint owns: (the files its manifest
-        lists, the data-name prefix of the save that committed it); nothing if no manifest is
-        there; None if its manifest does not read (left alone: evidence)."""
-        where = f"{name}/{MANIFEST}"
-        try:
-            raw = self.read_bytes(where, limits.MAX_MANIFEST_BYTES)
-            files = set(parse(raw, where).files)
-            save_id = json.loads(raw).get("save_id")
-        except (TardigradeError, ValueError) as e:
-            if not self.exists(where):  # retired since it was listed: no checkpoint any more
-                return set(), "\0"
-            log.warning("tardigrade: leaving %s as it is: %s", self.url(name), e)
-            return None
-        if isinstance(save_id, str) and save_id:
-            return files, self.data_name("", save_id)
-        return files, "\0"
+    def save_of(self, data: str) -> str:
+        """Which save wrote data object ``data`` (a name ``tidy_candidates`` gave): the
+        prefix ``data_name`` put before the file's name."""
+        return data[:_SAVE_ID_CHARS]
 
     def describe(self, name: str) -> str | None:
         """As :meth:`Storage.describe`; data a save left without committing is nothing."""

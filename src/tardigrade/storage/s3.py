@@ -1034,9 +1034,9 @@ class S3Storage(ManifestLastCommit):
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
     ) -> list[Tidied]:
-        """As :meth:`ManifestLastCommit.tidy` (data objects once older than the grace period,
-        ``gc_grace_seconds``, default 1 h, or of a save this process saw fail), and then the
-        incomplete multipart uploads older than the grace period (a save killed mid-upload)."""
+        """The incomplete multipart uploads older than the grace period (``gc_grace_seconds``,
+        default 1 h: a save killed mid-upload). Data objects are the catalog's to sweep
+        (``Catalog.collect``)."""
         done = super().tidy(dry_run=dry_run, progress=progress)
         cutoff = datetime.fromtimestamp(grace_cutoff(self.config.grace), timezone.utc)
         try:

@@ -323,7 +323,8 @@ class FaultyStorage(Storage):
     # A store's tidy runs over this wrapper's primitives, with the inner store's grace period
     # and its record of abandoned saves (``abandon`` goes to the inner store).
     tidy_candidates = ManifestLastCommit.tidy_candidates
-    _committed_files = ManifestLastCommit._committed_files
+    abandoned_saves = ManifestLastCommit.abandoned_saves
+    save_of = ManifestLastCommit.save_of
 
     @property
     def gc_grace_seconds(self) -> float:
@@ -335,7 +336,7 @@ class FaultyStorage(Storage):
 
     def tidy(self, *, dry_run: bool = False, progress: Any = None) -> list[Tidied]:
         if self._store:
-            return ManifestLastCommit.tidy(self, dry_run=dry_run, progress=progress)  # type: ignore[arg-type]
+            return []  # a store's leftovers are the catalog's to sweep (tidy_candidates)
         return self.inner.tidy(dry_run=dry_run, progress=progress)
 
     def preflight(self) -> None:

@@ -1,0 +1,210 @@
+"""Save dispatch: one save of the manager's state started, in the background or not.
+
+``SaveDispatch.save`` checks what holds the step's name (a committed checkpoint is replaced
+only when asked, when restore(step) abandoned it, or when a writer committed it after losing
+the lease), prepares the root on rank 0 (the lock, an uncommitted step set aside), and starts
+the save: through the async saver, feeding every tier's sinks from one staged copy, or in
+the caller's thread. ``Outcomes`` records how it ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .._async import AsyncCheckpointer
+from .._catalog import Catalog, step_name
+from .._save import save_with
+from .._save_job import SaveOptions
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointLockedError,
+    CorruptCheckpointError,
+    DistributedError,
+    InvalidArgumentError,
+    SaveError,
+    StorageError,
+    UnsupportedTypeError,
+)
+from ._agreement import Agreement
+from ._pending import Outcomes
+from ._preflight import RunLock
+from ._retainer import Retainer
+from ._tiers import Tiers
+from ._timeline import Timeline
+
+log = logging.getLogger("tardigrade")
+
+
+class SaveDispatch:
+    """Starts the saves of ``state`` into the root of ``catalog`` (see the module docstring).
+
+    ``saver`` is the async saver once the manager made one (None: every save synchronous).
+    """
+
+    def __init__(
+        self,
+        state: Any,
+        *,
+        catalog: Catalog,
+        ranks: Agreement,
+        lock: RunLock,
+        tiers: Tiers,
+        timeline: Timeline,
+        outcomes: Outcomes,
+        retainer: Retainer,
+        storage_options: Mapping[str, Any] | None,
+    ) -> None:
+        self.state = state
+        self.catalog = catalog
+        self.ranks = ranks
+        self.lock = lock
+        self.tiers = tiers
+        self.timeline = timeline
+        self.outcomes = outcomes
+        self.retainer = retainer
+        self.storage_options = storage_options
+        self.saver: AsyncCheckpointer | None = None
+
+    def drain(self, *, wait: bool, agree: bool = True) -> None:
+        """Record the outcome of finished async saves (all of them when ``wait``)."""
+        self.outcomes.drain(wait=wait, agree=agree, forget_forks=self.forget_forks)
+
+    def save(
+        self,
+        step: int,
+        epoch: int | None,
+        metrics: Mapping[str, float] | None,
+        *,
+        sync: bool,
+        force: bool = False,
+        from_step: bool = False,
+    ) -> bool:
+        """Save ``step``; False when it failed to start (reported as ``on_save_error`` says).
+        ``sync``: in the caller's thread; ``force``: replace a committed checkpoint of the
+        step; ``from_step``: asked by ``step()`` (a repeated step is then a failed save)."""
+        # Outside the try below: the failure of a save in flight is not this one's.
+        self.ranks.before_save(self.drain)
+        started = time.perf_counter()
+        self._warn_unranked(step, metrics)
+        replace = self._may_replace(step, started, force=force, from_step=from_step)
+        if replace is None:
+            return False
+        try:
+            self._prepare(step, replace)
+            options = SaveOptions(
+                overwrite=replace,
+                step=step,
+                epoch=epoch,
+                metrics=metrics,
+                storage_options=self.storage_options,
+                lease_generation=self.lock.lease.generation,
+            )
+            self._start(step, options, sync=sync)
+        except (InvalidArgumentError, UnsupportedTypeError):
+            raise  # a programming error, not a storage failure: never swallowed
+        except Exception as e:
+            if getattr(e, "committed", False) is True:
+                # The failure came after the commit point: the checkpoint is there and
+                # complete. Counted as saved (retention, stats), so nobody saves it again.
+                self.outcomes.ok(step, None, time.perf_counter() - started, e)
+                if isinstance(e, DistributedError):
+                    raise  # the group is in an unknown state: never swallowed
+            elif isinstance(e, (SaveError, StorageError, CheckpointLockedError, OSError)):
+                # OSError includes CheckpointExistsError here: something else put a checkpoint
+                # at this step's name after the check above (a user copying one in). Nothing
+                # was overwritten; report it like any failed save.
+                self.outcomes.failure(step, e, time.perf_counter() - started)
+                return False
+            else:
+                raise
+        return True
+
+    def _start(self, step: int, options: SaveOptions, *, sync: bool) -> None:
+        """Start the save: in the background, feeding every tier's sinks from one staged
+        copy, or here (waiting for the saves in flight first)."""
+        path = self.catalog.path(step_name(step))
+        if self.saver is not None and not sync:
+            with self.tiers.held():  # training waits on the staging copy: uploads wait
+                fut = self.ranks.submit(self.saver, path, self.state, options, self.tiers.sinks())
+            fut.observed = True  # the manager reports the outcome itself
+            self.outcomes.pending.add(step, fut)
+            return
+        if self.saver is not None:
+            self.drain(wait=True)
+        with self.tiers.held():  # training waits on the whole save: uploads wait too
+            res = save_with(path, self.state, options, **self.ranks.collective)
+        self.outcomes.ok(step, res)
+
+    def _warn_unranked(self, step: int, metrics: Mapping[str, float] | None) -> None:
+        policy = self.retainer.policy
+        ranked = policy.best_metric is not None and policy.keep_best is not None
+        if ranked and (metrics is None or policy.best_metric not in metrics):
+            log.warning(
+                "tardigrade: step %d saved without metric %r; it will not rank as a best "
+                "checkpoint",
+                step,
+                policy.best_metric,
+            )
+
+    def _may_replace(
+        self, step: int, started: float, *, force: bool, from_step: bool
+    ) -> bool | None:
+        """Whether saving ``step`` replaces a committed checkpoint; None: it must not be saved
+        (reported as a failed save). A committed checkpoint is replaced only when asked
+        (force), when it belongs to the timeline abandoned by restore(step), or when a writer
+        committed it after losing the lease; repeating a step otherwise is a programming
+        error."""
+        try:
+            occupant = self.ranks.shared(
+                f"CheckpointManager({self.catalog.root!r}): is step {step} there",
+                lambda: self.catalog.occupant(step_name(step)),
+            )
+        except (StorageError, CheckpointLockedError, CorruptCheckpointError) as e:
+            # Storage failed before the save began (a transient error, a full disk): a failed
+            # save like any other, never an error out of step() in "warn" mode.
+            self.outcomes.failure(step, e, time.perf_counter() - started)
+            return None
+        if occupant == "run" and not force and step not in self.timeline.abandoned:
+            e = CheckpointExistsError(
+                f"{self.catalog.path(step_name(step))}: a checkpoint for step {step} already exists; "
+                "steps must not repeat (pass force=True to replace it)."
+            )
+            if from_step and self.outcomes.on_save_error == "warn":
+                # Training goes on (the checkpoint there is kept): reported like a failed save.
+                self.outcomes.failure(step, e, time.perf_counter() - started)
+                return None
+            raise e
+        if occupant == "fenced":
+            log.warning(
+                "tardigrade: replacing %s: it was committed by a writer after it lost the lease",
+                self.catalog.path(step_name(step)),
+            )
+        return occupant != ""
+
+    def _prepare(self, step: int, replace: bool) -> None:
+        """Before saving ``step``: hold the lock, move an uncommitted ``step-N`` aside.
+
+        Rank 0's work in a distributed job; its failure raises on every rank, as the same error
+        (an OSError there arrives as a SaveError).
+        """
+
+        def prepare_here() -> None:
+            self.lock.ready(raising=self.outcomes.on_save_error == "raise")
+            if not replace:
+                self.timeline.set_aside_incomplete(step)
+
+        self.ranks.on_coordinator(
+            f"CheckpointManager({self.catalog.root!r}): prepare step {step}",
+            prepare_here,
+            lambda e: SaveError(
+                f"{self.catalog.path(step_name(step))}: cannot prepare the save: {e}"
+            ),
+        )
+
+    def forget_forks(self) -> None:
+        """Drop the gloo groups forked for background saves (a lost save left them unusable)."""
+        if self.saver is not None:
+            self.saver.forget_forks()

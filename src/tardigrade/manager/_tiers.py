@@ -1,0 +1,350 @@
+"""The manager's tiers: each place it keeps checkpoints is one :class:`Tier`, fastest first.
+
+A tier says what it holds, whether ``restore()`` can read a checkpoint from it, what it does
+once a checkpoint committed in the run's root (copy it, upload it), which checkpoints the root
+must keep for it meanwhile, and how it closes. The manager holds an ordered :class:`Tiers`
+and asks it, never one tier by kind:
+
+* :class:`MemoryTier` (``ram_tier=``): this rank's copy of the newest checkpoint in host
+  memory, written from an async save's staged copy (a :class:`~tardigrade._sinks.Sink`).
+* :class:`RootTier`: the run's directory or store prefix, where every save commits first.
+* :class:`RemoteTier` (``upload_to=``): a copy of each committed checkpoint in another root,
+  uploaded in the background; ``restore()`` first downloads its newest when it is newer.
+
+A tier receives what it needs (the agreement between ranks, the lease, the catalog, a
+retention callback) when it is made, and never reaches back into the manager. A peer tier (a
+copy in another node's memory) is one more instance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, ClassVar
+
+from .._catalog import Catalog, step_name
+from .._load import load
+from .._ramtier import RamTier, RamTierStats, open_ram_tier
+from .._sinks import Sink
+from .._tiers import Uploader, UploadStats, warn_of_another_run
+from ..errors import InvalidArgumentError, TardigradeError
+from ..storage import open_root
+from ..storage.lease import Lease
+from ._agreement import Agreement
+
+log = logging.getLogger("tardigrade")
+
+
+class Tier:
+    """One place the manager keeps checkpoints (see the module docstring). Every hook has a
+    default that does nothing, so a tier states only what it does."""
+
+    speed: ClassVar[int] = 0
+    """Where the tier sorts among the others: lower is faster (restored from first)."""
+    where: ClassVar[str] = ""
+    """How logs name it (``"the RAM tier"``)."""
+    restores: ClassVar[bool] = False
+    """Whether ``restore()`` reads checkpoints from it (``holds`` and ``restore``)."""
+
+    def sinks(self) -> list[Sink]:
+        """What an async save feeds from its staged copy to keep a copy here."""
+        return []
+
+    def held(self) -> AbstractContextManager[None]:
+        """Pause this tier's background work while the training thread waits on a save."""
+        return nullcontext()
+
+    def committed(self, name: str, *, teed: bool) -> None:
+        """Checkpoint ``name`` committed in the run's root (``teed``: an async save, whose
+        sinks copied it already); on every rank."""
+
+    def pinned(self) -> set[str]:
+        """Checkpoints the root must not retire yet (this tier still copies them)."""
+        return set()
+
+    def fetch_newer(self) -> None:
+        """Before ``restore()`` picks a checkpoint: bring a newer one into the root."""
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds its share of the root's very save ``name`` here."""
+        return False
+
+    def restore(self, name: str, state: Any) -> str:
+        """Read ``name`` into ``state``, every byte verified; return where it was read."""
+        raise NotImplementedError
+
+    def close(self, *, clean: bool) -> None:
+        """Wait for this tier's work and let go (``clean``: the job ended normally)."""
+
+
+class RootTier(Tier):
+    """The run's directory or store prefix: every save commits here first."""
+
+    speed = 50
+    where = "the directory"
+    restores = True
+
+    def __init__(self, catalog: Catalog, collective: Mapping[str, Any]) -> None:
+        self.catalog = catalog
+        self.collective = dict(collective)
+
+    def holds(self, name: str) -> bool:
+        return True  # restore() picks among the committed checkpoints of the root
+
+    def restore(self, name: str, state: Any) -> str:
+        load(self.catalog.path(name), into=state, verify="all", **self.collective)
+        return self.catalog.path(name)
+
+
+class MemoryTier(Tier):
+    """The newest checkpoint in host memory (``ram_tier=``; see ``_ramtier.RamTier``)."""
+
+    speed = 10
+    where = "the RAM tier"
+    restores = True
+
+    def __init__(self, ram: RamTier, root: Catalog, ranks: Agreement) -> None:
+        self.ram = ram
+        self.root = root.storage
+        self.ranks = ranks
+
+    @property
+    def stats(self) -> RamTierStats:
+        return self.ram.stats
+
+    def sinks(self) -> list[Sink]:
+        return [self.ram.mirror()]
+
+    def committed(self, name: str, *, teed: bool) -> None:
+        # Every rank records the save here, once committed: each keeps its own files.
+        self.ram.saved(self.root, name, files=self.ranks.share, teed=teed)
+
+    def holds(self, name: str) -> bool:
+        return self.ram.copy_of(name, self.root) is not None
+
+    def restore(self, name: str, state: Any) -> str:
+        return self.ram.restore(name, self.root, state, self.ranks.collective)
+
+    def close(self, *, clean: bool) -> None:
+        self.ram.close(clean=clean)
+
+
+class RemoteTier(Tier):
+    """Each committed checkpoint uploaded to another root in the background (``upload_to=``)."""
+
+    speed = 90
+    where = "the remote tier"
+
+    def __init__(
+        self,
+        uploader: Uploader,
+        lease: Lease | None,
+        root: Catalog,
+        ranks: Agreement,
+        *,
+        timeout: float,
+        retain: Callable[[], None],
+    ) -> None:
+        self.uploader: Uploader | None = uploader
+        self.lease: Lease | None = lease
+        self.root = root
+        self.ranks = ranks
+        self.timeout = timeout
+        self.retain = retain  # retention of the root, which spared what was still uploading
+        self.final: UploadStats | None = None  # the figures once closed
+
+    @property
+    def stats(self) -> UploadStats | None:
+        return self.final if self.uploader is None else self.uploader.stats
+
+    def held(self) -> AbstractContextManager[None]:
+        return nullcontext() if self.uploader is None else self.uploader.held()
+
+    def committed(self, name: str, *, teed: bool) -> None:
+        if self.uploader is not None:
+            self.uploader.submit(name)
+
+    def pinned(self) -> set[str]:
+        return set() if self.uploader is None else self.uploader.pinned()
+
+    def fetch_newer(self) -> None:
+        """Copy the remote's newest checkpoint into the root when it is newer than the root's
+        (rank 0 decides; in a distributed job every rank downloads its share)."""
+        if self.uploader is None:
+            return
+        remote = Catalog(self.uploader.remote)
+
+        def newer() -> str | None:
+            try:
+                theirs = remote.steps()
+            except TardigradeError as e:
+                log.warning("tardigrade: cannot list %s: %s", remote.root, e)
+                return None
+            ours = self.root.steps()
+            if not theirs or (ours and ours[-1] >= theirs[-1]):
+                return None
+            return step_name(theirs[-1])
+
+        name = self.ranks.shared(
+            f"CheckpointManager({self.root.root!r}).restore(): the remote tier's newest", newer
+        )
+        if name is None:
+            return
+        try:
+            self.ranks.copy(remote.storage, name, self.root.storage)
+            if self.ranks.coordinator:
+                log.info("tardigrade: downloaded %s from %s", name, remote.root)
+        except Exception as e:  # the root still restores what it has
+            log.warning("tardigrade: downloading %s from %s failed: %s", name, remote.root, e)
+
+    def close(self, *, clean: bool) -> None:
+        try:
+            self._finish()
+        finally:
+            lease, self.lease = self.lease, None
+            if lease is not None:
+                lease.release()
+
+    def _finish(self) -> None:
+        uploader, self.uploader = self.uploader, None
+        if uploader is None:
+            return
+        self.final = uploader.stats  # still readable after close()
+        if uploader.close(self.timeout):
+            self.retain()  # retention spared what was still uploading; it catches up now
+            return
+        log.error(
+            "tardigrade: %d upload(s) to %s still pending after %.0f s (upload_timeout); "
+            "abandoned: nothing half-uploaded is visible there, and the checkpoints are intact "
+            "in %s",
+            uploader.stats.pending,
+            uploader.remote.root,
+            self.timeout,
+            self.root.root,
+        )
+
+
+def open_remote_tier(
+    upload_to: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None,
+    *,
+    root: Catalog,
+    ranks: Agreement,
+    lease_seconds: float,
+    keep_last: int | None,
+    timeout: float,
+    retain: Callable[[], None],
+) -> RemoteTier:
+    """Open ``upload_to`` and take its lease (rank 0's stands for the job): one job uploads
+    into a remote root, as one job saves into a directory. Raises on every rank."""
+    remote = open_root(upload_to, storage_options)
+    leases: list[Lease] = []
+    what = f"CheckpointManager({root.root!r}): upload_to={remote.root!r}"
+
+    def check_and_lock() -> None:
+        try:
+            remote.preflight()
+        except TardigradeError as e:
+            log.error("tardigrade: uploads to %s will fail: %s", remote.root, e)
+        leases.append(remote.lease(lease_seconds=lease_seconds))
+        leases[0].acquire()
+        warn_of_another_run(root, Catalog(remote))
+
+    try:
+        ranks.on_coordinator(what, check_and_lock)
+        # In a distributed job the upload threads agree over a group of their own.
+        forked = ranks.fork()
+    except BaseException:
+        for lease in leases:
+            lease.release()
+        raise
+    uploader = Uploader(
+        root.storage,
+        remote,
+        keep_last_remote=keep_last,
+        lease=leases[0] if leases else None,  # rank 0's: it retires remote checkpoints
+        ranks=forked,
+    )
+    # Rank 0 holds the lease; the other ranks' tiers hold none.
+    lease = leases[0] if leases else None
+    return RemoteTier(uploader, lease, root, ranks, timeout=timeout, retain=retain)
+
+
+def open_memory_tier(ram_tier: Any, *, root: Catalog, ranks: Agreement) -> MemoryTier | None:
+    """The RAM tier of ``ram_tier=`` (None when off), open on every rank or raising on all:
+    a restore agrees over all of them."""
+    error: BaseException | None = None
+    ram = None
+    try:
+        ram = open_ram_tier(root.root, ram_tier, rank=ranks.rank)
+    except BaseException as e:
+        error = e
+    what = f"CheckpointManager({root.root!r}): ram_tier={ram_tier!r}"
+    try:
+        everywhere = ranks.everywhere(error is None, what)
+    except BaseException as e:
+        error = error or e
+        everywhere = False
+    if error is None and not everywhere:
+        error = InvalidArgumentError(
+            f"ram_tier={ram_tier!r}: another rank of the job could not open its RAM tier "
+            "(its error says why); fix it there, or pass ram_tier=False"
+        )
+    if error is not None:
+        if ram is not None:
+            ram.close(clean=True)
+        raise error
+    return None if ram is None else MemoryTier(ram, root, ranks)
+
+
+class Tiers:
+    """The manager's tiers in order, fastest first; each question asked of all of them."""
+
+    def __init__(self, *tiers: Tier) -> None:
+        self._tiers: list[Tier] = []
+        for tier in tiers:
+            self.add(tier)
+
+    def add(self, tier: Tier | None) -> None:
+        if tier is not None:
+            self._tiers.append(tier)
+            self._tiers.sort(key=lambda t: t.speed)
+
+    def __iter__(self) -> Iterator[Tier]:
+        return iter(self._tiers)
+
+    def first(self, kind: type[Tier]) -> Any:
+        """The tier of class ``kind``, or None (for its figures)."""
+        return next((t for t in self._tiers if isinstance(t, kind)), None)
+
+    def sources(self) -> list[Tier]:
+        """The tiers ``restore()`` reads from, fastest first (the root is the last)."""
+        return [t for t in self._tiers if t.restores]
+
+    def sinks(self) -> list[Sink]:
+        return [s for t in self._tiers for s in t.sinks()]
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for tier in self._tiers:
+                stack.enter_context(tier.held())
+            yield
+
+    def committed(self, name: str, *, teed: bool) -> None:
+        for tier in self._tiers:
+            tier.committed(name, teed=teed)
+
+    def pinned(self) -> set[str]:
+        return {n for t in self._tiers for n in t.pinned()}
+
+    def fetch_newer(self) -> None:
+        for tier in self._tiers:
+            tier.fetch_newer()
+
+    def closers(self, *, clean: Callable[[], bool]) -> list[Callable[[], None]]:
+        """One call per tier, slowest first (uploads finish before the RAM copy goes)."""
+        return [lambda t=t: t.close(clean=clean()) for t in reversed(self._tiers)]

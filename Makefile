@@ -35,6 +35,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal tests
 
 # The inner loop (about a minute): the unit tests and the storage conformance suite on memory://
@@ -66,6 +67,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests bench

@@ -190,15 +190,15 @@ def _fitting(value: Any, live_sd: Any) -> Any:
     """Drop tensors whose shape/dtype differ from the live module's (strict=False loads)."""
     if not isinstance(value, Mapping) or not isinstance(live_sd, Mapping):
         return value
-    out = type(value)()
+    out: Any = type(value)()
     for k, v in value.items():
         lv = live_sd.get(k)
-        mismatch = isinstance(v, torch.Tensor) and isinstance(lv, torch.Tensor)
-        if mismatch and (v.shape != lv.shape or v.dtype != lv.dtype):
+        tensors = isinstance(v, torch.Tensor) and isinstance(lv, torch.Tensor)
+        if tensors and (v.shape != lv.shape or v.dtype != lv.dtype):  # type: ignore[union-attr]  # lv is a tensor when both are
             continue
         out[k] = v
     if hasattr(value, "_metadata"):
-        out._metadata = value._metadata  # type: ignore[attr-defined]
+        out._metadata = value._metadata
     return out
 
 

@@ -144,7 +144,8 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[Any]) -> None:
                     )
                 hand_over(final)
                 if slab is not None:
-                    slab, full = None, slab
+                    full = slab
+                    slab = None
                     full.seal()
 
             def next_slab(want: int, filled: int) -> None:
@@ -154,12 +155,14 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[Any]) -> None:
                 slab = pool.acquire(want)
                 buf, ranges = slab.claim(), []
 
-            sources = [(None, torch.frombuffer(bytearray(head), dtype=torch.uint8))]
-            for i, item in enumerate(fp.items):
+            sources: list[tuple[int | None, torch.Tensor]] = [
+                (None, torch.frombuffer(bytearray(head), dtype=torch.uint8))
+            ]
+            for n, item in enumerate(fp.items):
                 src = item_source(entries, item)
                 if not src.is_contiguous() or src.is_conj() or src.is_neg():
                     src = src.resolve_conj().resolve_neg().contiguous()
-                sources.append((i, as_bytes(src)))
+                sources.append((n, as_bytes(src)))
             for i, flat in sources:
                 on_device = flat.device.type != "cpu"
                 pos = 0

@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 from ._open import manifest_at
 from .errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
@@ -183,7 +183,7 @@ class Catalog:
     INCOMPLETE_TMP = INCOMPLETE_TMP
     NO_MANIFEST = NO_MANIFEST
     UNREADABLE = UNREADABLE
-    Listed = Listed
+    Listed: TypeAlias = Listed  # one entry of listing(), for the CLI
     step_in_name = staticmethod(step_in_name)
     step_name = staticmethod(step_name)  # a manager's checkpoint of a step: step-NNNNNNNNN
 
@@ -536,7 +536,7 @@ class Catalog:
         name dealt with, to ``progress`` too.
         """
         storage = self.storage
-        if storage.can_move or not hasattr(storage, "tidy_candidates"):
+        if storage.can_move:
             return []
         cutoff = grace_cutoff(storage.gc_grace_seconds)
         gone = storage.abandoned_saves()

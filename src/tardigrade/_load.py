@@ -101,7 +101,7 @@ def load(
         storage_options=storage_options,
     )
     return _on_ranks(
-        lambda rank: _load(path, rank=rank, per_rank_fallback=per_rank_fallback, **kw),  # type: ignore[arg-type]
+        lambda rank: _load(path, rank=rank, per_rank_fallback=per_rank_fallback, **kw),
         process_group,
         timeout,
     )

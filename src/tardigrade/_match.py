@@ -285,7 +285,7 @@ class _Matcher:
         added: dict[Any, dict[str, Any]] = {}
         for pid, moments in _items(state, self.where):
             param = params.get(pid)
-            if not is_dtensor(param):
+            if param is None or not is_dtensor(param):
                 continue
             have = live_state.get(pid) or {}
             for name, leaf in _items(moments, self.where):
@@ -316,7 +316,7 @@ class _Matcher:
         elif tag in ("tensor", "ndarray"):
             self.match_tensor(node, live, path, report=False)
 
-    def replaced(self, tag: str, live: Any, p: str) -> None:
+    def replaced(self, tag: Any, live: Any, p: str) -> None:
         """Plain values are simply replaced, but not a tensor or an object with state."""
         if isinstance(live, (torch.Tensor, np.ndarray, torch.Generator)) or is_stateful(live):
             self.diffs.append(f"{p}: checkpoint holds a {tag}, live value is {type(live).__name__}")
@@ -394,7 +394,7 @@ class _Matcher:
         """A live piece of a global tensor receives its box of the stored tensor, whatever the
         pieces were at save time (resharding)."""
         p = path_str(path)
-        local, box = box_of(live, p)  # type: ignore[misc]
+        local, box = box_of(live, p)  # type: ignore[misc]  # box_of returns a pair; its stub says a tuple
         problem = None
         if "view" in node or "complex" in node:
             problem = "checkpoint holds a view or complex tensor, live value is sharded"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from .errors import (
     CheckpointNotFoundError,
@@ -199,27 +199,33 @@ def _check_sparse(node: dict[str, Any], m: Manifest, where: str) -> None:
         )
 
 
+def _extents(x: Any) -> TypeGuard[list[int]]:
+    """A view's shape or stride: a list of ints torch can hold."""
+    return isinstance(x, list) and all(
+        type(i) is int and 0 <= i <= limits.MAX_TORCH_EXTENT for i in x
+    )
+
+
 def _check_view(view: Any, info: TensorInfo, where: str) -> None:
     ok = isinstance(view, dict) and type(view.get("offset")) is int and view["offset"] >= 0
     shape, stride = (view.get("shape"), view.get("stride")) if ok else (None, None)
-    ok = (
+    if (
         ok
-        and all(
-            isinstance(x, list)
-            and all(type(i) is int and 0 <= i <= limits.MAX_TORCH_EXTENT for i in x)
-            for x in (shape, stride)
-        )
+        and _extents(shape)
+        and _extents(stride)
         and len(shape) == len(stride) <= limits.MAX_DIMS
         # torch.as_strided refuses shapes whose sizes overflow int64, even empty ones.
         and limits.fits_torch(shape, ITEMSIZE[info.dtype])
         and view["offset"] <= math.prod(info.shape)
-    )
-    if ok and math.prod(shape):
-        extent = view["offset"] + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1
-        # Nor may it hold more elements than its storage: only a view that overlaps itself
-        # (a stride of 0) could, and writers store those by value. Forged, it would load as
-        # a tensor claiming terabytes over a few bytes, which any copy of it allocates.
-        ok = extent <= math.prod(info.shape) and math.prod(shape) <= math.prod(info.shape)
+    ):
+        if math.prod(shape):
+            extent = view["offset"] + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+            # Nor may it hold more elements than its storage: only a view that overlaps itself
+            # (a stride of 0) could, and writers store those by value. Forged, it would load
+            # as a tensor claiming terabytes over a few bytes, which any copy of it allocates.
+            ok = extent + 1 <= math.prod(info.shape) and math.prod(shape) <= math.prod(info.shape)
+    else:
+        ok = False
     if not ok:
         raise CorruptCheckpointError(
             f"{where}: a tensor view {view!r} does not fit its storage of {list(info.shape)} "

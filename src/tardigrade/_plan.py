@@ -97,8 +97,9 @@ class LocalEntry:
     @staticmethod
     def from_json(v: list[object]) -> LocalEntry:
         dtype, shape, numpy, box, name = v
-        b = None if box is None else Box(tuple(box[0]), tuple(box[1]))  # type: ignore[index]
-        return LocalEntry(dtype, tuple(shape), numpy, b, name)  # type: ignore[arg-type]
+        # The wire form this process's peers sent (``to_json``): its types are theirs.
+        b = None if box is None else Box(tuple(box[0]), tuple(box[1]))  # type: ignore[index]  # a [lo, hi] pair of lists
+        return LocalEntry(dtype, tuple(shape), numpy, b, name)  # type: ignore[arg-type]  # fields as to_json wrote them
 
 
 @dataclass(frozen=True)
@@ -506,8 +507,8 @@ def _merge(
     whole: list[tuple[int, int, int]] = []  # (tensor, local entry, holder): one piece each
     # Who may write each replicated entry: every rank but those that did not stage it.
     lacking: dict[int, list[int]] = {}
-    for r, entries in enumerate(unstaged):
-        for i in entries:
+    for r, unstaged_here in enumerate(unstaged):
+        for i in unstaged_here:
             lacking.setdefault(i, []).append(r)
     pos = 0
     for i, e in enumerate(shared):
@@ -569,9 +570,9 @@ def _chunk_table(
     small = []
     for tensor, entry, holder in whole:
         t = tensors[tensor]
-        nbytes = math.prod(t.shape) * ITEMSIZE[t.dtype]
-        if not t.shape or nbytes <= chunk_bytes or t.shape[0] <= 1:
-            small.append((tensor, entry, holder, nbytes))
+        size = math.prod(t.shape) * ITEMSIZE[t.dtype]
+        if not t.shape or size <= chunk_bytes or t.shape[0] <= 1:
+            small.append((tensor, entry, holder, size))
         else:
             box = _Pieces(
                 np.zeros((1, len(t.shape)), np.int64),

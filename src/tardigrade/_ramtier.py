@@ -412,7 +412,7 @@ class _Overlay(Storage):
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:
         raise StorageError(errno.EROFS, f"{self.root}: a read-only view of the RAM tier")
 
-    open_writer = put = delete = begin = commit = abort = lease = _read_only  # type: ignore[assignment]
+    open_writer = put = delete = begin = commit = abort = lease = _read_only
 
 
 def _shared(done: Callable[[], None] | None) -> Callable[[], None] | None:

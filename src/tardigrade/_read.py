@@ -45,7 +45,7 @@ def _empty(shape: Sequence[int], dtype: torch.dtype, what: str) -> torch.Tensor:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(as_bytes(t).numpy())
+    return memoryview(as_bytes(t).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs say so from Python 3.12
 
 
 @dataclass(frozen=True)

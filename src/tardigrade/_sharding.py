@@ -92,6 +92,7 @@ class PerRank:
     """
 
     __slots__ = ("value",)
+    value: Any
 
     def __init__(self, value: Any) -> None:
         if isinstance(value, PerRank):

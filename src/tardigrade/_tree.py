@@ -417,7 +417,8 @@ class _Flattener:
             [self.node(k, path, depth + 1, "dict key"), self.node(v, (*path, k), depth + 1)]
             for k, v in obj.items()
         ]
-        tag = {dict: "dict", OrderedDict: "odict", Counter: "counter"}[type(obj)]
+        tags: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
+        tag = tags[type(obj)]
         node: dict[str, Any] = {"t": tag, "v": items}
         meta = getattr(obj, "_metadata", None)
         if isinstance(meta, dict):
@@ -443,7 +444,10 @@ class _Flattener:
             return node
         # The storage's address from the tensor's own (untyped_storage() makes an object: a
         # tenth of the flatten time of a state of small tensors).
-        key = (str(t.device), t.data_ptr() - t.storage_offset() * t.element_size())
+        key: tuple[Any, ...] = (
+            str(t.device),
+            t.data_ptr() - t.storage_offset() * t.element_size(),
+        )
         shape, stride = tuple(t.shape), t.stride()
         sig = (t.dtype, t.storage_offset(), shape, stride)
         if (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -14,7 +15,8 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def user_stacklevel() -> int:
     """The ``stacklevel`` of the innermost frame outside this package, for a
     ``warnings.warn`` made in the function that called this one."""
-    level, frame = 1, sys._getframe(1)
+    level = 1
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame = frame.f_back
         level += 1

@@ -74,7 +74,7 @@ def _borrowed(entries: list[Any], fp: FilePlan) -> Iterator[Any]:
     for i, item in enumerate(fp.items):
         src = item_source(entries, item)
         if src.device.type == "cpu":
-            yield Segment(i, memoryview(as_bytes(contiguous_cpu(src)).numpy()))
+            yield Segment(i, memoryview(as_bytes(contiguous_cpu(src)).numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs say so from Python 3.12
             continue
         # Copied to host piece by piece while the file is written: host memory holds one
         # piece per writer thread, not a host copy of the whole state.
@@ -84,7 +84,7 @@ def _borrowed(entries: list[Any], fp: FilePlan) -> Iterator[Any]:
         flat = as_bytes(t.contiguous())
         for lo in range(0, flat.numel(), DEVICE_PIECE_BYTES):
             piece = flat[lo : lo + DEVICE_PIECE_BYTES].to("cpu")
-            yield Segment(i, memoryview(piece.numpy()))
+            yield Segment(i, memoryview(piece.numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs say so from Python 3.12
     yield END
 
 
@@ -250,7 +250,8 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
         if writer is not None:
             writer.abort()
         raise failure
-    writer.close()  # type: ignore[union-attr]
+    assert writer is not None  # opened above, or the failure was raised
+    writer.close()
     assert layout is not None
     # The storage says how many bytes it kept: a write that lost some without an error (a
     # faulty disk or store) is found here, before the manifest points at the file.
@@ -263,7 +264,7 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
             "store and save again.",
         )
     return WrittenFile(
-        layout.pos,  # type: ignore[union-attr]
+        layout.pos,
         checksum(head),
         "".join([h.hexdigest() for h in hashers]),
     )

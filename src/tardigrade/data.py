@@ -251,7 +251,7 @@ class SeededDataset(torch.utils.data.Dataset[_T_co]):
             return self.dataset[index]
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)  # type: ignore[arg-type]  # a map-style dataset has __len__; torch's Dataset type does not say so
 
     def __getattr__(self, name: str) -> Any:
         # Called only for names the wrapper lacks. "dataset" itself is absent while unpickling
@@ -572,7 +572,7 @@ def _batch_size_of(loader: Any) -> Any:
 class _TrackedLoader(torch.utils.data.DataLoader[Any]):
     """A DataLoader whose iteration goes through its ResumableSampler's ``track()``."""
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # yields a Sampler's indices, typed loosely by torch
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler)
         if self.num_workers == 0:

@@ -204,6 +204,7 @@ TIER_MARKER = "remote = f\"s3://{os.environ.get('CKPT_BUCKET', 'my-bucket')}/run
 TOUR_MARKER = 'with tg.CheckpointManager("tour/run", state'
 OPTIONS_MARKER = "/runs/options/step-000000001"
 FSSPEC_MARKER = 'fsspec.register_implementation("scratch", Scratch)'
+CONFORMANCE_MARKER = "class TestStoreTidy(conformance.StoreTidyContract): ..."
 OWN_TESTS = [
     "FaultyStorage(",
     "tg.Checkpoint.open(",
@@ -219,7 +220,28 @@ OWN_TESTS = [
     TOUR_MARKER,
     OPTIONS_MARKER,
     FSSPEC_MARKER,
+    CONFORMANCE_MARKER,
 ]
+
+
+def test_conformance_example_runs_the_suite_on_a_users_backend(tmp_path: Path) -> None:
+    """The docs' conformance module, as a user's test file, passes under pytest (here on
+    memory://, the backend its fixture names): every contract runs, none is skipped."""
+    (tmp_path / "test_my_backend.py").write_text(readme_block(CONFORMANCE_MARKER))
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_backend.py"],
+        cwd=tmp_path,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    summary = run.stdout.strip().splitlines()[-1]
+    m = re.search(r"(\d+) passed", summary)
+    assert m is not None, summary
+    passed = int(m.group(1))
+    assert passed >= 20 and "skipped" not in summary and "failed" not in summary, summary
 
 
 CONTINUES = "# Continues "  # the first line of a block that runs after the one(s) it names

@@ -89,14 +89,14 @@ def average_gradients(params: list[torch.Tensor], loss: torch.Tensor, world: int
 
     Gloo's all-reduce gives every rank the same bytes, so the ranks stay identical.
     """
-    grads = [p.grad for p in params]
-    flat = torch.cat([*(g.reshape(-1) for g in grads), loss.detach().reshape(1)])  # type: ignore[union-attr]
+    grads = [p.grad for p in params if p.grad is not None]  # every one after backward()
+    flat = torch.cat([*(g.reshape(-1) for g in grads), loss.detach().reshape(1)])
     dist.all_reduce(flat)
     flat /= world
     at = 0
     for g in grads:
-        n = g.numel()  # type: ignore[union-attr]
-        g.copy_(flat[at : at + n].view_as(g))  # type: ignore[union-attr]
+        n = g.numel()
+        g.copy_(flat[at : at + n].view_as(g))
         at += n
     return float(flat[-1])
 

@@ -209,7 +209,7 @@ def install_hang(hang_at: int | None, ckpt_dir: str) -> None:
             emit("saving", step=hang_at, file=os.path.relpath(self.path, ckpt_dir))
             time.sleep(HANG_SECONDS)
 
-    LocalWriter.write = write  # type: ignore[method-assign]
+    LocalWriter.write = write  # type: ignore[method-assign]  # the demo's hang, in this child process only
 
 
 def report_saves(mgr: tg.CheckpointManager, sent: int) -> int:

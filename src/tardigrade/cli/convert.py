@@ -261,9 +261,9 @@ def read_dcp(source: str) -> tuple[Any, dict[str, Any]]:
                     ) from None
             if not isinstance(metadata, Metadata):
                 raise CorruptCheckpointError(f"{source}/{DCP_METADATA}: not DCP metadata")
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            meta.load_id = self.load_id
+            metadata.storage_meta = meta
             return metadata
 
         def set_up_storage_reader(self, metadata: Metadata, *args: Any, **kwargs: Any) -> None:

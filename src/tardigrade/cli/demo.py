@@ -197,7 +197,12 @@ def run_child(
 
 def _kill_after(proc: subprocess.Popen[str], seconds: float) -> threading.Timer:
     """A watchdog: a child that hangs (it should not) is killed instead of hanging the demo."""
-    timer = threading.Timer(seconds, lambda: proc.poll() is None and proc.kill())
+
+    def kill() -> None:
+        if proc.poll() is None:
+            proc.kill()
+
+    timer = threading.Timer(seconds, kill)
     timer.daemon = True
     timer.start()
     return timer

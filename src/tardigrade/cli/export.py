@@ -491,11 +491,11 @@ def write_tensors(
             view = tensors[name].view
             if view:
                 # as_strided counts its offset from the start of the buffer, not of the tensor.
-                at = t.storage_offset() + view.offset
+                at = int(t.storage_offset()) + view.offset
                 t = t.as_strided(view.shape, view.stride, at)
             if t.numel():
                 # A complex tensor is written as the bytes of its stored real view: the same.
-                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs say so from Python 3.12
 
 
 def _buffer(nbytes: int, what: str) -> torch.Tensor:

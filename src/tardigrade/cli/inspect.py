@@ -208,12 +208,12 @@ def scalar_text(node: dict[str, Any], short: bool = False) -> str:
         if t == "int":
             return _clip(str(v), 40)
         if t == "float":
-            x = float.fromhex(v)
+            x = float.fromhex(str(v))
             return f"{x:.6g}" if short else repr(x)
         if t == "str":
             return _clip(repr(v))
         if t == "bytes":
-            raw = base64.b64decode(v)
+            raw = base64.b64decode(str(v))
             return f"bytes[{len(raw)}]" if len(raw) > 16 else repr(raw)
         if t == "dtype":
             return f"torch.{v}"

@@ -23,6 +23,7 @@ Payloads are bytes (JSON the callers encode) moved as CPU uint8 tensors: never p
 from __future__ import annotations
 
 import atexit
+import builtins
 import datetime
 import json
 import operator
@@ -194,7 +195,7 @@ class _Failure:
         lowest = min(failures, key=lambda f: min(f.causes))
         return cls(lowest.type, dict(sorted(causes.items())), lowest.os_type, lowest.errno)
 
-    def error_class(self) -> type[TardigradeError]:
+    def error_class(self) -> builtins.type[TardigradeError]:  # ``type``: a field here
         """The class every rank raises: the Tardigrade class, made to keep the OSError class.
 
         A plain OSError becomes the StorageError that is also its built-in class; a
@@ -221,7 +222,7 @@ class _Failure:
             err = DistributedError(message)
         if isinstance(err, OSError) and self.errno is not None:
             err.errno = self.errno  # str(err) stays the message: strerror is left unset
-        err.causes = dict(self.causes)  # type: ignore[attr-defined]
+        err.causes = dict(self.causes)  # type: ignore[attr-defined]  # every class raised here takes it, as DistributedError has it
         return err
 
 

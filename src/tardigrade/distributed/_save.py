@@ -315,6 +315,8 @@ class _Save:
                 )
         c = _cache[_cache_key(ranks)]
         self.header["save_id"] = verdict["save_id"]
+        flat = self.flat
+        assert flat is not None  # described before the ranks agreed on the plan
         job = SaveJob(
             self.storage, self.name, self.flat, c.plan, self.header, self.options.overwrite,
             self.started, c.gplan,
@@ -331,9 +333,9 @@ class _Save:
                     "files": {
                         n: [w.size, w.header_checksum, w.checksums] for n, w in written.items()
                     },
-                    "per_rank": [sub.tree for sub in self.flat.per_rank],  # type: ignore[union-attr]
-                    "own": [len(sub.entries) for sub in self.flat.per_rank],  # type: ignore[union-attr]
-                    "packed": self.flat.uses_packed,  # type: ignore[union-attr]
+                    "per_rank": [sub.tree for sub in flat.per_rank],
+                    "own": [len(sub.entries) for sub in flat.per_rank],
+                    "packed": flat.uses_packed,
                 }
             )
 
@@ -350,7 +352,7 @@ class _Save:
                 trees.append(per_rank_trees(d["per_rank"], d["own"], c.gplan.own_base[r]))
             doc = manifest_doc(
                 self.header,
-                self.flat.tree,  # type: ignore[union-attr]
+                flat.tree,
                 trees,
                 c.gplan,
                 written,

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import xxhash
 
+__all__ = [
+    "ALGORITHM",
+    "Hasher",
+    "checksum",
+]
+
 ALGORITHM = "xxh3-64"
 
 
@@ -15,7 +21,7 @@ class Hasher:
     def __init__(self) -> None:
         self._h = xxhash.xxh3_64()
 
-    def update(self, data: memoryview | bytes) -> None:
+    def update(self, data: memoryview | bytes | bytearray) -> None:
         self._h.update(data)
 
     def hexdigest(self) -> str:

@@ -11,6 +11,18 @@ from .names import NUMPY_SCALAR_DTYPES as NUMPY_SCALAR_DTYPES
 from .names import NUMPY_SCALAR_NAMES as NUMPY_SCALAR_NAMES
 from .sizes import ITEMSIZE as ITEMSIZE  # re-exported: torch-free for the manifest
 
+__all__ = [
+    "COMPLEX_DTYPES",
+    "COMPLEX_NAMES",
+    "DTYPE_NAMES",
+    "ITEMSIZE",
+    "NUMPY_DTYPES",
+    "NUMPY_NAMES",
+    "NUMPY_SCALAR_DTYPES",
+    "NUMPY_SCALAR_NAMES",
+    "TORCH_DTYPES",
+]
+
 # safetensors name -> torch dtype. Order matters only for readability.
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,

@@ -12,6 +12,14 @@ from typing import Any
 from ..errors import CorruptCheckpointError, InsufficientMemoryError
 from . import limits
 
+__all__ = [
+    "check_parse_cost",
+    "dumps",
+    "gc_paused",
+    "loads_strict",
+    "parse_cost",
+]
+
 
 @contextmanager
 def gc_paused() -> Iterator[None]:

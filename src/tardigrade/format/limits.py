@@ -4,6 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+__all__ = [
+    "MAX_BOX_CHUNKS",
+    "MAX_DIMS",
+    "MAX_FILES",
+    "MAX_HEADER_BYTES",
+    "MAX_MANIFEST_BYTES",
+    "MAX_PARSE_BYTES",
+    "MAX_TENSORS",
+    "MAX_TENSORS_PER_FILE",
+    "MAX_TORCH_EXTENT",
+    "MAX_TREE_DEPTH",
+    "MAX_TREE_NODES",
+    "MAX_WORLD_SIZE",
+    "PARSE_AMPLIFICATION",
+    "fits_torch",
+]
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own cap on a data file's JSON header
 # A manifest costs ~260 bytes per single-chunk tensor and ~110 per extra chunk: 128 MiB holds
 # ~500k tensors or ~1M chunks. The largest real states (a 1T-parameter MoE with Adam: ~200k

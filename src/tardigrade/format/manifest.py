@@ -6,7 +6,7 @@ import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeGuard, overload
 
 if TYPE_CHECKING:
     import numpy as np
@@ -27,6 +27,27 @@ from .checksum import ALGORITHM, checksum
 from .jsonio import gc_paused, loads_strict
 from .sizes import ITEMSIZE
 from .tiling import TilingError, check_exact_tiling
+
+__all__ = [
+    "COLUMNAR_VERSION",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "LEASE_GENERATION",
+    "MANIFEST",
+    "MANIFEST_START",
+    "PACKED_VERSION",
+    "PER_RANK_FALLBACKS",
+    "READABLE_VERSIONS",
+    "Chunk",
+    "ChunkColumns",
+    "Manifest",
+    "TensorInfo",
+    "check_name",
+    "parse",
+    "seal",
+    "tree_for",
+    "validate",
+]
 
 # The commit record of a checkpoint, and how every manifest Tardigrade writes begins.
 MANIFEST = "manifest.json"
@@ -166,7 +187,7 @@ class ChunkColumns(Sequence[Chunk]):
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and tuple(self) == tuple(other)
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as a mutable-looking value should be
 
 
 @dataclass(frozen=True)
@@ -208,7 +229,7 @@ class Manifest:
     @property
     def sealed(self) -> bool:
         """Whether the manifest's format carries checksums (format 2 on)."""
-        return self.raw["format_version"] >= SEALED_SINCE  # type: ignore[no-any-return]
+        return self.raw["format_version"] >= SEALED_SINCE
 
     @property
     def world_size(self) -> int:
@@ -234,7 +255,7 @@ def tree_for(
     """
     per_rank = raw.get("per_rank")
     if per_rank is None:
-        return raw["tree"]  # type: ignore[no-any-return]
+        return raw["tree"]
     if rank >= len(per_rank):
         if fallback == "error":
             raise StateMismatchError(
@@ -264,7 +285,7 @@ def tree_for(
         else:
             copy = node
         parent[slot] = copy
-    return out[0]  # type: ignore[no-any-return]
+    return out[0]
 
 
 def _fail(where: str, what: str) -> CorruptCheckpointError:
@@ -274,7 +295,7 @@ def _fail(where: str, what: str) -> CorruptCheckpointError:
     )
 
 
-def _int_list(v: Any) -> bool:
+def _int_list(v: Any) -> TypeGuard[list[int]]:
     """A shape or offsets: at most MAX_DIMS ints, each one torch can hold (a plain loop: this
     runs for every chunk, and a generator costs twice as much)."""
     if type(v) is not list or len(v) > limits.MAX_DIMS:
@@ -702,7 +723,11 @@ def _box_columns(v: Any, n: int, d: int) -> np.ndarray | None:
     columns = [_int_column(c, n) for c in v]
     if any(c is None for c in columns):
         return None
-    return np.stack(columns, axis=1) if d else np.zeros((n, 0), dtype=np.int64)  # type: ignore[arg-type]
+    return (
+        np.stack(columns, axis=1)  # type: ignore[arg-type]  # no column is None (checked above)
+        if d
+        else np.zeros((n, 0), dtype=np.int64)
+    )
 
 
 class _Columns:
@@ -791,7 +816,9 @@ class _Columns:
         if nbytes > self.sizes[f] - self.used[f] or not _HEX.fullmatch(sums):
             return None
         self.used[f] += nbytes
-        return (Chunk(self.names[f], f"{name}@{i}.0", tuple(o), tuple(shape), sums),)  # type: ignore[arg-type]
+        return (
+            Chunk(self.names[f], f"{name}@{i}.0", tuple(o), tuple(shape), sums),  # type: ignore[arg-type]  # o, shape: int lists (checked above)
+        )
 
 
 def _one(v: Any) -> int | None:

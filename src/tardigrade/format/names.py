@@ -11,6 +11,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
+__all__ = [
+    "COMPLEX_STORED",
+    "NUMPY_DTYPES",
+    "NUMPY_NAMES",
+    "NUMPY_SCALAR_DTYPES",
+    "NUMPY_SCALAR_DTYPE_NAMES",
+    "NUMPY_SCALAR_NAMES",
+]
+
 # Complex tensors are stored as their real view (torch.view_as_real: a trailing dimension of 2,
 # real and imaginary parts) under the real dtype a safetensors file holds; the tree records the
 # complex name so the load gives back the complex tensor. complex name -> stored real name.

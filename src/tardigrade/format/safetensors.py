@@ -8,6 +8,7 @@ nothing: every rule below is checked before a byte of tensor data is touched.
 
 from __future__ import annotations
 
+import collections
 import math
 import struct
 from collections.abc import Sequence
@@ -24,6 +25,19 @@ from . import limits
 from .checksum import Hasher
 from .dtypes import ITEMSIZE
 from .jsonio import dumps, loads_strict
+
+__all__ = [
+    "HEADER_ALIGN",
+    "SEALED_MARK",
+    "SLICE_BYTES",
+    "ByteSource",
+    "HeaderEntry",
+    "Spec",
+    "TensorSpec",
+    "encode_header",
+    "read_header",
+    "read_range",
+]
 
 # Bytes hashed and handed to the OS per call: large enough to amortise syscalls, small enough
 # that the hash reads from cache-warm memory right before the write.
@@ -82,8 +96,8 @@ def encode_header(specs: Sequence[Spec], metadata: dict[str, str] | None) -> byt
         offset = end
     if len(header) != len(specs) + bool(metadata):
         # A JSON object keeps only the last of two equal keys: the file would be corrupt.
-        seen: set[str] = set()
-        twice = next(t.key for t in specs if t.key in seen or seen.add(t.key))  # type: ignore[func-returns-value]
+        counts = collections.Counter(t.key for t in specs)
+        twice = next(k for k, n in counts.items() if n > 1)
         raise ValueError(f"safetensors key {twice!r} appears twice in one file")
     raw = dumps(header)
     raw += b" " * ((-(8 + len(raw))) % HEADER_ALIGN)

@@ -7,6 +7,10 @@ torch's own element sizes.
 
 from __future__ import annotations
 
+__all__ = [
+    "ITEMSIZE",
+]
+
 ITEMSIZE: dict[str, int] = {
     "BOOL": 1,
     "U8": 1,

@@ -8,6 +8,11 @@ tensors) skip torch's own checks of compressed layouts or fail with IndexError.
 
 from __future__ import annotations
 
+__all__ = [
+    "SPARSE_PARTS",
+    "sparse_problem",
+]
+
 # The parts each layout is stored as, in order (``_tree.SPARSE_LAYOUTS`` pairs them with the
 # torch layouts).
 SPARSE_PARTS: dict[str, tuple[str, ...]] = {

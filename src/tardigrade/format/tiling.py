@@ -25,6 +25,11 @@ import math
 import operator
 from collections.abc import Sequence
 
+__all__ = [
+    "TilingError",
+    "check_exact_tiling",
+]
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (lo, hi), hi exclusive
 
 

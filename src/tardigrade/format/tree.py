@@ -30,6 +30,19 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+__all__ = [
+    "DEVICE_TYPES",
+    "PACKED_DTYPES",
+    "SparseRef",
+    "TensorRef",
+    "TensorView",
+    "decode",
+    "float_node",
+    "loaded_as",
+    "path_str",
+    "tensor_ref",
+]
+
 # Device types a torch.device leaf may name. Decoding checks the recorded type against this
 # fixed set (never a lookup of a file-chosen name); saving refuses any other type so every
 # checkpoint written can be read back.
@@ -75,7 +88,7 @@ _PACKED_ARRAY = {"i8": "q", "f8": "d"}
 def _unpacked(
     node: dict[str, Any], where: str, path: tuple[Any, ...]
 ) -> list[Any] | tuple[Any, ...]:
-    code = _PACKED_ARRAY.get(node.get("of"))  # type: ignore[arg-type]
+    code = _PACKED_ARRAY.get(str(node.get("of")))
     if code is None or node.get("as") not in ("list", "tuple") or type(node.get("v")) is not str:
         raise _bad(where, path, "malformed packed list")
     raw = base64.b64decode(node["v"], validate=True)
@@ -274,7 +287,8 @@ def _decode(
                     _check_hashable(k, "dict key", where, path)
                 out[k] = _decode(item[1], leaf, where, (*path, k), depth + 1, stand_ins)
             if "meta" in node and tag == "odict":
-                out._metadata = _decode(node["meta"], leaf, where, path, depth + 1, stand_ins)  # type: ignore[attr-defined]
+                meta = _decode(node["meta"], leaf, where, path, depth + 1, stand_ins)
+                out._metadata = meta  # type: ignore[attr-defined]  # an OrderedDict's state_dict metadata, as torch sets it
             return out
         if tag == "stateful" and type(node.get("cls")) is str:
             return _decode(v, leaf, where, path, depth + 1, stand_ins)

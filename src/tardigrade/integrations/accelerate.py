@@ -180,8 +180,8 @@ class TardigradeAccelerator(Accelerator):
     """An ``Accelerator`` whose ``save_state``/``load_state`` write and read Tardigrade
     checkpoints (see the module docs); everything else is accelerate's."""
 
-    def save_state(self, output_dir: str | None = None, **kwargs: Any) -> str:  # type: ignore[override]
+    def save_state(self, output_dir: str | None = None, **kwargs: Any) -> str:
         return save_state(self, output_dir)
 
-    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> str | None:  # type: ignore[override]
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> str | None:
         return load_state(self, input_dir)

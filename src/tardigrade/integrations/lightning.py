@@ -74,7 +74,7 @@ def _single_process() -> None:
 
 
 def _plugin_of(trainer: pl.Trainer) -> TardigradeCheckpointIO | None:
-    io = trainer.strategy.checkpoint_io
+    io: Any = trainer.strategy.checkpoint_io
     for _ in range(4):  # Lightning may wrap the plugin (async saving)
         if isinstance(io, TardigradeCheckpointIO):
             return io

@@ -33,7 +33,7 @@ What changes, and what does not:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import Trainer
 
@@ -56,7 +56,14 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     return os.path.join(output_dir, found[-1]) if found else None
 
 
-class TardigradeTrainerMixin:
+if TYPE_CHECKING:
+    # A mixin for a Trainer: to the type checker it is one (mypy reads transformers as Any).
+    from transformers import Trainer as _TrainerBase
+else:
+    _TrainerBase = object
+
+
+class TardigradeTrainerMixin(_TrainerBase):
     """Mix into a ``transformers.Trainer`` subclass, first: ``class T(TardigradeTrainerMixin,
     Trainer)``. See the module docs for what it changes."""
 
@@ -65,11 +72,11 @@ class TardigradeTrainerMixin:
     # -- the data order ------------------------------------------------------------------
 
     def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
-        sampler = super()._get_train_sampler(*args, **kwargs)  # type: ignore[misc]
+        sampler = super()._get_train_sampler(*args, **kwargs)
         if sampler is None:  # no length (an IterableDataset): nothing to position
             return None
-        dataset = args[0] if args and args[0] is not None else self.train_dataset  # type: ignore[attr-defined]
-        hf_args = self.args  # type: ignore[attr-defined]
+        dataset = args[0] if args and args[0] is not None else self.train_dataset
+        hf_args = self.args
         seed = hf_args.data_seed if hf_args.data_seed is not None else hf_args.seed
         # One global order; accelerate splits its batches over the processes.
         self._tg_sampler = ResumableSampler(len(dataset), seed=seed, rank=0, world_size=1)
@@ -77,7 +84,7 @@ class TardigradeTrainerMixin:
         return self._tg_sampler
 
     def get_train_dataloader(self) -> Any:
-        loader = super().get_train_dataloader()  # type: ignore[misc]
+        loader = super().get_train_dataloader()
         if self._tg_sampler is not None:
             # Worker seeds drawn from the sampler's generator, reseeded from the position,
             # not from the global RNG (which a resumed run has at another point).
@@ -86,7 +93,7 @@ class TardigradeTrainerMixin:
         return loader
 
     def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)  # type: ignore[misc]
+        epochs_trained, steps_in_epoch = super()._init_training_state(*args, **kwargs)
         sampler = self._tg_sampler
         if sampler is not None:
             # The epoch the Trainer resumes in, from its start: the Trainer skips the batches
@@ -114,12 +121,12 @@ class TardigradeTrainerMixin:
         pass  # in the Tardigrade checkpoint
 
     def _tardigrade_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": self.model}  # type: ignore[attr-defined]
-        if not self.args.save_only_model:  # type: ignore[attr-defined]
-            state["optim"] = self.optimizer  # type: ignore[attr-defined]
-            if self.lr_scheduler is not None:  # type: ignore[attr-defined]
-                state["sched"] = self.lr_scheduler  # type: ignore[attr-defined]
-            scaler = getattr(self.accelerator, "scaler", None)  # type: ignore[attr-defined]
+        state: dict[str, Any] = {"model": self.model}
+        if not self.args.save_only_model:
+            state["optim"] = self.optimizer
+            if self.lr_scheduler is not None:
+                state["sched"] = self.lr_scheduler
+            scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler
             state["rng"] = PerRank(RNGState())
@@ -133,9 +140,9 @@ class TardigradeTrainerMixin:
         # checkpoint below has committed, or the Hub could get the folder without it.
         self._tg_push_held = []
         try:
-            super()._save_checkpoint(model, trial)  # type: ignore[misc]
-            run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
-            step = self.state.global_step  # type: ignore[attr-defined]
+            super()._save_checkpoint(model, trial)
+            run_dir = self._get_output_dir(trial=trial)
+            step = self.state.global_step
             folder = os.path.join(run_dir, f"checkpoint-{step}")
             # Its commit is what makes checkpoint-N complete for resume_from_checkpoint=True.
             save(
@@ -144,7 +151,7 @@ class TardigradeTrainerMixin:
                 overwrite=True,
                 step=step,
             )
-            if self.args.should_save:  # type: ignore[attr-defined]
+            if self.args.should_save:
                 open_root(folder).delete(_PICKLED_ARGS)  # gone already: nothing to do
             held = self._tg_push_held
         finally:
@@ -156,13 +163,13 @@ class TardigradeTrainerMixin:
         if self._tg_push_held is not None:
             self._tg_push_held.append(checkpoint_folder)
             return
-        super()._push_from_checkpoint(checkpoint_folder)  # type: ignore[misc]
+        super()._push_from_checkpoint(checkpoint_folder)
 
     # -- resuming --------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
-            output_dir = self.args.output_dir  # type: ignore[attr-defined]
+            output_dir = self.args.output_dir
             resume_from_checkpoint = last_complete_checkpoint(output_dir)
             if resume_from_checkpoint is None:
                 raise CheckpointNotFoundError(
@@ -170,7 +177,7 @@ class TardigradeTrainerMixin:
                     f"whose {TARDIGRADE_DIR}/ committed). Train without resume_from_checkpoint, "
                     "or pass the output_dir of the run to resume."
                 )
-        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _tardigrade_checkpoint(self, checkpoint: str | None) -> str | None:
         if checkpoint is None:
@@ -181,15 +188,15 @@ class TardigradeTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         path = self._tardigrade_checkpoint(resume_from_checkpoint)
         if path is None:  # a checkpoint the plain Trainer wrote
-            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
-        target = model if model is not None else self.model  # type: ignore[attr-defined]
+        target = model if model is not None else self.model
         load(path, into={"model": target}, keys=["model"])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         path = self._tardigrade_checkpoint(checkpoint)
         if path is None:
-            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            super()._load_optimizer_and_scheduler(checkpoint)
             return
         into = {k: v for k, v in self._tardigrade_state().items() if k in ("optim", "sched")}
         load(path, into=into, keys=list(into))
@@ -197,23 +204,23 @@ class TardigradeTrainerMixin:
     def _load_scaler(self, checkpoint: str | None) -> None:
         path = self._tardigrade_checkpoint(checkpoint)
         if path is None:
-            super()._load_scaler(checkpoint)  # type: ignore[misc]
+            super()._load_scaler(checkpoint)
             return
         scaler = self._tardigrade_state().get("scaler")
         if scaler is not None:
             load(path, into={"scaler": scaler}, keys=["scaler"])
 
     def _load_best_model(self) -> None:
-        path = self._tardigrade_checkpoint(self.state.best_model_checkpoint)  # type: ignore[attr-defined]
+        path = self._tardigrade_checkpoint(self.state.best_model_checkpoint)
         if path is None:  # a checkpoint the plain Trainer wrote
-            super()._load_best_model()  # type: ignore[misc]
+            super()._load_best_model()
             return
-        load(path, into={"model": self.model}, keys=["model"])  # type: ignore[attr-defined]
+        load(path, into={"model": self.model}, keys=["model"])
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         path = self._tardigrade_checkpoint(checkpoint)
         if path is None:
-            super()._load_rng_state(checkpoint)  # type: ignore[misc]
+            super()._load_rng_state(checkpoint)
             return
         load(path, into={"rng": PerRank(RNGState())}, keys=["rng"])
 

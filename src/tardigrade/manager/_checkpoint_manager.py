@@ -91,8 +91,8 @@ class _Knob:
 
     def __set__(self, mgr: Any, value: Any) -> None:
         parent, holder = self._holder(mgr)
-        if dataclasses.is_dataclass(holder):
-            setattr(parent, self._path[-1], dataclasses.replace(holder, **{self._name: value}))  # type: ignore[arg-type]  # an instance, not a class
+        if dataclasses.is_dataclass(holder) and not isinstance(holder, type):
+            setattr(parent, self._path[-1], dataclasses.replace(holder, **{self._name: value}))
         else:
             setattr(holder, self._name, value)
 
@@ -456,7 +456,9 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints on disk, ascending (rank 0's listing everywhere)."""
-        return self._agreed(f"CheckpointManager({self.directory!r}).steps()", self._steps_here)
+        return list(
+            self._agreed(f"CheckpointManager({self.directory!r}).steps()", self._catalog.steps)
+        )
 
     def _agreed(self, what: str, here: Callable[[], Any]) -> Any:
         """``here()`` (a JSON value), computed by rank 0 and sent to every rank in a distributed
@@ -466,9 +468,6 @@ class CheckpointManager:
         system's attribute cache): a decision taken from what each rank sees would differ.
         """
         return self._ranks.shared(what, here)
-
-    def _steps_here(self) -> list[int]:
-        return self._catalog.steps()
 
     def latest(self) -> int | None:
         """The newest committed step, or None."""

@@ -17,7 +17,7 @@ from typing import Any
 from .._async import AsyncCheckpointer
 from .._catalog import Catalog, step_name
 from .._save import save_with
-from .._save_job import SaveOptions
+from .._save_job import SaveOptions, SaveResult
 from ..errors import (
     CheckpointExistsError,
     CheckpointLockedError,
@@ -136,6 +136,7 @@ class SaveDispatch:
             self.drain(wait=True)
         with self.tiers.held():  # training waits on the whole save: uploads wait too
             res = save_with(path, self.state, options, **self.ranks.collective)
+        assert isinstance(res, SaveResult)  # a synchronous save's
         self.outcomes.ok(step, res)
 
     def _warn_unranked(self, step: int, metrics: Mapping[str, float] | None) -> None:
@@ -168,15 +169,15 @@ class SaveDispatch:
             self.outcomes.failure(step, e, time.perf_counter() - started)
             return None
         if occupant == "run" and not force and step not in self.timeline.abandoned:
-            e = CheckpointExistsError(
-                f"{self.catalog.path(step_name(step))}: a checkpoint for step {step} already exists; "
-                "steps must not repeat (pass force=True to replace it)."
+            exists = CheckpointExistsError(
+                f"{self.catalog.path(step_name(step))}: a checkpoint for step {step} already "
+                "exists; steps must not repeat (pass force=True to replace it)."
             )
             if from_step and self.outcomes.on_save_error == "warn":
                 # Training goes on (the checkpoint there is kept): reported like a failed save.
-                self.outcomes.failure(step, e, time.perf_counter() - started)
+                self.outcomes.failure(step, exists, time.perf_counter() - started)
                 return None
-            raise e
+            raise exists
         if occupant == "fenced":
             log.warning(
                 "tardigrade: replacing %s: it was committed by a writer after it lost the lease",

@@ -13,6 +13,7 @@ import time
 
 from .._catalog import Catalog
 from ..errors import CheckpointLockedError, SaveError
+from ..storage.lease import Lease
 
 log = logging.getLogger("tardigrade")
 
@@ -27,7 +28,7 @@ class RunLock:
         self.catalog = catalog
         storage = self.storage = catalog.storage
         self.directory = directory
-        self.lease = storage.lease(lease_seconds=lease_seconds)
+        self.lease: Lease = storage.lease(lease_seconds=lease_seconds)
         self.lease_seconds = lease_seconds
         # How long opening waits for a holder that may be dead (default: one lease, by when a
         # dead holder's lease has expired).

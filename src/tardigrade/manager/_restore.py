@@ -8,6 +8,7 @@ the failed one left in the live state; what cannot be, raises.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,7 +89,7 @@ class Restorer:
                 self.timeline.abandoned = set(
                     self.ranks.shared(
                         f"{self.what}({s}): setting the later checkpoints aside",
-                        lambda s=s: self.timeline.abandon_after(s, committed),
+                        functools.partial(self.timeline.abandon_after, s, committed),
                     )
                 )
             if self.ranks.coordinator:

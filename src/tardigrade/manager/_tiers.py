@@ -19,6 +19,7 @@ copy in another node's memory) is one more instance.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -269,8 +270,8 @@ def open_remote_tier(
         ranks=forked,
     )
     # Rank 0 holds the lease; the other ranks' tiers hold none.
-    lease = leases[0] if leases else None
-    return RemoteTier(uploader, lease, root, ranks, timeout=timeout, retain=retain)
+    held = leases[0] if leases else None
+    return RemoteTier(uploader, held, root, ranks, timeout=timeout, retain=retain)
 
 
 def open_memory_tier(ram_tier: Any, *, root: Catalog, ranks: Agreement) -> MemoryTier | None:
@@ -347,4 +348,8 @@ class Tiers:
 
     def closers(self, *, clean: Callable[[], bool]) -> list[Callable[[], None]]:
         """One call per tier, slowest first (uploads finish before the RAM copy goes)."""
-        return [lambda t=t: t.close(clean=clean()) for t in reversed(self._tiers)]
+        return [functools.partial(_close, t, clean) for t in reversed(self._tiers)]
+
+
+def _close(tier: Tier, clean: Callable[[], bool]) -> None:
+    tier.close(clean=clean())

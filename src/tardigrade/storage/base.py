@@ -27,6 +27,7 @@ names unique to the save, then the manifest created only if none exists).
 from __future__ import annotations
 
 import abc
+import builtins
 import errno
 import logging
 import re
@@ -40,6 +41,26 @@ from typing import Any, Literal
 from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError, TardigradeError
 from ..format.checksum import Hasher
 from ..format.manifest import MANIFEST, MANIFEST_START
+
+__all__ = [
+    "GRACE_SECONDS",
+    "MANIFEST",
+    "PROBE_PREFIX",
+    "TMP_PREFIX",
+    "Candidate",
+    "ManifestLastCommit",
+    "PreconditionFailed",
+    "PutMode",
+    "Reader",
+    "Stat",
+    "Storage",
+    "Tidied",
+    "Writer",
+    "due",
+    "grace_cutoff",
+    "replaced_name",
+    "staging_name",
+]
 
 log = logging.getLogger("tardigrade")
 
@@ -168,6 +189,11 @@ class Reader(abc.ABC):
         self.close()
 
 
+# What the catalog's sweep looks at under one name: (name, [(data object, its Stat or None)], whether a
+# manifest was listed there).
+Candidate = tuple[str, list[tuple[str, Stat | None]], bool]
+
+
 class Storage(abc.ABC):
     """A root under which checkpoints live. Names use '/' and are relative to the root."""
 
@@ -206,7 +232,7 @@ class Storage(abc.ABC):
     def delete(self, name: str) -> None:
         """Remove an object, or everything under a directory/prefix; missing is not an error."""
 
-    def delete_many(self, names: list[str]) -> None:
+    def delete_many(self, names: builtins.list[str]) -> None:
         """Remove several objects (stores batch this)."""
         for name in names:
             self.delete(name)
@@ -289,7 +315,7 @@ class Storage(abc.ABC):
 
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
-    ) -> list[Tidied]:
+    ) -> builtins.list[Tidied]:
         """Clean up after writers that died: their staging, half-done replaces and deletes.
 
         Only what no live writer holds, and never a committed checkpoint (a store, which
@@ -297,6 +323,28 @@ class Storage(abc.ABC):
         ``progress`` is called with each leftover once it is dealt with (``tardigrade gc``
         draws its bar)."""
         return []
+
+    # -- what saves that never committed left where they write (a store's data objects), for
+    # the catalog's sweep by reachability (``Catalog.collect``); nothing on a POSIX root,
+    # whose saves stage apart and whose ``tidy`` removes what dies there.
+
+    gc_grace_seconds: float = 0.0
+    """Age (seconds) below which the sweep leaves a save's data objects alone."""
+
+    def tidy_candidates(self) -> Iterator[Candidate]:
+        """(name, [(data object, its Stat or None)], whether a manifest is there) for each
+        name holding a save's data objects, and ("", [(probe, Stat)], False) for the root's
+        probes."""
+        return iter(())
+
+    def abandoned_saves(self) -> dict[str, float]:
+        """The names under which this process saw a save fail, each with the time before
+        which what that save wrote may go at once."""
+        return {}
+
+    def save_of(self, data: str) -> str:
+        """Which save wrote data object ``data``."""
+        return data
 
     @abc.abstractmethod
     def lease(self, *, lease_seconds: float = 30.0) -> Any:
@@ -337,9 +385,6 @@ class Storage(abc.ABC):
 # A store's data object: the save's id (16 hex digits), a dot, the file's name in the plan.
 _SAVE_DATA = re.compile(r"^[0-9a-f]{16}\.")
 _SAVE_ID_CHARS = 17  # what of a data object's name names its save: ``<16 hex digits>.``
-# What ``tidy`` looks at under one name: (name, [(data object, its Stat or None)], whether a
-# manifest was listed there).
-Candidate = tuple[str, list[tuple[str, Stat | None]], bool]
 
 
 def due(st: Stat, cutoff: float, abandoned: float | None) -> bool:

@@ -57,6 +57,10 @@ from .base import (
 )
 from .lease import ObjectLease
 
+__all__ = [
+    "FsspecStorage",
+]
+
 log = logging.getLogger("tardigrade")
 
 EXTRA = "pip install 'tardigrade-ckpt[fsspec]'"

@@ -31,6 +31,16 @@ from .base import PreconditionFailed
 if TYPE_CHECKING:
     from .base import Storage
 
+__all__ = [
+    "BOOT_ID",
+    "LOCK",
+    "PID_NAMESPACE",
+    "Lease",
+    "ObjectLease",
+    "Takeover",
+    "local_pid",
+]
+
 log = logging.getLogger("tardigrade")
 
 LOCK = ".lock"
@@ -110,6 +120,7 @@ class Lease(abc.ABC):
 
     held: bool
     generation: int | None
+    lease: float  # seconds a holder keeps it without a heartbeat
     # The generation of the holder this one took the lease from while that holder may still
     # live (its heartbeat expired: a stalled process, a partitioned machine), else None. Such a
     # holder may still commit a save it had begun: the catalog fences those (Catalog.fence).
@@ -274,7 +285,7 @@ class ObjectLease(Lease):
             f"{self.storage.root}: another job is writing checkpoints here ({who}). Stop it, "
             f"use another location, or wait {wait:.0f} s after it dies (its lease)."
         )
-        err.alive = bool(rec) and _this_process(rec)
+        err.alive = rec is not None and bool(rec) and _this_process(rec)
         return err
 
     def _ours(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import errno
 import fcntl
@@ -35,6 +36,17 @@ from .base import (
     staging_name,
 )
 from .local_lease import DirectoryLock
+
+__all__ = [
+    "BOUNCE_BYTES",
+    "DIRECT_BLOCK",
+    "DIRECT_MIN_BYTES",
+    "LocalReader",
+    "LocalStorage",
+    "LocalWriter",
+    "free_bytes",
+    "private_directory",
+]
 
 log = logging.getLogger("tardigrade")
 # A committed checkpoint a replace without atomic swap moved aside (``replaced_name``). Any id
@@ -163,7 +175,7 @@ class LocalWriter(Writer):
             # numpy copies without holding the GIL, so parallel writers overlap their copies.
             bounce[self._fill : self._fill + n] = np.frombuffer(view[:n], dtype=np.uint8)
             if hasher is not None:
-                hasher.update(memoryview(bounce[self._fill : self._fill + n]))
+                hasher.update(memoryview(bounce[self._fill : self._fill + n]))  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs say so from Python 3.12
             self._fill += n
             view = view[n:]
             if self._fill == len(bounce):
@@ -198,7 +210,7 @@ class LocalWriter(Writer):
 
     def _flush_bounce(self, nbytes: int) -> None:
         assert self._bounce is not None
-        self._write_all(memoryview(self._bounce[:nbytes]))
+        self._write_all(memoryview(self._bounce[:nbytes]))  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs say so from Python 3.12
         self._fill = 0
 
     def _write_all(self, view: memoryview) -> None:
@@ -390,7 +402,7 @@ class LocalStorage(Storage):
 
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
-    ) -> list[Tidied]:
+    ) -> builtins.list[Tidied]:
         """Clean up after writers that died under this root.
 
         Only ``.tmp-*`` directories are considered, and only those no live process holds:
@@ -415,11 +427,12 @@ class LocalStorage(Storage):
             finally:
                 os.close(fd)
             done.extend(now)
-            for t in now if progress is not None else ():
-                progress(t)
+            if progress is not None:
+                for t in now:
+                    progress(t)
         return done
 
-    def _tidy_one(self, n: str, dry_run: bool) -> list[Tidied]:
+    def _tidy_one(self, n: str, dry_run: bool) -> builtins.list[Tidied]:
         path = self._path(n)
         m = _REPLACED.match(n)
         if m and is_committed(path):

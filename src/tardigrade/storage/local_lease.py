@@ -46,6 +46,10 @@ from typing import Any
 from ..errors import CheckpointLockedError
 from .lease import BOOT_ID, LOCK, PID_NAMESPACE, Lease, Takeover, _pid_alive, local_pid
 
+__all__ = [
+    "DirectoryLock",
+]
+
 log = logging.getLogger("tardigrade")
 
 # Records are padded to whole blocks: after the first write a heartbeat rewrites bytes the file
@@ -252,7 +256,7 @@ class DirectoryLock(Lease):
         prev = rec.get("generation") if rec is not None else None
         ok = isinstance(prev, int) and not isinstance(prev, bool) and prev >= 0
         with self._mutex:
-            self.generation = prev + 1 if ok else 1
+            self.generation = prev + 1 if ok and isinstance(prev, int) else 1
             may_live = taken is not None and taken.may_live
             self.superseded = (prev if ok else 0) if may_live else None
             self._flocked, self.held, self._unwritten = flocked, True, False

@@ -27,6 +27,10 @@ from ._options import grace_seconds
 from .base import ManifestLastCommit, PreconditionFailed, PutMode, Reader, Stat, Writer
 from .lease import ObjectLease
 
+__all__ = [
+    "MemoryStorage",
+]
+
 SCHEME = "memory://"
 
 

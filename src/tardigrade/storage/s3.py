@@ -26,6 +26,7 @@ How the contract maps onto S3:
 
 from __future__ import annotations
 
+import builtins
 import errno
 import logging
 import os
@@ -60,6 +61,10 @@ from .base import (
     grace_cutoff,
 )
 from .lease import ObjectLease
+
+__all__ = [
+    "S3Storage",
+]
 
 log = logging.getLogger("tardigrade")
 
@@ -826,7 +831,7 @@ class S3Storage(ManifestLastCommit):
             return None
         obs = _client()
         try:
-            return obs.head(self._store, name)  # type: ignore[no-any-return]
+            return obs.head(self._store, name)
         except FileNotFoundError:
             self._check_bucket(name, op)
             return None
@@ -962,7 +967,7 @@ class S3Storage(ManifestLastCommit):
         found.update(o["path"][cut:] for o in objects)
         return sorted(n for n in found if n)
 
-    def _walk(self, name: str, op: str) -> list[dict[str, Any]]:
+    def _walk(self, name: str, op: str) -> builtins.list[dict[str, Any]]:
         """Every object under prefix ``name`` (recursively)."""
         obs = _client()
         name = name.strip("/")
@@ -977,7 +982,7 @@ class S3Storage(ManifestLastCommit):
             keys.append(name.strip("/"))
         self.delete_many(keys)
 
-    def delete_many(self, names: list[str]) -> None:
+    def delete_many(self, names: builtins.list[str]) -> None:
         obs = _client()
         for i in range(0, len(names), 1000):
             batch = names[i : i + 1000]
@@ -998,7 +1003,7 @@ class S3Storage(ManifestLastCommit):
     # -- cleanup -------------------------------------------------------------------------
 
     @property
-    def gc_grace_seconds(self) -> float:  # type: ignore[override]
+    def gc_grace_seconds(self) -> float:  # type: ignore[override]  # from the storage options, read-only
         return self.config.grace
 
     @property
@@ -1033,7 +1038,7 @@ class S3Storage(ManifestLastCommit):
 
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
-    ) -> list[Tidied]:
+    ) -> builtins.list[Tidied]:
         """The incomplete multipart uploads older than the grace period (``gc_grace_seconds``,
         default 1 h: a save killed mid-upload). Data objects are the catalog's to sweep
         (``Catalog.collect``)."""
@@ -1061,8 +1066,9 @@ class S3Storage(ManifestLastCommit):
         return done
 
     def _boto(self) -> Any:
-        if getattr(self, "_boto_client", None) is not None:
-            return self._boto_client
+        client: Any = getattr(self, "_boto_client", None)  # made on first use, below
+        if client is not None:
+            return client
         try:
             import boto3
             from botocore.config import Config
@@ -1086,9 +1092,9 @@ class S3Storage(ManifestLastCommit):
         self._boto_client = boto3.client("s3", config=cfg, **kw)
         return self._boto_client
 
-    def _uploads(self) -> list[tuple[str, str, datetime]]:
+    def _uploads(self) -> builtins.list[tuple[str, str, datetime]]:
         """(key, upload id, started) of the incomplete multipart uploads under the root."""
-        out: list[tuple[str, str, datetime]] = []
+        out: builtins.list[tuple[str, str, datetime]] = []
         try:
             client = self._boto()
             kw: dict[str, Any] = {"Bucket": self.bucket}

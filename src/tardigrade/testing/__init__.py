@@ -23,6 +23,7 @@ takes a path.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import itertools
 import threading
@@ -262,7 +263,7 @@ class FaultyStorage(Storage):
         return isinstance(self.inner, ManifestLastCommit)
 
     @property
-    def implicit_directories(self) -> bool:  # type: ignore[override]
+    def implicit_directories(self) -> bool:  # type: ignore[override]  # the wrapped backend's class attribute
         return self.inner.implicit_directories
 
     def begin(self, name: str, save_id: str) -> str:
@@ -283,8 +284,13 @@ class FaultyStorage(Storage):
     ) -> None:
         late = self._op("commit", self.url(name))
         if self._store:
-            ManifestLastCommit.commit(  # type: ignore[arg-type]
-                self, staging, name, manifest, save_id=save_id, replace=replace
+            ManifestLastCommit.commit(
+                self,  # type: ignore[arg-type]  # a store's commit, over this wrapper's primitives
+                staging,
+                name,
+                manifest,
+                save_id=save_id,
+                replace=replace,
             )
         else:
             self.inner.commit(staging, name, manifest, save_id=save_id, replace=replace)
@@ -293,7 +299,7 @@ class FaultyStorage(Storage):
     def abort(self, staging: str, name: str, save_id: str) -> None:
         late = self._op("abort", self.url(name))
         if self._store:
-            ManifestLastCommit.abort(self, staging, name, save_id)  # type: ignore[arg-type]
+            ManifestLastCommit.abort(self, staging, name, save_id)  # type: ignore[arg-type]  # a store's abort, over this wrapper's primitives
         else:
             self.inner.abort(staging, name, save_id)
         self._after(late)
@@ -311,8 +317,8 @@ class FaultyStorage(Storage):
             return ObjectLease(self, lease_seconds=lease_seconds)
         return lease
 
-    @property  # type: ignore[override]
-    def can_move(self) -> bool:  # a class attribute on backends
+    @property
+    def can_move(self) -> bool:  # type: ignore[override]  # a class attribute on backends
         return self.inner.can_move
 
     def move(self, src: str, dst: str) -> None:
@@ -327,14 +333,14 @@ class FaultyStorage(Storage):
     save_of = ManifestLastCommit.save_of
 
     @property
-    def gc_grace_seconds(self) -> float:
+    def gc_grace_seconds(self) -> float:  # type: ignore[override]  # the inner store's, read-only
         return float(getattr(self.inner, "gc_grace_seconds", 0.0))
 
     @property
     def tidy_scope(self) -> str:
         return str(getattr(self.inner, "tidy_scope", self.inner.root))
 
-    def tidy(self, *, dry_run: bool = False, progress: Any = None) -> list[Tidied]:
+    def tidy(self, *, dry_run: bool = False, progress: Any = None) -> builtins.list[Tidied]:
         if self._store:
             return []  # a store's leftovers are the catalog's to sweep (tidy_candidates)
         return self.inner.tidy(dry_run=dry_run, progress=progress)

@@ -1,3 +1,5 @@
+# mypy: disable-error-code="safe-super"
+# (_Killing is mixed in before a concrete backend: its super() calls reach that backend.)
 """Kill points: SIGKILL this process at a chosen moment of its checkpoint storage traffic.
 
 ``kill_during`` sets ``TARDIGRADE_KILL_POINT`` (a JSON :class:`KillPoint`) in a child's

@@ -322,6 +322,10 @@ def _scenarios(
             point.update({"after_bytes": n} if at == "write" else {"nth": n})
             drawn.append([point])
         return drawn
+    if isinstance(kills, bool):
+        raise InvalidArgumentError(
+            f"kills must be a number of kills or a list of kill points, got {kills!r}"
+        )
     out: list[list[Mapping[str, Any]]] = []
     for item in kills:
         out.append([item] if isinstance(item, Mapping) else list(item))

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
-from ._open import manifest_at
+from ._open import manifest_at, save_id_at
 from .errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
 from .format.jsonio import dumps, loads_strict
 from .format.manifest import LEASE_GENERATION, MANIFEST, Manifest
@@ -437,8 +437,7 @@ class Catalog:
 
     def save_id(self, name: str) -> str | None:
         """The save id of committed checkpoint ``name`` (None for a manifest without one)."""
-        save_id = manifest_at(self.storage, name).raw.get("save_id")
-        return save_id if isinstance(save_id, str) else None
+        return save_id_at(self.storage, name)
 
     def abandoned(self) -> dict[str, str]:
         """The checkpoints recorded as abandoned here (``ABANDONED_RECORD``): name -> save id.

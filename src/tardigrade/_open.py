@@ -21,12 +21,13 @@ from .errors import (
     TardigradeError,
 )
 from .format import limits
+from .format.jsonio import loads_strict
 from .format.manifest import MANIFEST, Manifest, TensorInfo, parse
 from .format.sizes import ITEMSIZE
 from .format.sparse import SPARSE_PARTS, sparse_problem
 from .storage import Storage, storage_for
 
-__all__ = ["manifest_at", "open_manifest", "read_manifest"]
+__all__ = ["holds_save", "manifest_at", "open_manifest", "read_manifest", "save_id_at"]
 
 
 def open_manifest(
@@ -70,6 +71,33 @@ def manifest_at(storage: Storage, name: str) -> Manifest:
             f"{where}: ran out of memory reading the manifest. Free memory (or raise this "
             "process's memory limit) and load again."
         ) from None
+
+
+def save_id_at(storage: Storage, name: str) -> str | None:
+    """The save id the manifest of checkpoint ``name`` records (None: it records none).
+
+    Read without validating the rest (the one field is what tells two saves of a name apart:
+    a copy in another tier, a replaced checkpoint); raises what reading it raises."""
+    where = f"{name}/{MANIFEST}"
+    doc = loads_strict(storage.read_bytes(where, limits.MAX_MANIFEST_BYTES), storage.url(where))
+    save_id = doc.get("save_id") if isinstance(doc, dict) else None
+    return save_id if isinstance(save_id, str) else None
+
+
+def holds_save(storage: Storage, name: str, save_id: str) -> bool | None:
+    """Whether checkpoint ``name`` is committed by save ``save_id`` (its manifest, the commit
+    record, names that save); None when storage cannot tell.
+
+    How a save that failed learns its outcome: the commit point is one rename or one
+    conditional create, which this process (or rank 0 of a collective save, or a copy's
+    writer) may have passed before the error. Guarded as every reader's parse: what is at
+    the path may be anything, and this runs while handling another error."""
+    try:
+        if not storage.exists(f"{name}/{MANIFEST}"):
+            return False
+        return save_id_at(storage, name) == save_id
+    except (OSError, TardigradeError, ValueError, MemoryError, RecursionError):
+        return None
 
 
 def _checkpoints_in(storage: Storage, name: str, most: int = 1000) -> list[str]:

@@ -50,12 +50,12 @@ from typing import Any
 
 from ._catalog import STEP_NAMES, Catalog
 from ._load import load, load_from
+from ._open import save_id_at
 from ._save_job import SaveJob, SaveResult, file_header
 from ._tiers import CopyPlan
 from ._write import ABORT, END, Segment
 from .errors import CorruptCheckpointError, InvalidArgumentError, SaveError, StorageError
 from .format import limits
-from .format.jsonio import loads_strict
 from .format.manifest import MANIFEST, parse
 from .storage import LocalStorage, PreconditionFailed, Storage
 from .storage.local import free_bytes, private_directory
@@ -89,13 +89,6 @@ def namespace(directory: str) -> str:
 
 def _image_bytes(job: SaveJob) -> int:
     return sum(len(file_header(fp)) + fp.nbytes for fp in job.plan.files)
-
-
-def _save_id(storage: Storage, name: str) -> str | None:
-    where = f"{name}/{MANIFEST}"
-    doc = loads_strict(storage.read_bytes(where, limits.MAX_MANIFEST_BYTES), storage.url(where))
-    save_id = doc.get("save_id") if isinstance(doc, dict) else None
-    return save_id if isinstance(save_id, str) else None
 
 
 class RamTier:
@@ -327,8 +320,8 @@ class RamTier:
         try:
             if not self.catalog.committed(name):
                 return None
-            ours = _save_id(self.storage, name)
-            if ours is None or ours != _save_id(disk, name):
+            ours = save_id_at(self.storage, name)
+            if ours is None or ours != save_id_at(disk, name):
                 return None
         except Exception as e:  # unreadable on either side: the directory's copy is restored
             log.warning("tardigrade: not restoring %s from the RAM tier: %s", name, e)
@@ -510,7 +503,7 @@ class RamMirror:
                     f"{job.name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES
                 )
                 save_id = job.header["save_id"]
-                if _save_id(job.storage, job.name) != save_id:
+                if save_id_at(job.storage, job.name) != save_id:
                     raise SaveError(f"{job.storage.url(job.name)}: replaced meanwhile")
                 self.tier._commit(staging, job.name, manifest, save_id)
                 return result

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._catalog import Catalog, step_name
+from ._open import holds_save
 from .errors import CheckpointExistsError, CorruptCheckpointError, TardigradeError
 from .format import limits
 from .format.jsonio import dumps, loads_strict
@@ -183,14 +184,7 @@ class CopyPlan:
 
     def committed(self) -> bool | None:
         """Whether ``dst`` holds this copy's manifest (None: it could not be read)."""
-        where = f"{self.name}/{MANIFEST}"
-        try:
-            if not self.dst.exists(where):
-                return False
-            doc = loads_strict(self.dst.read_bytes(where, limits.MAX_MANIFEST_BYTES), where)
-        except Exception:
-            return None
-        return isinstance(doc, dict) and doc.get("save_id") == self.save_id
+        return holds_save(self.dst, self.name, self.save_id)
 
 
 _RANK_FILE = re.compile(r"(?:^|\.)data-r(\d+)-")
@@ -506,7 +500,7 @@ class Uploader:
 
     def _exists(self, name: str) -> bool:
         try:
-            return self.local.exists(f"{name}/{MANIFEST}")
+            return Catalog(self.local).committed(name)
         except Exception:
             return True  # let the copy try, and report what fails
 

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from ._open import holds_save
 from ._plan import PER_RANK, REPLICATED, FilePlan, GlobalPlan
 from ._save_job import (
     SaveJob,
@@ -33,7 +34,7 @@ from .errors import DistributedError, SaveError, StorageError, TardigradeError
 from .format import limits
 from .format import safetensors as st
 from .format.checksum import Hasher, checksum
-from .format.jsonio import check_parse_cost, dumps, gc_paused, loads_strict, parse_cost
+from .format.jsonio import check_parse_cost, dumps, gc_paused, parse_cost
 from .format.manifest import COLUMNAR_VERSION, MANIFEST, PACKED_VERSION, seal, validate
 
 log = logging.getLogger("tardigrade")
@@ -525,17 +526,7 @@ def committed_here(job: SaveJob) -> bool | None:
     the commit point is one rename (or one conditional create) that this process, or rank 0 of
     a collective save, may have passed before the error. None: storage could not tell.
     """
-    where = f"{job.name}/{MANIFEST}"
-    try:
-        if not job.storage.exists(where):
-            return False
-        # Guarded as every reader's parse: what is at the path may be anything (a replaced
-        # checkpoint, another writer's), and this runs while handling another error.
-        raw = job.storage.read_bytes(where, limits.MAX_MANIFEST_BYTES)
-        doc = loads_strict(raw, job.storage.url(where))
-    except (OSError, TardigradeError, ValueError, MemoryError, RecursionError):
-        return None
-    return isinstance(doc, dict) and doc.get("save_id") == job.header["save_id"]
+    return holds_save(job.storage, job.name, job.header["save_id"])
 
 
 def _outcome_note(url: str, committed: bool | None) -> str:

@@ -34,8 +34,8 @@ from ..errors import (
     UnsupportedFormatError,
     UnsupportedTypeError,
 )
+from ._command import command
 from ._output import ReadProgress, human_bytes
-from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
 
 if TYPE_CHECKING:
@@ -52,8 +52,9 @@ DCP_METADATA = ".metadata"
 _TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = command(
+        sub,
         "convert",
         help=HELP,
         description=(
@@ -65,9 +66,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "(model.safetensors, or the shards named in model.safetensors.index.json) or "
             "file. Nested keys are kept; safetensors names stay flat ('model.fc.weight')."
         ),
-    )
-    p.add_argument("source", metavar="SOURCE", help="file or directory to import")
-    p.add_argument("dest", metavar="DEST", help="the Tardigrade checkpoint to create")
+        run=run,
+        locations=[
+            ("source", "SOURCE", "file or directory to import"),
+            ("dest", "DEST", "the Tardigrade checkpoint to create"),
+        ],
+        json="print what was converted as JSON",
+        quiet=True,
+    )  # --storage-option: for DEST; SOURCE is read from local files
     p.add_argument(
         "--from",
         dest="kind",
@@ -79,10 +85,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--step", type=int, default=None, metavar="N", help="record step N in the manifest"
     )
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at DEST")
-    p.add_argument("--json", action="store_true", help="print what was converted as JSON")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    add_storage_option(p)  # for DEST; SOURCE is read from local files
-    p.set_defaults(run=run)
 
 
 def inside(source: str, name: object, named_by: str) -> str:

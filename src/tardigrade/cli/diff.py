@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 from .. import read_manifest
 from ..errors import TardigradeError
 from ..format.manifest import Manifest
+from ._command import command
 from ._listing import require_single
 from ._output import ReadProgress, error
-from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
 
 if TYPE_CHECKING:
@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 HELP = "show what differs between two checkpoints"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = command(
+        sub,
         "diff",
         help=HELP,
         description=(
@@ -50,10 +51,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "when they differ, 2 on errors (missing, unreadable or damaged checkpoint) and bad "
             "usage."
         ),
+        run=run,
+        locations=[
+            ("a", "A", "a checkpoint directory, or its URL"),
+            ("b", "B", "another checkpoint directory, or its URL"),
+        ],
+        json="print the differences as JSON",
+        quiet=True,
     )
-    p.add_argument("a", metavar="A", help="a checkpoint directory, or its URL")
-    p.add_argument("b", metavar="B", help="another checkpoint directory, or its URL")
-    p.add_argument("--json", action="store_true", help="print the differences as JSON")
     p.add_argument(
         "--checksums-only",
         action="store_true",
@@ -63,9 +68,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "damaged after its save is not detected"
         ),
     )
-    add_storage_option(p)  # for whichever of A and B is a URL
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(run=run)
 
 
 def _text(t: TensorRef) -> str:

@@ -20,9 +20,9 @@ from .. import read_manifest
 from ..errors import CheckpointExistsError, InsufficientMemoryError, InvalidArgumentError
 from ..format.manifest import Manifest
 from ..storage import storage_for
+from ._command import command
 from ._listing import require_single
 from ._output import ReadProgress, human_bytes
-from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
 from .inspect import per_rank_paths
 
@@ -65,8 +65,9 @@ def _dtypes() -> tuple[dict[Any, str], dict[Any, int]]:
 _ALIGN = 64
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = command(
+        sub,
         "export",
         help=HELP,
         description=(
@@ -78,13 +79,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Values saved as tg.PerRank differ per rank and are left out unless --rank names "
             "the rank whose values to write."
         ),
-    )
-    p.add_argument("ckpt", metavar="CKPT", help="checkpoint directory, or its URL")
-    p.add_argument(
-        "out",
-        metavar="OUT.safetensors",
-        help="file to write, or a URL (s3://bucket/model.safetensors)",
-    )
+        run=run,
+        locations=[
+            ("ckpt", "CKPT", "checkpoint directory, or its URL"),
+            ("out", "OUT.safetensors", "file to write, or a URL (s3://bucket/model.safetensors)"),
+        ],
+        json="print what was written as JSON",
+        quiet=True,
+    )  # --storage-option: for CKPT and OUT, whichever is a URL
     p.add_argument(
         "--keys",
         action="append",
@@ -107,10 +109,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: leave per-rank values out)",
     )
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
-    p.add_argument("--json", action="store_true", help="print what was written as JSON")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    add_storage_option(p)  # for CKPT and OUT, whichever is a URL
-    p.set_defaults(run=run)
 
 
 def resolve_key(tree: dict[str, Any], text: str, where: str) -> tuple[tuple[Any, ...], int]:

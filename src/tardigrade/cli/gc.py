@@ -13,34 +13,33 @@ import json
 from .. import Catalog
 from ..errors import CheckpointNotFoundError
 from ..storage.base import Tidied
+from ._command import RUN_DIRECTORY, command
 from ._output import ProgressBar, human_bytes
-from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
 
 HELP = "remove leftovers of interrupted saves from a checkpoint directory"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = command(
+        sub,
         "gc",
         help=HELP,
         description=(
             "Remove the .tmp-* directories that interrupted saves and deletes left in DIR, and "
             "put back a checkpoint that a crashed replace had moved aside. Refuses (exit 1) "
             "while a live job holds the directory's lock. Committed checkpoints are never "
-            "touched. On an object store (s3://, an fsspec URL) a save's data objects go once "
-            "older than the grace period (--storage-option gc_grace_seconds=N, default 3600): "
-            "a younger one may be a live save's."
+            "touched. On an object store (s3://, an fsspec URL) a save's data objects that no "
+            "committed manifest references go once older than the grace period "
+            "(--storage-option gc_grace_seconds=N, default 3600): a younger one may be a live "
+            "save's."
         ),
-    )
-    p.add_argument(
-        "dir", metavar="DIR", help="directory holding checkpoint directories, or its URL"
+        run=run,
+        locations=[RUN_DIRECTORY],
+        json="print what was done as JSON",
+        quiet=True,
     )
     p.add_argument("-n", "--dry-run", action="store_true", help="only print what would be done")
-    p.add_argument("--json", action="store_true", help="print what was done as JSON")
-    add_storage_option(p)
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,9 +20,9 @@ from ..format.names import COMPLEX_STORED
 from ..format.sizes import ITEMSIZE
 from ..format.tree import decode, float_node
 from ..storage import storage_for
+from ._command import command
 from ._listing import location_text, require_single
 from ._output import human_bytes, table
-from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
 
 HELP = "show what a checkpoint holds (reads the manifest only)"
@@ -46,8 +46,9 @@ SCALARS = (
 )
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = command(
+        sub,
         "inspect",
         help=HELP,
         description=(
@@ -55,11 +56,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "step, epoch, metrics, files and a tree of the saved state with each tensor's "
             "dtype and shape and the value of each small leaf."
         ),
+        run=run,
+        locations=[("ckpt", "CKPT", "checkpoint directory (holds manifest.json), or its URL")],
+        json="print the whole manifest as JSON",
     )
-    p.add_argument(
-        "ckpt", metavar="CKPT", help="checkpoint directory (holds manifest.json), or its URL"
-    )
-    p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     p.add_argument(
         "--depth", type=int, default=None, metavar="N", help="expand the tree N levels deep"
     )
@@ -70,8 +70,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="R",
         help="of a distributed checkpoint's tg.PerRank values, show only rank R's",
     )
-    add_storage_option(p)
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,16 +6,17 @@ import argparse
 import json
 from dataclasses import asdict
 
+from ._command import RUN_DIRECTORY, command
 from ._listing import INCOMPLETE_TMP, list_checkpoints
 from ._output import human_bytes, table
-from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
 
 HELP = "list the checkpoints in a directory"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    command(
+        sub,
         "ls",
         help=HELP,
         description=(
@@ -23,13 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "'committed' (complete, loadable), 'incomplete-tmp' (a save in flight or killed; "
             "never visible to load), 'no-manifest' or 'unreadable'. Reads manifests only."
         ),
+        run=run,
+        locations=[RUN_DIRECTORY],
+        json="print a JSON list instead of a table",
     )
-    p.add_argument(
-        "dir", metavar="DIR", help="directory holding checkpoint directories, or its URL"
-    )
-    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    add_storage_option(p)
-    p.set_defaults(run=run)
 
 
 def _dash(v: object) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 from .. import Checkpoint, VerifyReport, verify
 from ..errors import TardigradeError
 from ..format.manifest import MANIFEST
+from ._command import command
 from ._listing import (
     COMMITTED,
     INCOMPLETE_TMP,
@@ -22,14 +23,14 @@ from ._listing import (
     list_checkpoints,
 )
 from ._output import ReadProgress, human_bytes
-from ._storage_options import add_argument as add_storage_option
 from ._storage_options import storage_options
 
 HELP = "check every byte of a checkpoint (or of every checkpoint in a directory)"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    command(
+        sub,
         "verify",
         help=HELP,
         description=(
@@ -37,14 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "when it was written. Given a directory of checkpoints, verify each committed one. "
             "Exits 1 if any check fails."
         ),
+        run=run,
+        locations=[("path", "CKPT|DIR", "a checkpoint, or a directory of them (or a URL)")],
+        json="print the result as JSON",
+        quiet=True,
     )
-    p.add_argument(
-        "path", metavar="CKPT|DIR", help="a checkpoint, or a directory of them (or a URL)"
-    )
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    add_storage_option(p)
-    p.set_defaults(run=run)
 
 
 def _ok_line(name: str, r: VerifyReport) -> str:

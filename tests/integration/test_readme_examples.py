@@ -42,6 +42,18 @@ def readme_block(containing: str) -> str:
     return found[0]
 
 
+def run_module(args: list[str], workdir: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m <args>`` in ``workdir``: a launcher or test runner on an example."""
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=workdir,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
 def run_example(code: str, workdir: Path) -> subprocess.CompletedProcess[str]:
     script = workdir / "example.py"
     script.write_text(code)
@@ -122,14 +134,7 @@ def test_distributed_example_runs_under_torchrun(tmp_path: Path) -> None:
     """The Distributed section's example, as written, on 2 gloo ranks (torchrun)."""
     code = readme_block("# torchrun --nproc-per-node 2 train.py")
     (tmp_path / "train.py").write_text(code)
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py"],
-        cwd=tmp_path,
-        env=dict(os.environ),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    run = run_module(["torch.distributed.run", "--nproc-per-node", "2", "train.py"], tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert (tmp_path / "ckpt" / "step-100" / "manifest.json").is_file()
 
@@ -228,14 +233,7 @@ def test_conformance_example_runs_the_suite_on_a_users_backend(tmp_path: Path) -
     """The docs' conformance module, as a user's test file, passes under pytest (here on
     memory://, the backend its fixture names): every contract runs, none is skipped."""
     (tmp_path / "test_my_backend.py").write_text(readme_block(CONFORMANCE_MARKER))
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_backend.py"],
-        cwd=tmp_path,
-        env=dict(os.environ),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    run = run_module(["pytest", "-q", "-p", "no:cacheprovider", "test_my_backend.py"], tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     summary = run.stdout.strip().splitlines()[-1]
     m = re.search(r"(\d+) passed", summary)

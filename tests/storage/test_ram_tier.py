@@ -427,3 +427,18 @@ def test_a_ranks_share_in_memory_reads_the_other_files_from_the_store_under_thei
     tree = load_from(lambda: every.overlay(name, disk), name, into=None, verify="all")
     assert torch.equal(tree["w"], state_at(1)["w"]) and tree["step"] == 1
     disk.delete("")
+
+
+def test_a_manager_without_a_ram_tier_agrees_on_nothing_for_it(tmp_path: Path) -> None:
+    """ram_tier=False (the default) costs no collective at construction: only a RAM tier that
+    is asked for is agreed on by every rank."""
+    from tardigrade.manager._tiers import open_memory_tier
+
+    class Ranks:
+        rank = 0
+
+        def everywhere(self, mine: bool, what: str) -> bool:
+            raise AssertionError(f"a collective for a tier that is off: {what}")
+
+    catalog = tg.Catalog(str(tmp_path))
+    assert open_memory_tier(False, root=catalog, ranks=Ranks()) is None  # type: ignore[arg-type]

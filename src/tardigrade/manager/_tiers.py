@@ -277,6 +277,8 @@ def open_remote_tier(
 def open_memory_tier(ram_tier: Any, *, root: Catalog, ranks: Agreement) -> MemoryTier | None:
     """The RAM tier of ``ram_tier=`` (None when off), open on every rank or raising on all:
     a restore agrees over all of them."""
+    if ram_tier is None or ram_tier is False:
+        return None  # off: nothing to agree on (no collective)
     error: BaseException | None = None
     ram = None
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .._catalog import Catalog, step_name
@@ -45,7 +45,6 @@ class _Trouble:
 
     damaged: str | None = None  # a candidate that failed after bytes reached the live state
     unread: StorageError | None = None  # the last candidate storage failed to read
-    errors: list[BaseException] = field(default_factory=list)
 
 
 class Restorer:

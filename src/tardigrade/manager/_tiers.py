@@ -24,7 +24,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from .._catalog import Catalog, step_name
 from .._load import load
@@ -37,6 +37,8 @@ from ..storage.lease import Lease
 from ._agreement import Agreement
 
 log = logging.getLogger("tardigrade")
+
+_T = TypeVar("_T", bound="Tier")
 
 
 class Tier:
@@ -316,10 +318,7 @@ class Tiers:
             self._tiers.append(tier)
             self._tiers.sort(key=lambda t: t.speed)
 
-    def __iter__(self) -> Iterator[Tier]:
-        return iter(self._tiers)
-
-    def first(self, kind: type[Tier]) -> Any:
+    def first(self, kind: type[_T]) -> _T | None:
         """The tier of class ``kind``, or None (for its figures)."""
         return next((t for t in self._tiers if isinstance(t, kind)), None)
 

@@ -1,10 +1,10 @@
 """The catalog: what the checkpoints of one directory (or store prefix) are, in one place.
 
-It alone knows names: ``step-NNNNNNNNN`` for a manager's checkpoints, what counts as committed
-(a directory holding ``manifest.json``), the names a checkpoint is set aside under
-(``step-N.incomplete-<time>``, ``step-N.abandoned-<time>``), and how one is retired (out of
-view first, then deleted). It works on any backend through the storage contract; what only a
-POSIX directory can do (rename aside) it asks the storage whether it can.
+It alone knows a root's checkpoint names: ``step-NNNNNNNNN`` for a manager's checkpoints (or the
+format it is given), the names a checkpoint is set aside under (``step-N.incomplete-<time>``,
+``step-N.abandoned-<time>``), the records beside them (abandoned checkpoints, lease fences).
+How a checkpoint commits, leaves, and what a dead writer left is its backend's commit
+strategy (``_commit``: a rename on POSIX, the manifest last on a store), which it holds.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeAlias
 
+from ._commit import LOCK, TMP_PREFIX, commit_for, committed, due, size_of
 from ._open import manifest_at, save_id_at
-from .errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
+from .errors import CorruptCheckpointError, InvalidArgumentError, TardigradeError
 from .format.jsonio import dumps, loads_strict
 from .format.manifest import LEASE_GENERATION, MANIFEST, Manifest
 from .storage import Storage, open_root, storage_for
-from .storage.base import TMP_PREFIX, Tidied, due, grace_cutoff
+from .storage.base import Tidied, grace_cutoff
 
 __all__ = [
     "ABANDONED",
@@ -160,19 +161,14 @@ class _Marks:
         )
 
 
-def _deleting_name(name: str) -> str:
-    """Where a retire moves a checkpoint before deleting it (never half-deleted in view)."""
-    return f"{TMP_PREFIX}deleting-{name}"
-
-
 class Catalog:
     """List, describe and clean up the checkpoints under one directory or URL prefix.
 
     ``location`` is a path or URL (``memory://``); ``storage_options`` go to its backend.
     ``listing()`` classifies every entry (``Listed.status``: one of the constants below),
     ``steps()`` gives the committed ``step-N`` checkpoints a ``CheckpointManager`` wrote,
-    ``tidy()`` removes what dead writers left (take ``storage.lease()`` first, as
-    ``tardigrade gc`` does).
+    ``tidy()`` removes what dead writers left (take ``lease()`` first, as ``tardigrade gc``
+    does).
 
     >>> [e.name for e in tg.Catalog("ckpt").listing() if e.status == tg.Catalog.COMMITTED]  # doctest: +SKIP
     """
@@ -184,6 +180,7 @@ class Catalog:
     NO_MANIFEST = NO_MANIFEST
     UNREADABLE = UNREADABLE
     Listed: TypeAlias = Listed  # one entry of listing(), for the CLI
+    LOCK = LOCK  # the object the lease of a root lives in
     step_in_name = staticmethod(step_in_name)
     step_name = staticmethod(step_name)  # a manager's checkpoint of a step: step-NNNNNNNNN
 
@@ -198,6 +195,7 @@ class Catalog:
         self.storage: Storage = (
             location if isinstance(location, Storage) else open_root(location, storage_options)
         )
+        self.commit = commit_for(self.storage)  # how saves commit here, checkpoints leave
         self._fences: list[tuple[int, int]] | None = None  # read once (see fences())
         self._generations: dict[tuple[str, str], int | None] = {}  # (name, version) -> gen
 
@@ -210,19 +208,12 @@ class Catalog:
         return self.storage.url(name)
 
     def committed(self, name: str) -> bool:
-        """Whether ``name`` is a committed checkpoint: a directory holding a manifest file.
+        """Whether ``name`` is a committed checkpoint: a directory holding a manifest file."""
+        return committed(self.storage, name)
 
-        The manifest is asked for first: on a store, where a name is a directory exactly when
-        objects lie under it, that one request answers (listing a store's steps costs one
-        request per step, not three), and a name without one costs one request anywhere.
-        """
-        st = self.storage.stat(f"{name}/{MANIFEST}")
-        if st is None or st.is_dir or st.is_link:
-            return False
-        if self.storage.implicit_directories:
-            return True
-        here = self.storage.stat(name)  # not a link to a directory elsewhere
-        return here is not None and here.is_dir and not here.is_link
+    def lease(self, *, lease_seconds: float = 30.0) -> Any:
+        """The one-writer lease of this root (a ``storage.lease.Lease``; not yet taken)."""
+        return self.storage.lease(LOCK, lease_seconds=lease_seconds)
 
     @classmethod
     def is_checkpoint(cls, location: Any, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -355,18 +346,7 @@ class Catalog:
 
     def size(self, name: str) -> int:
         """Bytes of every object under ``name``, recursively (one definition for ls and gc)."""
-        total, todo = 0, [name]
-        while todo:
-            here = todo.pop()
-            for child in self.storage.list(here):
-                st = self.storage.stat(f"{here}/{child}")
-                if st is None:
-                    continue
-                if st.is_dir:
-                    todo.append(f"{here}/{child}")
-                else:
-                    total += st.size
-        return total
+        return size_of(self.storage, name)
 
     def describe(self, name: str) -> Listed:
         """Classify ``name``: committed checkpoint, a save's staging, or neither (reads only
@@ -418,16 +398,12 @@ class Catalog:
 
         Raises StorageError where the storage cannot rename (object stores).
         """
-        if not self.storage.can_move:
-            raise StorageError(
-                95, f"{self.path(name)}: cannot be set aside here (the storage cannot rename)"
-            )
         aside = f"{name}.{why}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
         stem, n = aside, 1
-        while self.storage.exists(aside):
+        while self.commit.renames and self.storage.exists(aside):
             n += 1
             aside = f"{stem}-{n}"
-        self.storage.move(name, aside)
+        self.commit.set_aside(name, aside)
         return aside
 
     def manifest(self, name: str) -> Manifest:
@@ -468,19 +444,7 @@ class Catalog:
         """Delete checkpoint ``name``, so that no crash leaves it half-deleted in view: out of
         view first (renamed to ``.tmp-deleting-*``; on a store, its manifest deleted), then
         its data."""
-        if self.storage.can_move:
-            doomed = _deleting_name(name)
-            self.storage.move(name, doomed)
-            self.storage.delete(doomed)
-        else:
-            try:
-                self.storage.delete(f"{name}/{MANIFEST}")
-                self.storage.delete(name)
-            except BaseException:
-                # No live save's data: the next tidy in this process removes what is left,
-                # without the grace period, once the manifest is gone (never before).
-                self.storage.abandon(name)
-                raise
+        self.commit.retire(name)
 
     def remove(self, name: str, why: str) -> bool:
         """``retire(name)``, logged with ``why``; False (logged) if storage failed to."""
@@ -521,7 +485,7 @@ class Catalog:
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
     ) -> list[Tidied]:
         """Garbage collection by reachability, on a store (a POSIX root's saves stage apart,
-        and ``Storage.tidy`` removes what dies there): delete each data object no committed
+        and its commit strategy's ``leftovers`` removes what dies there): delete each data object no committed
         manifest references, once it is older than the grace period (``gc_grace_seconds``)
         or, written by a save this process saw fail, at once. The caller holds the lease.
 
@@ -534,19 +498,19 @@ class Catalog:
         manifest that does not read keeps everything under its name (evidence). One item per
         name dealt with, to ``progress`` too.
         """
-        storage = self.storage
-        if storage.can_move:
+        storage, commit = self.storage, self.commit
+        listed = list(commit.candidates())
+        if not listed:
             return []
         cutoff = grace_cutoff(storage.gc_grace_seconds)
-        gone = storage.abandoned_saves()
-        listed = list(storage.tidy_candidates())
+        gone = commit.abandoned_saves()
         marks: _Marks | None = None
         done: list[Tidied] = []
-        for name, objects, committed in listed:
+        for name, objects, has_manifest in listed:
             if not name:  # the root's probes: a preflight whose delete failed; no save's
                 done += self._remove_probes(objects, dry_run=dry_run, progress=progress)
                 continue
-            if committed and len({storage.save_of(n) for n, _ in objects}) == 1:
+            if has_manifest and len({commit.save_of(n) for n, _ in objects}) == 1:
                 continue  # the one save found under a manifest is the save that committed it
             abandoned = gone.get(name)
             if all(st is not None for _, st in objects):  # ages known: no manifest read
@@ -607,7 +571,7 @@ class Catalog:
             marks.files.update(f"{name}/{f}" for f in m.files)
             save_id = m.raw.get("save_id")
             if isinstance(save_id, str) and save_id:
-                marks.owners[name] = self.storage.data_name("", save_id)
+                marks.owners[name] = self.commit.data_name("", save_id)
         return marks
 
     def tidy(
@@ -617,12 +581,14 @@ class Catalog:
         progress: Callable[[Tidied], None] | None = None,
         fenced: bool = True,
     ) -> list[Tidied]:
-        """Clean up what dead writers left here (see ``Storage.tidy``), and, with ``fenced``,
+        """Clean up what dead writers left here (``collect``, the commit strategy's
+        ``leftovers``, the backend's own ``Storage.tidy``), and, with ``fenced``,
         the checkpoints a writer committed after it lost the lease (``fence``; a caller that
         lists the root next retires those from its own listing: ``retire_fenced``).
         ``progress`` is called with each leftover once it is dealt with. The caller holds the
         lease."""
         done = self.collect(dry_run=dry_run, progress=progress)
+        done += self.commit.leftovers(dry_run=dry_run, progress=progress)
         done += self.storage.tidy(dry_run=dry_run, progress=progress)
         if fenced and self.fences():  # one stat, once per catalog
             done += self.retire_fenced(self.scan().fenced, dry_run=dry_run, progress=progress)

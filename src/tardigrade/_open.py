@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
+from ._commit import committed
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -40,6 +41,8 @@ def open_manifest(
 
 def manifest_at(storage: Storage, name: str) -> Manifest:
     """The parsed, validated manifest of checkpoint ``name`` in ``storage``."""
+    # Anything named like a commit record is read: reading it says precisely what is wrong
+    # with it (a link out of the checkpoint, a directory, damage). ``committed`` is stricter.
     if not storage.exists(f"{name}/{MANIFEST}"):
         if storage.exists(name) and not storage.is_dir(name):
             raise CheckpointNotFoundError(f"{storage.url(name)}: {_foreign_file(storage, name)}")
@@ -93,7 +96,7 @@ def holds_save(storage: Storage, name: str, save_id: str) -> bool | None:
     writer) may have passed before the error. Guarded as every reader's parse: what is at
     the path may be anything, and this runs while handling another error."""
     try:
-        if not storage.exists(f"{name}/{MANIFEST}"):
+        if not committed(storage, name):
             return False
         return save_id_at(storage, name) == save_id
     except (OSError, TardigradeError, ValueError, MemoryError, RecursionError):
@@ -105,7 +108,7 @@ def _checkpoints_in(storage: Storage, name: str, most: int = 1000) -> list[str]:
     checkpoint was meant), sorted; only the first ``most`` entries are looked at."""
     try:
         children = storage.list(name)[:most]
-        return sorted(c for c in children if storage.exists(f"{name}/{c}/{MANIFEST}"))
+        return sorted(c for c in children if committed(storage, f"{name}/{c}"))
     except (OSError, TardigradeError):
         return []  # only a better message was at stake
 

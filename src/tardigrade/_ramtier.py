@@ -213,7 +213,7 @@ class RamTier:
             if copy is not None:
                 need = sum(n for f, n in copy.sizes.items() if files is None or files(f))
                 self._make_room(need, keep=None)
-                staging = self.storage.begin(name, copy.save_id)
+                staging = self.catalog.commit.begin(name, copy.save_id)
                 try:
                     copy.copy_files(staging, files)
                     copy.commit(staging)
@@ -268,7 +268,7 @@ class RamTier:
         )
 
     def _commit(self, staging: str, name: str, manifest: bytes, save_id: str) -> None:
-        self.storage.commit(
+        self.catalog.commit.commit(
             staging, name, manifest, save_id=save_id, replace=self.catalog.committed(name)
         )
         self._stored(name)
@@ -536,7 +536,7 @@ class RamMirror:
         staging = self._out[0]
         if self._job is not None and staging is not None:
             try:
-                self.tier.storage.abort(staging, self._job.name, self._job.header["save_id"])
+                self.tier.catalog.commit.abort(staging, self._job.name, self._job.header["save_id"])
             except OSError as e:
                 log.warning("tardigrade: cleaning up the RAM tier's %s: %s", staging, e)
 
@@ -548,7 +548,7 @@ class RamMirror:
         staging = None
         try:
             self.tier._make_room(_image_bytes(job), keep=job.name)
-            staging = storage.begin(job.name, job.header["save_id"])
+            staging = self.tier.catalog.commit.begin(job.name, job.header["save_id"])
         except BaseException as e:
             failure = e
         for i, (fp, get) in enumerate(zip(job.plan.files, self.sources, strict=True)):

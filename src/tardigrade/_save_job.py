@@ -14,11 +14,13 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 import torch
 
+from ._commit import Commit, commit_for, what_is_at
 from ._plan import (
     DEFAULT_MAX_FILES,
     FilePlan,
@@ -98,9 +100,14 @@ class SaveJob:
     gplan: GlobalPlan | None = None
     blocking_seconds: float | None = None  # set by an async save once staging is done
 
+    @cached_property
+    def commit(self) -> Commit:
+        """How this save commits on its storage (a rename, or the manifest last)."""
+        return commit_for(self.storage)
+
     def stored_name(self, file: str) -> str:
         """The name data file ``file`` of the plan has in storage (and the manifest)."""
-        return self.storage.data_name(file, self.header["save_id"])
+        return self.commit.data_name(file, self.header["save_id"])
 
     @property
     def entries(self) -> list[Entry]:
@@ -241,7 +248,7 @@ def check_target(storage: Storage, name: str, overwrite: bool, *, racing: bool =
     ``overwrite=True`` replaces a checkpoint; it never deletes a directory of other
     checkpoints, a user's files or a regular file that happen to sit at the path.
     """
-    kind = storage.describe(name)
+    kind = what_is_at(storage, name)
     if kind is None or (kind == "checkpoint" and overwrite):
         return
     url = storage.url(name)

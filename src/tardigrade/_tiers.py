@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._catalog import Catalog, step_name
+from ._commit import Commit, commit_for, committed
 from ._open import holds_save
 from .errors import CheckpointExistsError, CorruptCheckpointError, TardigradeError
 from .format import limits
@@ -84,7 +85,7 @@ def copy_checkpoint(
     copy = CopyPlan.of(src, name, dst, replace=replace)
     if copy is None:
         return "present"
-    staging = dst.begin(name, copy.save_id)
+    staging = copy.into.begin(name, copy.save_id)
     try:
         copy.copy_files(staging, files, go)
         copy.commit(staging)
@@ -116,6 +117,7 @@ class CopyPlan:
     save_id: str
     sizes: dict[str, int]
     names: dict[str, str]
+    into: Commit  # how copies commit in ``dst``
 
     @classmethod
     def of(cls, src: Storage, name: str, dst: Storage, *, replace: bool) -> CopyPlan | None:
@@ -127,7 +129,8 @@ class CopyPlan:
         save_id = doc.get("save_id")
         if not isinstance(save_id, str) or not save_id:
             raise CorruptCheckpointError(f"{where}: the manifest has no save_id; cannot copy it")
-        if dst.exists(f"{name}/{MANIFEST}"):
+        into = commit_for(dst)
+        if committed(dst, name):
             there_at = dst.url(f"{name}/{MANIFEST}")
             there = loads_strict(
                 dst.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES), there_at
@@ -139,9 +142,9 @@ class CopyPlan:
                     f"{dst.url(name)}: another checkpoint (save {there.get('save_id')!r}) is "
                     f"committed there; not replacing it with {src.url(name)}."
                 )
-        names = {file: dst.data_name(file.split(".", 1)[1] if _stored(file, save_id) else file,
-                                     save_id) for file in manifest.files}  # fmt: skip
-        return cls(src, name, dst, replace, raw, doc, save_id, dict(manifest.files), names)
+        names = {file: into.data_name(file.split(".", 1)[1] if _stored(file, save_id) else file,
+                                      save_id) for file in manifest.files}  # fmt: skip
+        return cls(src, name, dst, replace, raw, doc, save_id, dict(manifest.files), names, into)
 
     def copy_files(
         self,
@@ -163,7 +166,7 @@ class CopyPlan:
         body = dumps(_renamed(doc, self.names))
         new = seal(body) if b'"manifest_checksum"' in self.raw[-200:] else body
         parse(new, self.dst.url(f"{self.name}/{MANIFEST}"))  # what is committed loads
-        self.dst.commit(staging, self.name, new, save_id=self.save_id, replace=self.replace)
+        self.into.commit(staging, self.name, new, save_id=self.save_id, replace=self.replace)
 
     def end(self, staging: str) -> bool | None:
         """After a copy failed: whether it committed nonetheless (a commit whose reply was
@@ -173,13 +176,13 @@ class CopyPlan:
         committed = self.committed()
         if committed is False:
             try:
-                self.dst.abort(staging, self.name, self.save_id)
+                self.into.abort(staging, self.name, self.save_id)
                 return False
             except Exception as e:
                 log.warning(
                     "tardigrade: cleaning up a failed copy to %s: %s", self.dst.url(self.name), e
                 )
-        self.dst.abandon(staging)  # for tidy (gc, the next manager) to remove, if uncommitted
+        self.into.abandon(staging)  # for tidy (gc, the next manager) to remove, if uncommitted
         return committed
 
     def committed(self) -> bool | None:
@@ -224,7 +227,7 @@ def copy_on_ranks(
         plan[0] = CopyPlan.of(src, name, dst, replace=False)
         if plan[0] is None:
             return json.dumps({"present": True}).encode()
-        made.append(dst.begin(name, plan[0].save_id))
+        made.append(plan[0].into.begin(name, plan[0].save_id))
         return json.dumps({"staging": made[0]}).encode()
 
     def mine() -> bytes:

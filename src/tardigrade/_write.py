@@ -187,7 +187,7 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
     try:
         head = file_header(fp)
         layout = _Layout(job.storage.url(f"{job.name}/{fp.name}"), head, fp)
-        stored = job.storage.data_name(fp.name, job.header["save_id"])
+        stored = job.commit.data_name(fp.name, job.header["save_id"])
         writer = job.storage.open_writer(f"{staging}/{stored}", size_hint=len(head) + fp.nbytes)
     except BaseException as e:
         failure = e
@@ -462,7 +462,7 @@ def seal_checked(doc: dict[str, Any], where: str) -> bytes:
 def begin(job: SaveJob, streams: Sequence[Iterable[Any]] = ()) -> str:
     """Create the save's staging location; on failure release the streams' buffers."""
     try:
-        return job.storage.begin(job.name, job.header["save_id"])
+        return job.commit.begin(job.name, job.header["save_id"])
     except BaseException:
         # No writer will read the streams: release their staging buffers here, or a
         # caller staging under a byte budget would wait for them forever.
@@ -489,7 +489,7 @@ def write_files(
 def commit_staging(job: SaveJob, staging: str, manifest: bytes) -> None:
     """Write the manifest and make the checkpoint visible atomically (the backend's strategy)."""
     check_target(job.storage, job.name, job.overwrite, racing=True)
-    job.storage.commit(
+    job.commit.commit(
         staging, job.name, manifest, save_id=job.header["save_id"], replace=job.overwrite
     )
 
@@ -505,7 +505,7 @@ def end_staging(job: SaveJob, staging: str, committed: bool | None) -> None:
     """
     if committed is False:
         try:
-            job.storage.abort(staging, job.name, job.header["save_id"])
+            job.commit.abort(staging, job.name, job.header["save_id"])
             return
         except Exception as e:
             log.warning(
@@ -515,7 +515,7 @@ def end_staging(job: SaveJob, staging: str, committed: bool | None) -> None:
                 job.storage.url(staging),
                 e,
             )
-    job.storage.abandon(staging)
+    job.commit.abandon(staging)
 
 
 def committed_here(job: SaveJob) -> bool | None:

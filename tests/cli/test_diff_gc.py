@@ -229,7 +229,7 @@ def test_gc_refuses_while_a_live_job_holds_the_lock(
             sys.executable,
             "-c",
             "import sys, time; from tardigrade.storage.local_lease import DirectoryLock; "
-            f"DirectoryLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); "
+            f"DirectoryLock({str(tmp_path / '.lock')!r}).acquire(); print('locked', flush=True); "
             "time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
@@ -274,3 +274,27 @@ def test_tidy_reports_each_leftover_to_progress_on_an_object_store() -> None:
     done = Catalog(storage).tidy(progress=seen.append)
     assert seen == done and [t.name for t in done] == ["step-000000002", "step-000000003"]
     assert storage.list() == ["step-000000001"]
+
+
+def test_gc_and_ls_size_a_leftover_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One definition of a checkpoint's size (``_commit.size_of``): what ``ls`` shows of a dead
+    save's staging is what ``gc`` says it frees; files in subdirectories count, a symbolic
+    link counts as nothing (its target is not the save's)."""
+    _leftovers(tmp_path)
+    dead = tmp_path / ".tmp-step-000000003-deadbeef"
+    (dead / "sub").mkdir()
+    (dead / "sub" / "part").write_bytes(b"y" * 700)
+    outside = tmp_path.parent / f"{tmp_path.name}-big"
+    outside.write_bytes(b"z" * 100_000)
+    (dead / "link").symlink_to(outside)
+    rc, out, _ = cli(capsys, "ls", "--json", tmp_path)
+    assert rc == 0
+    listed = {e["name"]: e["nbytes"] for e in json.loads(out)}
+    rc, out, _ = cli(capsys, "gc", "--dry-run", "--json", tmp_path)
+    assert rc == 0
+    planned = {t["name"]: t["nbytes"] for t in json.loads(out)["leftovers"]}
+    assert planned[dead.name] == listed[dead.name] == 5000 + 700
+    moved = ".tmp-step-000000004-replaced-cafe"
+    assert planned["step-000000004"] == listed[moved] > 0  # recovered: the same bytes

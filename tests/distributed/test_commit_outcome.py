@@ -56,19 +56,19 @@ def outcome(call: Callable[[], Any]) -> dict[str, Any]:
 
 def patch_commit(after_rename: Callable[[], None] | None, before_rename: Callable[[], None] | None = None) -> None:  # fmt: skip
     """Make this rank's next checkpoint commit call ``before_rename`` / ``after_rename``."""
-    from tardigrade.storage import local
+    from tardigrade._commit import RenameCommit
 
-    real = local.LocalStorage.commit
+    real = RenameCommit.commit
 
     def commit(self: Any, *args: Any, **kw: Any) -> None:
-        local.LocalStorage.commit = real  # type: ignore[method-assign]
+        RenameCommit.commit = real  # type: ignore[method-assign]
         if before_rename is not None:
             before_rename()
         real(self, *args, **kw)
         if after_rename is not None:
             after_rename()
 
-    local.LocalStorage.commit = commit  # type: ignore[method-assign]
+    RenameCommit.commit = commit  # type: ignore[method-assign]
 
 
 def die() -> None:

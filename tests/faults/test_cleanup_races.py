@@ -73,9 +73,9 @@ def test_tidy_looping_beside_a_save_loop_never_breaks_a_save(tmp_path: Path, asy
 
 HOLDER = """
 import sys, time
+from tardigrade._commit import commit_for
 from tardigrade.storage.local import LocalStorage
-s = LocalStorage(sys.argv[1])
-staging = s.begin("step-000000007", "0" * 32)
+staging = commit_for(LocalStorage(sys.argv[1])).begin("step-000000007", "0" * 32)
 print(staging, flush=True)
 time.sleep(120)
 """
@@ -161,7 +161,7 @@ def test_replace_without_atomic_swap_holds_the_moved_aside_checkpoint_against_cl
 ) -> None:
     monkeypatch.setattr(local, "_exchange", lambda a, b: False)
     tg.save(tmp_path / "best", state(1))
-    real_rename = os.rename
+    real_rename = local._rename_new
     seen: list[list[str]] = []
 
     def rename(src: str, dst: str) -> None:
@@ -170,7 +170,7 @@ def test_replace_without_atomic_swap_holds_the_moved_aside_checkpoint_against_cl
             # Between the two renames: a cleanup must not put the old one back.
             seen.append([t.name for t in Catalog(str(tmp_path)).tidy()])
 
-    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(local, "_rename_new", rename)
     tg.save(tmp_path / "best", state(2), overwrite=True)
     assert seen == [[]]
     assert tg.load(tmp_path / "best")["step"] == 2

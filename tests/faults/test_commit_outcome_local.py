@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import tardigrade as tg
-from tardigrade.storage import local, open_root
-from tardigrade.storage.base import ManifestLastCommit
+from tardigrade._commit import ManifestLastCommit, RenameCommit
+from tardigrade.storage import open_root
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -26,7 +26,7 @@ def fail_after_rename(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """While the returned flag is set, a commit commits (the rename; the manifest's
     conditional create on a store), then raises EIO."""
     armed = [False]
-    for cls in (local.LocalStorage, ManifestLastCommit):
+    for cls in (RenameCommit, ManifestLastCommit):
         real = cls.commit
 
         def commit(self: Any, *args: Any, _real: Any = real, **kw: Any) -> None:

@@ -65,17 +65,18 @@ CHILD = textwrap.dedent(
 
     def arm(point, parent):
         """Install a hook that SIGKILLs this process at ``point`` of the next save."""
+        from tardigrade._commit import RenameCommit
         from tardigrade.storage import local
 
         final_b = os.path.join(parent, "B")
         if point == "begin":
-            orig_begin = local.LocalStorage.begin
+            orig_begin = RenameCommit.begin
 
             def begin(self, name, save_id):
                 staging = orig_begin(self, name, save_id)
                 die(f"begin {staging}")
 
-            local.LocalStorage.begin = begin
+            RenameCommit.begin = begin
         elif point == "mid_data":
             orig_write = local.LocalWriter.write
 
@@ -118,13 +119,13 @@ CHILD = textwrap.dedent(
 
             local.fsync_dir = fsync_dir
         elif point == "after_commit":
-            orig_commit = local.LocalStorage.commit
+            orig_commit = RenameCommit.commit
 
             def commit(self, staging, name, manifest, **kw):
                 orig_commit(self, staging, name, manifest, **kw)
                 die(f"after_commit {name}")
 
-            local.LocalStorage.commit = commit
+            RenameCommit.commit = commit
         elif point == "after_replace_exchange":
             # The replace swaps old and new atomically (renameat2 RENAME_EXCHANGE); die right
             # after the swap, before the old copy is removed or the parent is fsynced.

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tardigrade as tg
+from tardigrade._commit import commit_for
 from tardigrade.storage import open_root
 from tardigrade.testing import kill_during
 
@@ -51,7 +52,7 @@ def prepare(url: str) -> None:
     storage = open_root(url, NO_GRACE)
     for name, save_id in (("step-000000003", "e" * 32), ("step-000000007", "f" * 32)):
         for i in range(2):
-            data = f"{name}/{storage.data_name(f'data-{i}.safetensors', save_id)}"
+            data = f"{name}/{commit_for(storage).data_name(f'data-{i}.safetensors', save_id)}"
             storage.put(data, b"what a crashed save left", mode="overwrite")
 
 
@@ -71,7 +72,7 @@ def unreachable(url: str) -> list[str]:
     storage = open_root(url, NO_GRACE)
     catalog = tg.Catalog(storage)
     left = []
-    for name, objects, committed in storage.tidy_candidates():  # type: ignore[attr-defined]
+    for name, objects, committed in commit_for(storage).candidates():
         if not name:
             continue
         owner = catalog.manifest(name).raw["save_id"][:16] if committed else None

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import tardigrade as tg
+from tardigrade._commit import LOCK
 from tardigrade.errors import CheckpointLockedError, TardigradeError
 from tardigrade.storage import open_root
 
@@ -330,7 +331,7 @@ def test_a_store_lease_whose_holder_died_on_this_machine_is_taken_over_at_once(
         [sys.executable, "-c", HOLD_AND_DIE, url], capture_output=True, text=True, timeout=300
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
-    rec = open_root(url).lease().read()
+    rec = open_root(url).lease(LOCK).read()
     assert rec is not None and rec["pid"] == child_pid(rec) and rec["released"] is False
     caplog.set_level(logging.WARNING, logger="tardigrade")
     with tg.CheckpointManager(url, state(), lock_timeout=0) as mgr:  # no waiting allowed

@@ -83,7 +83,7 @@ def contend(directory: str, start: Any, done: Any, results: Any, trials: int) ->
     """One contender process: in each trial, try once to take the lock; report the tenure."""
     for trial in range(trials):
         start.wait(CHILD_TIMEOUT)
-        lock = DirectoryLock(directory, lease_seconds=30)
+        lock = DirectoryLock(os.path.join(directory, ".lock"), lease_seconds=30)
         try:
             lock.acquire()
         except CheckpointLockedError:
@@ -160,7 +160,7 @@ NS_HOLDER = textwrap.dedent(
     import json, os, sys
     from tardigrade.storage.local_lease import DirectoryLock
 
-    lock = DirectoryLock(sys.argv[1], lease_seconds=30)
+    lock = DirectoryLock(os.path.join(sys.argv[1], ".lock"), lease_seconds=30)
     lock.acquire()
     print(json.dumps({"pid": os.getpid()}), flush=True)
     sys.stdin.readline()
@@ -259,7 +259,7 @@ def test_a_live_holder_in_another_pid_namespace_keeps_the_lock(
     assert not _lock._pid_alive(holder.pid_inside)  # this pid exists only in its namespace
     caplog.set_level(logging.WARNING, logger="tardigrade")
     with pytest.raises(CheckpointLockedError) as info:
-        DirectoryLock(str(d), lease_seconds=30).acquire()
+        DirectoryLock(os.path.join(str(d), ".lock"), lease_seconds=30).acquire()
     msg = str(info.value)
     assert f"pid {holder.pid_inside} in another PID namespace" in msg and str(d) in msg
     with pytest.raises(CheckpointLockedError, match="another PID namespace"):
@@ -277,10 +277,10 @@ def test_a_sigkilled_holder_in_another_pid_namespace_frees_the_lock_at_once(
     holder = ns_holder(d, as_init=True)
     assert record(d)["pid"] == 1 == holder.pid_inside
     with pytest.raises(CheckpointLockedError):
-        DirectoryLock(str(d), lease_seconds=30).acquire()
+        DirectoryLock(os.path.join(str(d), ".lock"), lease_seconds=30).acquire()
     holder.kill()
     caplog.set_level(logging.WARNING, logger="tardigrade")
-    lock = DirectoryLock(str(d), lease_seconds=30)
+    lock = DirectoryLock(os.path.join(str(d), ".lock"), lease_seconds=30)
     lock.acquire()  # within the holder's 30 s lease: acquire() never waits, it would raise
     try:
         assert record(d)["pid"] == os.getpid()
@@ -297,10 +297,10 @@ def test_a_fresh_record_from_another_kernel_is_respected_until_its_lease_expires
     # by the pid and took it over at once.
     write_record(tmp_path, boot_id="another-kernel", lease_seconds=1.0, pid=999_999_999)
     with pytest.raises(CheckpointLockedError) as info:
-        DirectoryLock(str(tmp_path), lease_seconds=30).acquire()
+        DirectoryLock(os.path.join(str(tmp_path), ".lock"), lease_seconds=30).acquire()
     assert "pid 999999999" in str(info.value) and "wait 1 s after it dies" in str(info.value)
     time.sleep(1.2)  # the lease itself is what is tested: nothing else can be waited on
-    lock = DirectoryLock(str(tmp_path), lease_seconds=30)
+    lock = DirectoryLock(os.path.join(str(tmp_path), ".lock"), lease_seconds=30)
     lock.acquire()
     assert lock.generation == 8 and record(tmp_path)["generation"] == 8
     lock.release()
@@ -311,7 +311,7 @@ def test_a_dead_writer_whose_pid_was_reused_frees_the_lock_at_once(tmp_path: Pat
     # process (here: this one's parent). The free file lock proves the writer is gone; the old
     # lock believed the pid and waited for the whole lease.
     write_record(tmp_path, pid=os.getppid(), heartbeat=time.time(), lease_seconds=30)
-    lock = DirectoryLock(str(tmp_path), lease_seconds=30)
+    lock = DirectoryLock(os.path.join(str(tmp_path), ".lock"), lease_seconds=30)
     lock.acquire()
     assert record(tmp_path)["pid"] == os.getpid() and lock.generation == 8
     lock.release()
@@ -324,7 +324,7 @@ FORKING_HOLDER = textwrap.dedent(
     import os, sys, time
     from tardigrade.storage.local_lease import DirectoryLock
 
-    lock = DirectoryLock(sys.argv[1], lease_seconds=30)
+    lock = DirectoryLock(os.path.join(sys.argv[1], ".lock"), lease_seconds=30)
     lock.acquire()
     worker = os.fork()
     if worker == 0:  # a DataLoader-like worker that outlives its parent (killed by the test)
@@ -361,7 +361,7 @@ def test_a_dead_holder_frees_the_lock_at_once_while_its_forked_worker_lives(
         worker = int(holder.stdout.readline())
         if death == "sigkill":
             with pytest.raises(CheckpointLockedError, match=f"pid {holder.pid}"):
-                DirectoryLock(str(d), lease_seconds=30).acquire()
+                DirectoryLock(os.path.join(str(d), ".lock"), lease_seconds=30).acquire()
             holder.kill()
         assert holder.wait(CHILD_TIMEOUT) in (0, -signal.SIGKILL)
         assert _lock._pid_alive(worker)
@@ -403,13 +403,15 @@ def test_a_holder_on_a_full_disk_keeps_the_lock_and_writes_its_record_later(
     mnt, filler = full_tmpfs
     d = mnt / "ckpt"
     caplog.set_level(logging.INFO, logger="tardigrade")
-    lock = DirectoryLock(str(d), lease_seconds=30)
+    lock = DirectoryLock(os.path.join(str(d), ".lock"), lease_seconds=30)
     lock.acquire()  # the record cannot be written; the lock is held all the same
     try:
         assert lock.held and (d / ".lock").read_bytes() == b""
         assert any("cannot write the lock record" in r.getMessage() for r in caplog.records)
         with pytest.raises(CheckpointLockedError, match="owner unknown"):
-            DirectoryLock(str(d), lease_seconds=30).acquire()  # a live holder, record or not
+            DirectoryLock(
+                os.path.join(str(d), ".lock"), lease_seconds=30
+            ).acquire()  # a live holder, record or not
         lock.check()  # still ours: no one else can hold the file lock
         filler.unlink()  # space is back: the record is written at the next check or heartbeat
         lock.check()
@@ -422,10 +424,10 @@ def test_a_holder_on_a_full_disk_keeps_the_lock_and_writes_its_record_later(
 
 HOLD_AND_DIE = textwrap.dedent(
     r"""
-    import sys
+    import os, sys
     from tardigrade.storage.local_lease import DirectoryLock
 
-    lock = DirectoryLock(sys.argv[1], lease_seconds=30)
+    lock = DirectoryLock(os.path.join(sys.argv[1], ".lock"), lease_seconds=30)
     try:
         lock.acquire()
         print("HELD", flush=True)
@@ -457,7 +459,7 @@ def test_what_a_writer_left_on_a_full_disk_does_not_block_the_next_one(
         child.kill()
         child.communicate(timeout=CHILD_TIMEOUT)
     assert (d / ".lock").read_bytes() == b""  # its record never made it to the disk
-    lock = DirectoryLock(str(d), lease_seconds=30)
+    lock = DirectoryLock(os.path.join(str(d), ".lock"), lease_seconds=30)
     lock.acquire()  # at once, and still on a full disk
     assert said == "HELD"  # the dead one held the lock while it lived, record or not
     filler.unlink()
@@ -508,11 +510,11 @@ def test_gc_frees_a_full_disk(full_tmpfs: tuple[Path, Path], capsys: pytest.Capt
 
 STALLER = textwrap.dedent(
     r"""
-    import sys
+    import os, sys
     from tardigrade.storage.local_lease import DirectoryLock
     from tardigrade.errors import CheckpointLockedError
 
-    lock = DirectoryLock(sys.argv[1], lease_seconds=float(sys.argv[2]))
+    lock = DirectoryLock(os.path.join(sys.argv[1], ".lock"), lease_seconds=float(sys.argv[2]))
     lock.acquire()
     print(lock.generation, flush=True)
     sys.stdin.readline()  # SIGSTOPped meanwhile: stalled past its lease
@@ -550,7 +552,7 @@ def test_a_holder_stalled_past_its_lease_is_fenced_off_after_a_takeover(
         assert old.stdout is not None and old.stdin is not None
         old_generation = int(old.stdout.readline())
         monkeypatch.setattr(_lock.fcntl, "flock", no_flock)
-        new = DirectoryLock(str(d), lease_seconds=30)
+        new = DirectoryLock(os.path.join(str(d), ".lock"), lease_seconds=30)
         with pytest.raises(CheckpointLockedError, match=f"pid {old.pid}"):
             new.acquire()  # its heartbeat is fresh
         old.send_signal(signal.SIGSTOP)
@@ -579,10 +581,10 @@ def test_a_holder_whose_lock_file_was_removed_is_fenced_off(tmp_path: Path):
     # Someone removed .lock (by hand, or an old version of this library) and another job made
     # a new one: the old holder's flock is on a file nobody sees any more. check() must say so,
     # and its release must not remove the new holder's file.
-    old = DirectoryLock(str(tmp_path), lease_seconds=30)
+    old = DirectoryLock(os.path.join(str(tmp_path), ".lock"), lease_seconds=30)
     old.acquire()
     os.unlink(tmp_path / ".lock")
-    new = DirectoryLock(str(tmp_path), lease_seconds=30)
+    new = DirectoryLock(os.path.join(str(tmp_path), ".lock"), lease_seconds=30)
     new.acquire()
     assert new.generation == 1
     with pytest.raises(CheckpointLockedError, match="no longer holds the directory lock"):
@@ -606,14 +608,14 @@ def die(lock: DirectoryLock) -> None:
 def test_each_takeover_gets_the_next_generation(tmp_path: Path):
     seen = []
     for _ in range(3):
-        lock = DirectoryLock(str(tmp_path), lease_seconds=30)
+        lock = DirectoryLock(os.path.join(str(tmp_path), ".lock"), lease_seconds=30)
         lock.acquire()
         seen.append((lock.generation, record(tmp_path)["generation"]))
         die(lock)
     assert seen == [(1, 1), (2, 2), (3, 3)]
     # A clean release removes the file: no holder is left to fence off, so counting restarts
     # (the owner id, unique per lock, is compared together with the generation).
-    lock = DirectoryLock(str(tmp_path), lease_seconds=30)
+    lock = DirectoryLock(os.path.join(str(tmp_path), ".lock"), lease_seconds=30)
     lock.acquire()
     assert lock.generation == 4
     lock.release()
@@ -628,7 +630,7 @@ def test_each_takeover_gets_the_next_generation(tmp_path: Path):
 def test_release_drops_the_lock_even_when_retiring_the_record_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ):
-    lock = DirectoryLock(str(tmp_path), lease_seconds=30)
+    lock = DirectoryLock(os.path.join(str(tmp_path), ".lock"), lease_seconds=30)
     lock.acquire()
 
     def refuse(path: Any) -> None:
@@ -643,7 +645,7 @@ def test_release_drops_the_lock_even_when_retiring_the_record_fails(
     assert any("Permission denied" in r.getMessage() for r in caplog.records)
     assert record(tmp_path)["released"] is True  # the file stayed, marked free
     caplog.clear()
-    nxt = DirectoryLock(str(tmp_path), lease_seconds=30)
+    nxt = DirectoryLock(os.path.join(str(tmp_path), ".lock"), lease_seconds=30)
     nxt.acquire()  # at once, and without a takeover
     assert took_over(caplog) == []
     nxt.release()
@@ -652,7 +654,7 @@ def test_release_drops_the_lock_even_when_retiring_the_record_fails(
 def test_release_drops_the_lock_when_interrupted_half_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    lock = DirectoryLock(str(tmp_path), lease_seconds=30)
+    lock = DirectoryLock(os.path.join(str(tmp_path), ".lock"), lease_seconds=30)
     lock.acquire()
 
     def interrupt(*args: Any, **kwargs: Any) -> None:
@@ -662,6 +664,6 @@ def test_release_drops_the_lock_when_interrupted_half_way(
     with pytest.raises(KeyboardInterrupt):
         lock.release()
     assert not lock.held
-    nxt = DirectoryLock(str(tmp_path), lease_seconds=30)
+    nxt = DirectoryLock(os.path.join(str(tmp_path), ".lock"), lease_seconds=30)
     nxt.acquire()  # the flock went with the interrupted release
     nxt.release()

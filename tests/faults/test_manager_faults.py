@@ -422,7 +422,7 @@ def test_a_full_disk_at_construction_is_not_fatal(
     real_mkdir = os.mkdir
 
     def mkdir(path: Any, *a: Any, **kw: Any) -> None:
-        if ".tmp-probe-" in os.fspath(path):
+        if ".probe-" in os.fspath(path):  # the preflight's probe directory
             raise OSError(code, os.strerror(code), os.fspath(path))
         real_mkdir(path, *a, **kw)
 

@@ -24,6 +24,7 @@ from torch import nn
 import tardigrade as tg
 import tardigrade.manager._checkpoint_manager as manager_mod
 from tardigrade._catalog import Catalog
+from tardigrade._commit import RenameCommit
 from tardigrade.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -417,14 +418,14 @@ def test_retention_deletes_only_after_the_new_checkpoint_commits(
 
     monkeypatch.setattr(Catalog, "retire", retire)
 
-    real_commit = local.LocalStorage.commit
+    real_commit = RenameCommit.commit
 
     def failing_commit(self: Any, staging: str, name: str, manifest: bytes, **kw: Any) -> None:
         if name.endswith("000000002"):
             raise StorageError(5, "injected commit failure")
         real_commit(self, staging, name, manifest, **kw)
 
-    monkeypatch.setattr(local.LocalStorage, "commit", failing_commit)
+    monkeypatch.setattr(RenameCommit, "commit", failing_commit)
     newest.append(2)
     mark(mgr.state, 2)
     mgr.save(2)
@@ -907,7 +908,7 @@ def test_injected_storage_failure_warn_and_raise(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, async_save
 ):
     caplog.set_level(logging.INFO, logger="tardigrade")
-    real_commit = local.LocalStorage.commit
+    real_commit = RenameCommit.commit
     failing = {"on": False}
 
     def commit(self: Any, staging: str, name: str, manifest: bytes, **kw: Any) -> None:
@@ -915,7 +916,7 @@ def test_injected_storage_failure_warn_and_raise(
             raise StorageError(5, "injected I/O error")
         real_commit(self, staging, name, manifest, **kw)
 
-    monkeypatch.setattr(local.LocalStorage, "commit", commit)
+    monkeypatch.setattr(RenameCommit, "commit", commit)
     with tg.CheckpointManager(tmp_path / "w", make_state(), async_save=async_save) as mgr:
         save_steps(mgr, [1])
         failing["on"] = True
@@ -946,7 +947,7 @@ def test_injected_storage_failure_warn_and_raise(
 def test_raise_mode_raises_each_failure_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
 ):
-    real_commit = local.LocalStorage.commit
+    real_commit = RenameCommit.commit
     failing = {"on": True}
 
     def commit(self: Any, staging: str, name: str, manifest: bytes, **kw: Any) -> None:
@@ -954,7 +955,7 @@ def test_raise_mode_raises_each_failure_once(
             raise StorageError(5, "injected I/O error")
         real_commit(self, staging, name, manifest, **kw)
 
-    monkeypatch.setattr(local.LocalStorage, "commit", commit)
+    monkeypatch.setattr(RenameCommit, "commit", commit)
     mgr = tg.CheckpointManager(tmp_path, make_state(), on_save_error="raise", async_save=async_save)
     try:
         with pytest.raises(SaveError, match="injected I/O error"):

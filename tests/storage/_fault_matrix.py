@@ -34,11 +34,11 @@ from typing import Any
 
 import tardigrade as tg
 from tardigrade._catalog import Catalog
+from tardigrade._commit import LOCK
 from tardigrade.errors import TardigradeError
 from tardigrade.format.manifest import MANIFEST
 from tardigrade.storage import LocalStorage, Storage
 from tardigrade.storage import base as storage_base
-from tardigrade.storage.lease import LOCK
 from tardigrade.testing import ERRORS, FaultyStorage
 
 # Faults injected, per family (and backend), for the session's summary (conftest prints them).
@@ -168,7 +168,7 @@ def leftovers(storage: Storage) -> list[str]:
     out = []
     for n in catalog.names():
         if n == LOCK:
-            record = storage.lease().read()
+            record = storage.lease(LOCK).read()
             if record is not None and record.get("released") is not True:
                 out.append(f"{n} (held: {record})")
             continue

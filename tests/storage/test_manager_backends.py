@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import tardigrade as tg
+from tardigrade._commit import LOCK
 from tardigrade.storage import open_root
 from tardigrade.testing import FaultyStorage
 
@@ -54,7 +55,10 @@ def test_policy_retention_and_restore(root_url: str, async_save: bool) -> None:
     # whose generation the next holder continues).
     storage = open_root(root_url)
     assert [n for n in storage.list() if n != ".lock"] == ["step-000000006", "step-000000008"]
-    assert storage.lease().read() in (None, {**(storage.lease().read() or {}), "released": True})
+    assert storage.lease(LOCK).read() in (
+        None,
+        {**(storage.lease(LOCK).read() or {}), "released": True},
+    )
     state = make_state(-1.0)
     with tg.CheckpointManager(root_url, state) as mgr:
         assert mgr.restore() == 8 and weight(state) == 8.0 and state["step"] == 8

@@ -21,6 +21,7 @@ import torch
 
 import tardigrade as tg
 from tardigrade._catalog import Catalog
+from tardigrade._commit import ManifestLastCommit, commit_for, what_is_at
 from tardigrade.errors import (
     CheckpointExistsError,
     InvalidArgumentError,
@@ -155,15 +156,13 @@ def test_a_save_that_fails_mid_object_commits_nothing(url: str) -> None:
 def test_two_writers_racing_to_commit_one_checkpoint_exactly_one_wins(url: str) -> None:
     """Four saves of one checkpoint write their data, wait for each other, then all commit:
     one manifest lands, the others get CheckpointExistsError and their data are removed."""
-    from tardigrade import storage as storage_pkg
-
     n = 4
     barrier = threading.Barrier(n)
+    real_commit = ManifestLastCommit.commit
 
-    class AtTheLine(S3Storage):
-        def commit(self, *args: Any, **kwargs: Any) -> None:
-            barrier.wait(timeout=60)
-            super().commit(*args, **kwargs)
+    def at_the_line(self: ManifestLastCommit, *args: Any, **kwargs: Any) -> None:
+        barrier.wait(timeout=60)
+        real_commit(self, *args, **kwargs)
 
     errors: dict[int, BaseException | None] = {}
 
@@ -174,8 +173,7 @@ def test_two_writers_racing_to_commit_one_checkpoint_exactly_one_wins(url: str) 
         except BaseException as e:
             errors[i] = e
 
-    original = storage_pkg._BACKENDS["s3"]
-    storage_pkg._BACKENDS["s3"] = lambda root, options: AtTheLine(root, options)
+    ManifestLastCommit.commit = at_the_line  # type: ignore[method-assign]  # undone below
     try:
         threads = [threading.Thread(target=save, args=(i,)) for i in range(n)]
         for t in threads:
@@ -183,7 +181,7 @@ def test_two_writers_racing_to_commit_one_checkpoint_exactly_one_wins(url: str) 
         for t in threads:
             t.join(timeout=120)
     finally:
-        storage_pkg._BACKENDS["s3"] = original
+        ManifestLastCommit.commit = real_commit  # type: ignore[method-assign]  # as it was
     winners = [i for i, e in errors.items() if e is None]
     losers = [e for e in errors.values() if e is not None]
     assert len(winners) == 1 and len(losers) == n - 1, errors
@@ -233,8 +231,10 @@ def crashed_save(storage: S3Storage, s3_server: Any, name: str) -> str:
     """What a save SIGKILLed mid-upload leaves: a data object, no manifest, and an
     incomplete multipart upload of its next object."""
     save_id = uuid.uuid4().hex
-    storage.put(f"{name}/{storage.data_name('data-0.safetensors', save_id)}", b"x" * 100)
-    key = f"{storage.prefix}/{name}/{storage.data_name('data-1.safetensors', save_id)}"
+    storage.put(
+        f"{name}/{commit_for(storage).data_name('data-0.safetensors', save_id)}", b"x" * 100
+    )
+    key = f"{storage.prefix}/{name}/{commit_for(storage).data_name('data-1.safetensors', save_id)}"
     client = boto(s3_server)
     up = client.create_multipart_upload(Bucket=s3_server.bucket, Key=key)
     client.upload_part(
@@ -251,7 +251,7 @@ def test_gc_removes_what_crashed_saves_left_after_the_grace_period(url: str, s3_
     crashed_save(young, s3_env, "step-000000001")  # beside a committed checkpoint
     catalog = Catalog(young)
     assert catalog.steps() == [1]  # listing shows only what committed
-    assert young.describe("step-000000002") is None
+    assert what_is_at(young, "step-000000002") is None
     assert catalog.tidy() == []  # too young: their saves may still be running
     assert len(pending_uploads(s3_env, young)) == 2
 
@@ -273,10 +273,12 @@ def test_gc_removes_at_once_what_a_save_this_process_saw_fail_left(url: str) -> 
     process, without the grace period; a young leftover of another process stays."""
     storage = S3Storage(url, {})
     save_id = uuid.uuid4().hex
-    mine = f"step-000000001/{storage.data_name('data-0.safetensors', save_id)}"
+    mine = f"step-000000001/{commit_for(storage).data_name('data-0.safetensors', save_id)}"
     storage.put(mine, b"x" * 10)
-    storage.abandon("step-000000001")
-    other = f"step-000000002/{storage.data_name('data-0.safetensors', uuid.uuid4().hex)}"
+    commit_for(storage).abandon("step-000000001")
+    other = (
+        f"step-000000002/{commit_for(storage).data_name('data-0.safetensors', uuid.uuid4().hex)}"
+    )
     storage.put(other, b"y" * 10)
     storage.put(".probe-0123", b"", mode="overwrite")  # a preflight whose delete failed
     done = Catalog(storage).tidy()
@@ -446,9 +448,10 @@ if when == "mid-upload":  # the second part of a multipart data object is on its
             os.kill(os.getpid(), signal.SIGKILL)
     s3.S3Writer._send = _send
 else:  # every data object is complete; the manifest is next
+    from tardigrade._commit import ManifestLastCommit
     def commit(self, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
-    s3.S3Storage.commit = commit
+    ManifestLastCommit.commit = commit
 tg.save(f"{url}/step-000000002", {"w": torch.full((6 * 1024 * 1024,), 2.0)}, step=2)
 raise SystemExit("not killed")
 """

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tardigrade as tg
+from tardigrade._commit import commit_for
 from tardigrade.cli import main
 from tardigrade.errors import InvalidArgumentError
 from tardigrade.storage import FsspecStorage, MemoryStorage, Storage, open_root
@@ -40,7 +41,7 @@ def later(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
 
 def another_process_s_data(storage: Storage, name: str) -> str:
     """A data object that a save by another process wrote (nothing abandoned here)."""
-    data = f"{name}/{storage.data_name('data-00000-of-00001', uuid.uuid4().hex)}"
+    data = f"{name}/{commit_for(storage).data_name('data-00000-of-00001', uuid.uuid4().hex)}"
     w = storage.open_writer(data)
     w.write(b"x" * 100)
     w.close()

@@ -424,3 +424,25 @@ def test_the_manager_facade_stays_a_facade() -> None:
     assert [n for _, n in private_names_used("tardigrade.integrations.x", integration, home)] == [
         "tardigrade._save", "tardigrade._catalog", "tardigrade.data._BatchCount",
     ]  # fmt: skip
+
+
+def test_the_agreement_decides_and_the_split_does_the_work() -> None:
+    """The manager's ``Agreement`` makes decisions the same on every rank, and collectives;
+    dispatching saves, copying tiers, forking groups and sizing staging are its ``Split``'s
+    (issue 25). A method of the latter kind added back to the agreement fails here."""
+    trees = dict(package_sources())
+
+    def abstract(module: str, name: str) -> set[str]:
+        (cls,) = [
+            n for n in ast.walk(trees[module]) if isinstance(n, ast.ClassDef) and n.name == name
+        ]
+        return {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+
+    decisions = abstract("tardigrade.manager._agreement", "Agreement")
+    assert decisions == {
+        "shared", "on_coordinator", "level", "record_finished", "before_save", "outcome",
+        "live_touched", "barrier", "everywhere",
+    }, decisions  # fmt: skip
+    assert abstract("tardigrade.manager._split", "Split") == {
+        "copy", "fork", "async_saves", "staging_need", "submit",
+    }  # fmt: skip

@@ -34,8 +34,9 @@ from torch import nn
 
 import tardigrade as tg
 from tardigrade import _async
+from tardigrade._commit import RenameCommit
 from tardigrade.errors import InvalidArgumentError, TardigradeError
-from tardigrade.storage.local import LocalStorage, LocalWriter
+from tardigrade.storage.local import LocalWriter
 
 MiB = 1024 * 1024
 
@@ -794,9 +795,9 @@ def test_blocking_time_is_the_callers_even_when_the_writer_commits_first(
     (forced here: staging returns only after the commit). The result must still report the
     time the caller was blocked, not fall back to the save's total time."""
     committed = threading.Event()
-    original_commit = LocalStorage.commit
+    original_commit = RenameCommit.commit
 
-    def commit(self: LocalStorage, *args: Any, **kwargs: Any) -> None:
+    def commit(self: RenameCommit, *args: Any, **kwargs: Any) -> None:
         original_commit(self, *args, **kwargs)
         committed.set()
 
@@ -806,7 +807,7 @@ def test_blocking_time_is_the_callers_even_when_the_writer_commits_first(
         original_stage(job, pool, streams)
         assert committed.wait(30), "the writer never committed"
 
-    monkeypatch.setattr(LocalStorage, "commit", commit)
+    monkeypatch.setattr(RenameCommit, "commit", commit)
     monkeypatch.setattr(_async, "stage_copy", stage_then_wait_for_the_commit)
     ckpt = checkpointers(max_staging_bytes=4 * MiB)
     fut = ckpt.save(tmp_path / "ckpt", small_state(3))

@@ -65,12 +65,13 @@ def test_no_import_cycles() -> None:
 
 
 # Layers, lowest first: a module may import its own layer and those below, never one above.
-# The format knows bytes on disk; storage moves bytes (and uses the format's checksums and
-# names); everything else (pipelines, manager, CLI, testing) sits on both.
+# Storage moves bytes and knows nothing of what they are; the format knows bytes on disk;
+# what names mean (the layout, the commit strategies: ``_commit``) and everything else
+# (pipelines, manager, CLI, testing) sits on both.
 LAYERS = [
     ("tardigrade.errors", "tardigrade._version", "tardigrade._units"),
-    ("tardigrade.format",),
     ("tardigrade.storage",),
+    ("tardigrade.format",),
 ]
 
 
@@ -90,3 +91,37 @@ def test_no_upward_imports() -> None:
         if layer_of(dep) > layer_of(m)
     ]
     assert not upward, "imports that run upward: " + "; ".join(upward)
+
+
+# The names of a root's layout: what a checkpoint's commit record is called, where saves stage,
+# where the lease lives. They belong to ``tardigrade._commit``, never to the byte layer.
+LAYOUT_NAMES = ("manifest.json", ".lock", ".tmp-", ".abandoned.json", ".fences.json")
+
+
+def layout_names_in(path: Path) -> list[str]:
+    """String constants of ``path`` that are, or start with, a layout name (messages that
+    merely mention one are prose, not a name the code uses)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        value = node.value if isinstance(node, ast.Constant) else None
+        if isinstance(value, str) and any(value == n or value.startswith(n) for n in LAYOUT_NAMES):
+            found.append(f"{path.name}:{node.lineno}: {value!r}")
+    return found
+
+
+def test_storage_is_bytes_only() -> None:
+    """No module of ``tardigrade.storage`` imports the format or names a file of the layout:
+    a backend stores and moves bytes; what they are is decided above it."""
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    storage = {m: p for m, p in files.items() if layer_of(m) == 1}
+    assert len(storage) >= 8, sorted(storage)  # the check sees the package
+    into_format = [
+        f"{m} -> {dep}"
+        for m, p in sorted(storage.items())
+        for dep in sorted(imports_of(p, set(files)))
+        if dep.startswith("tardigrade.format")
+    ]
+    assert not into_format, "storage imports the format: " + "; ".join(into_format)
+    named = [hit for p in storage.values() for hit in layout_names_in(p)]
+    assert not named, "layout names in the byte layer: " + "; ".join(named)
+    assert layout_names_in(ROOT / "_commit.py"), "the check sees the names where they live"

@@ -12,7 +12,6 @@ from typing import Any
 
 from .. import Catalog
 from ..errors import CheckpointNotFoundError, TardigradeError
-from ..format.manifest import MANIFEST
 from ..storage import storage_for
 
 __all__ = [
@@ -42,11 +41,7 @@ Options = Mapping[str, Any] | None
 
 def _is_checkpoint(location: Any, options: Options = None) -> bool:
     """Whether ``location`` itself is a checkpoint (holds a manifest)."""
-    try:
-        storage, name = storage_for(location, options)
-    except TardigradeError:  # not a location at all (a bad URL): not a checkpoint either
-        return False
-    return storage.exists(f"{name}/{MANIFEST}")
+    return Catalog.is_checkpoint(location, options)
 
 
 def is_directory_of_checkpoints(location: Any, options: Options = None) -> bool:

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import Catalog, load
-from ..storage.lease import LOCK
 from ._demo_run import (
     CHILD_TIMEOUT_S,
     EVENT_PREFIX,
@@ -342,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         if first.killed_in_save is None or first.returncode != -signal.SIGKILL:
             return _fail("run 1 was not killed in the middle of a save as planned", first, args)
         on_disk = list_checkpoints(ckpt_dir)
-        lock_left = Catalog(ckpt_dir).storage.exists(LOCK)
+        lock_left = Catalog(ckpt_dir).storage.exists(Catalog.LOCK)
 
         resumed_final = os.path.join(tmp, "resumed")
         second = run_child(

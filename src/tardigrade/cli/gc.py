@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if here is None or not here.is_dir:
         what = "is not a directory" if here is not None else "does not exist"
         raise CheckpointNotFoundError(f"{args.dir}: {what}; pass a checkpoint directory")
-    lock = catalog.storage.lease()
+    lock = catalog.lease()
     try:
         # CheckpointLockedError names the live owner. A full disk does not stop us: the lock is
         # held without its record, and removing leftovers is what frees the space.

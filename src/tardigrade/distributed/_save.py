@@ -30,6 +30,7 @@ import torch
 
 from .. import _sinks
 from .._async import stage_entries
+from .._commit import commit_for
 from .._plan import (
     GlobalPlan,
     LocalPlan,
@@ -262,7 +263,7 @@ class _Save:
     def _begin(self) -> dict[str, Any]:
         assert self.storage is not None
         save_id = self.header["save_id"]
-        self.staging = self.storage.begin(self.name, save_id)
+        self.staging = commit_for(self.storage).begin(self.name, save_id)
         return {"save_id": save_id, "staging": self.staging}
 
     def tree_bytes(self) -> bytes:

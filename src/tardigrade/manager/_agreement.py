@@ -1,7 +1,8 @@
 """How the manager's decisions come out the same on every rank of a distributed job.
 
 The manager asks its :class:`Agreement` wherever ranks could disagree: what a listing shows,
-whether a step saves or stops, whether a background save counted, where a save's bytes go. In
+whether a step saves or stops, whether a background save counted. How the work of a save or
+a copy is split between the processes is its :class:`~._split.Split`'s (``split``). In
 a single process that is :class:`SingleProcess`, the null agreement: every decision is this
 process's own and nothing talks to another process. In a distributed job it is
 :class:`RankGroup`, over the manager's process group: rank 0 lists and cleans up, one tiny
@@ -14,28 +15,19 @@ import abc
 import functools
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from .._async import AsyncCheckpointer, SaveFuture
-from .._save_job import SaveOptions
-from .._sinks import Sink
-from .._tiers import copy_checkpoint, copy_on_ranks, file_rank
-from .._tree import flatten
+from .._tiers import file_rank
 from ..distributed._collectives import Ranks
-from ..distributed._save import stage_collective
 from ..errors import DistributedError, SaveError, TardigradeError
-from ..storage import Storage
+from ._split import ByRank, Split, Whole
 
 log = logging.getLogger("tardigrade")
 
 # What one step() agrees on, as a level: the largest any rank reports wins. A signal on any
 # rank outranks the clock, which only rank 0 reads (ranks' clocks and save times differ).
 NOTHING, DUE, PREEMPTED = 0, 1, 2
-
-# The line saying that async_save falls back to synchronous saves in a distributed job (under
-# max_staging_bytes) is written once per process, not once per manager.
-_SYNC_FALLBACK_LOGGED = False
 
 
 class Agreement(abc.ABC):
@@ -56,6 +48,9 @@ class Agreement(abc.ABC):
     share: Callable[[str], bool] | None
     """Which data files of this job's saves this rank wrote (None: all of them): its share
     of a checkpoint in the RAM tier."""
+
+    split: Split
+    """How a save's or a copy's work is split between the job's processes (``_split``)."""
 
     @abc.abstractmethod
     def shared(self, what: str, here: Callable[[], Any]) -> Any:
@@ -124,36 +119,6 @@ class Agreement(abc.ABC):
     def everywhere(self, mine: bool, what: str) -> bool:
         """Whether ``mine`` is true on every rank."""
 
-    @abc.abstractmethod
-    def copy(self, src: Storage, name: str, dst: Storage) -> str:
-        """Copy checkpoint ``name`` of ``src`` to ``dst`` (``copy_checkpoint``), each rank its
-        share of the data files; its error on every rank."""
-
-    @abc.abstractmethod
-    def fork(self) -> Ranks | None:
-        """The ranks over a group of their own, for a background thread's collectives (the
-        uploads'); None in a single process. Collective: every rank calls it here."""
-
-    @abc.abstractmethod
-    def async_saves(self, requested: bool, max_staging_bytes: int | None) -> bool:
-        """Whether this manager's saves run in the background, ``requested`` as they were."""
-
-    @abc.abstractmethod
-    def staging_need(self, state: Any) -> Any:
-        """What ``AsyncCheckpointer.reserve`` gets to reserve for saving ``state``."""
-
-    @abc.abstractmethod
-    def submit(
-        self,
-        saver: AsyncCheckpointer,
-        path: str,
-        state: Any,
-        options: SaveOptions,
-        sinks: Sequence[Sink] = (),
-    ) -> SaveFuture:
-        """Start the background save of ``state`` to ``path`` (``sinks``: the other tiers'
-        writers fed from the same staging copy)."""
-
 
 class SingleProcess(Agreement):
     """One process: every decision is its own; nothing is sent anywhere."""
@@ -164,6 +129,7 @@ class SingleProcess(Agreement):
 
     def __init__(self) -> None:
         self.collective: dict[str, Any] = {}
+        self.split: Split = Whole()
 
     def shared(self, what: str, here: Callable[[], Any]) -> Any:
         return here()
@@ -205,30 +171,6 @@ class SingleProcess(Agreement):
     def everywhere(self, mine: bool, what: str) -> bool:
         return mine
 
-    def copy(self, src: Storage, name: str, dst: Storage) -> str:
-        return copy_checkpoint(src, name, dst)
-
-    def fork(self) -> Ranks | None:
-        return None
-
-    def async_saves(self, requested: bool, max_staging_bytes: int | None) -> bool:
-        return requested
-
-    def staging_need(self, state: Any) -> Any:
-        return state
-
-    def submit(
-        self,
-        saver: AsyncCheckpointer,
-        path: str,
-        state: Any,
-        options: SaveOptions,
-        sinks: Sequence[Sink] = (),
-    ) -> SaveFuture:
-        fut = saver.submit(path, state, options, sinks=sinks)
-        assert fut is not None
-        return fut
-
 
 class RankGroup(Agreement):
     """The ranks of the manager's process group (every call is a collective)."""
@@ -243,6 +185,7 @@ class RankGroup(Agreement):
         self.collective = {"process_group": process_group, "timeout": timeout}
         self.rank: int | None = ranks.rank
         self.share = functools.partial(_written_by, rank=ranks.rank, size=ranks.size)
+        self.split: Split = ByRank(ranks)
 
     def shared(self, what: str, here: Callable[[], Any]) -> Any:
         return json.loads(self.ranks.broadcast(what, lambda: json.dumps(here()).encode()))
@@ -350,47 +293,6 @@ class RankGroup(Agreement):
 
     def everywhere(self, mine: bool, what: str) -> bool:
         return not self.ranks.agree_max(int(not mine), what)
-
-    def copy(self, src: Storage, name: str, dst: Storage) -> str:
-        return copy_on_ranks(self.ranks, src, name, dst)
-
-    def fork(self) -> Ranks | None:
-        return self.ranks.fork()
-
-    def async_saves(self, requested: bool, max_staging_bytes: int | None) -> bool:
-        if not requested or max_staging_bytes is None:
-            return requested
-        global _SYNC_FALLBACK_LOGGED
-        if not _SYNC_FALLBACK_LOGGED and self.coordinator:
-            _SYNC_FALLBACK_LOGGED = True
-            log.warning(
-                "tardigrade: async_save falls back to synchronous saves in this distributed "
-                "job because max_staging_bytes is set: a collective async save stages each "
-                "rank's whole state before the ranks agree on who writes what. Pass "
-                "max_staging_bytes=None for async saves"
-            )
-        return False
-
-    def staging_need(self, state: Any) -> Any:
-        # A collective save stages every local tensor back to back in one run of slabs
-        # (``stage_entries``), not file by file: reserve that run.
-        flat = flatten(state)
-        return sum(e.tensor.nbytes for e in [*flat.entries, *flat.own_entries()])
-
-    def submit(
-        self,
-        saver: AsyncCheckpointer,
-        path: str,
-        state: Any,
-        options: SaveOptions,
-        sinks: Sequence[Sink] = (),
-    ) -> SaveFuture:
-        stage = functools.partial(
-            stage_collective, path=path, state=state, options=options, sinks=sinks
-        )
-        fut = saver.save_collective(self.ranks, path, stage)
-        assert fut is not None
-        return fut
 
 
 def _written_by(file: str, *, rank: int, size: int) -> bool:

@@ -336,7 +336,7 @@ class CheckpointManager:
 
     def _start(self, async_save: bool, max_staging_bytes: int | None, signals: Any) -> None:
         """Listen for the preemption signals; start the background saver."""
-        async_save = self._ranks.async_saves(async_save, max_staging_bytes)
+        async_save = self._ranks.split.async_saves(async_save, max_staging_bytes)
         try:
             self._preemption.listen(signals)
             if async_save:
@@ -347,7 +347,9 @@ class CheckpointManager:
             raise
         if self._async is not None:
             self._outcomes.teed = True  # each save's sinks copy it into the faster tiers
-            self._staging = StagingReservation(self._async, self.state, self._ranks.staging_need)
+            self._staging = StagingReservation(
+                self._async, self.state, self._ranks.split.staging_need
+            )
             self._staging.restart()
 
     def _remote_tier(

@@ -128,7 +128,9 @@ class SaveDispatch:
         path = self.catalog.path(step_name(step))
         if self.saver is not None and not sync:
             with self.tiers.held():  # training waits on the staging copy: uploads wait
-                fut = self.ranks.submit(self.saver, path, self.state, options, self.tiers.sinks())
+                fut = self.ranks.split.submit(
+                    self.saver, path, self.state, options, self.tiers.sinks()
+                )
             fut.observed = True  # the manager reports the outcome itself
             self.outcomes.pending.add(step, fut)
             return

@@ -26,9 +26,9 @@ class RunLock:
         self, catalog: Catalog, directory: str, *, lease_seconds: float, timeout: float | None
     ) -> None:
         self.catalog = catalog
-        storage = self.storage = catalog.storage
+        self.storage = catalog.storage
         self.directory = directory
-        self.lease: Lease = storage.lease(lease_seconds=lease_seconds)
+        self.lease: Lease = catalog.lease(lease_seconds=lease_seconds)
         self.lease_seconds = lease_seconds
         # How long opening waits for a holder that may be dead (default: one lease, by when a
         # dead holder's lease has expired).

@@ -197,7 +197,7 @@ class RemoteTier(Tier):
         if name is None:
             return
         try:
-            self.ranks.copy(remote.storage, name, self.root.storage)
+            self.ranks.split.copy(remote.storage, name, self.root.storage)
             if self.ranks.coordinator:
                 log.info("tardigrade: downloaded %s from %s", name, remote.root)
         except Exception as e:  # the root still restores what it has
@@ -252,14 +252,14 @@ def open_remote_tier(
             remote.preflight()
         except TardigradeError as e:
             log.error("tardigrade: uploads to %s will fail: %s", remote.root, e)
-        leases.append(remote.lease(lease_seconds=lease_seconds))
+        leases.append(Catalog(remote).lease(lease_seconds=lease_seconds))
         leases[0].acquire()
         warn_of_another_run(root, Catalog(remote))
 
     try:
         ranks.on_coordinator(what, check_and_lock)
         # In a distributed job the upload threads agree over a group of their own.
-        forked = ranks.fork()
+        forked = ranks.split.fork()
     except BaseException:
         for lease in leases:
             lease.release()

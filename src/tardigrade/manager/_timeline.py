@@ -3,7 +3,7 @@
 ``restore(step)`` makes the checkpoints above ``step`` a timeline this run gave up: a crash
 before the run saves again must resume from ``step``, not from them, and each is deleted
 once the run saves its step (or a later one). How that is kept depends on what the storage
-can do, so it is a strategy chosen once from a capability (``Storage.can_move``):
+can do, so it is a strategy chosen once from its commit strategy (``Commit.renames``):
 
 * :class:`RenameAside` (a POSIX directory): each is renamed to ``step-N.abandoned-<time>``,
   which listings of steps ignore; an uncommitted ``step-N`` in a save's way is renamed to
@@ -49,9 +49,7 @@ class Timeline(abc.ABC):
     @staticmethod
     def of(catalog: Catalog, lock: RunLock) -> Timeline:
         """The strategy the storage under ``catalog`` supports."""
-        return (
-            RenameAside(catalog, lock) if catalog.storage.can_move else RecordAside(catalog, lock)
-        )
+        return RenameAside(catalog, lock) if catalog.commit.renames else RecordAside(catalog, lock)
 
     @abc.abstractmethod
     def set_aside_incomplete(self, step: int) -> None:

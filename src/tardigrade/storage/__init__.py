@@ -18,9 +18,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgumentError
-from ..format.manifest import check_name
 from ._options import secret_option, shown
-from .base import ManifestLastCommit, PreconditionFailed, Reader, Stat, Storage, Writer
+from .base import Directories, PreconditionFailed, Reader, Stat, Storage, Writer
 from .local import LocalStorage
 from .memory import MemoryStorage
 
@@ -29,9 +28,9 @@ if TYPE_CHECKING:
     from .s3 import S3Storage
 
 __all__ = [
+    "Directories",
     "FsspecStorage",
     "LocalStorage",
-    "ManifestLastCommit",
     "MemoryStorage",
     "PreconditionFailed",
     "Reader",
@@ -39,7 +38,6 @@ __all__ = [
     "Stat",
     "Storage",
     "Writer",
-    "check_name",
     "open_root",
     "register_scheme",
     "secret_option",

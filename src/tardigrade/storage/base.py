@@ -1,8 +1,8 @@
-"""The backend contract: a handful of byte primitives over names relative to a root, and the
-commit strategy the backend chooses.
+"""The backend contract: a handful of byte primitives over names relative to a root.
 
 Names use '/' and are relative to the root (a directory, or a URL prefix on a store). The byte
-primitives know nothing of checkpoints:
+primitives know nothing of checkpoints (what a manifest is, which names a save stages under,
+what is committed: ``tardigrade._commit`` and the catalog know that):
 
 - ``open_writer(name)`` -> ``write``... -> ``close()``: the bytes are durable (fsynced, or the
   object is complete); ``abort()`` leaves nothing visible under ``name``;
@@ -10,18 +10,14 @@ primitives know nothing of checkpoints:
 - ``put(name, data, mode=...)``: a small object, ``"create"`` (only if nothing is there),
   ``"if_match"`` (only if it is still the version ``expect``) or ``"overwrite"``; returns the
   new version, raising :class:`PreconditionFailed` when the condition does not hold;
-- ``stat(name)``, ``list(name)`` (the entries directly under a prefix), ``delete(name)`` (an
-  object, or everything under a prefix), ``delete_many(names)``.
+- ``stat(name)``, ``list(name)`` (the entries directly under a prefix), ``walk()`` (every
+  object with its Stat, where one listing gives them), ``delete(name)`` (an object, or
+  everything under a prefix), ``delete_many(names)``;
+- ``lease(name)``: the one-writer lease kept in the object ``name``.
 
-Call order for a save (the commit order is the design), through the backend's strategy:
-``begin(name, save_id)`` -> a staging location; each data file ``open_writer(staging/
-data_name(file, save_id))``, ``write``..., ``close`` (durable) -> ``commit(staging, name,
-manifest)``. After ``commit`` returns the checkpoint exists and survives power loss; before,
-it does not. On failure ``abort(staging, name, save_id)`` removes what the save wrote; where
-that fails (or the outcome is unknown) ``abandon(staging)`` leaves it to ``tidy``. Two
-strategies: :class:`RenameCommit` (POSIX: a staging directory renamed into place, see
-``local.py``) and :class:`ManifestLastCommit` (stores, which cannot rename: data objects under
-names unique to the save, then the manifest created only if none exists).
+A backend with real directories (POSIX) is a :class:`Directories`: it can also make, lock,
+rename and swap them, which is what a commit by rename needs. Which commit strategy a backend
+gets is chosen from that capability (``can_move``), above this layer.
 """
 
 from __future__ import annotations
@@ -30,25 +26,20 @@ import abc
 import builtins
 import errno
 import logging
-import re
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError, TardigradeError
-from ..format.checksum import Hasher
-from ..format.manifest import MANIFEST, MANIFEST_START
+from ..errors import CorruptCheckpointError, StorageError
 
 __all__ = [
+    "CLOCK_SKEW_SECONDS",
     "GRACE_SECONDS",
-    "MANIFEST",
     "PROBE_PREFIX",
-    "TMP_PREFIX",
-    "Candidate",
-    "ManifestLastCommit",
+    "Directories",
+    "Hashes",
     "PreconditionFailed",
     "PutMode",
     "Reader",
@@ -56,17 +47,14 @@ __all__ = [
     "Storage",
     "Tidied",
     "Writer",
-    "due",
     "grace_cutoff",
-    "replaced_name",
-    "staging_name",
+    "now",
 ]
 
 log = logging.getLogger("tardigrade")
 
-# Everything in flight or left behind starts with this; readers never read it.
-TMP_PREFIX = ".tmp-"
-# The empty object a preflight writes and deletes (``tidy`` removes one whose delete failed).
+# A backend's own scratch objects (the empty object a preflight writes and deletes, a probe of
+# what the server enforces) start with this; cleanup removes one whose delete failed.
 PROBE_PREFIX = ".probe-"
 # Errors no amount of waiting fixes: a location that gives them can never hold a checkpoint.
 # A full store or disk, an I/O error or a transient one is not among them.
@@ -78,9 +66,10 @@ PERMANENT_ERRNOS = frozenset(
 )  # fmt: skip
 
 PutMode = Literal["create", "if_match", "overwrite"]
+_C = TypeVar("_C")
 
-# The age below which a store's tidy leaves a save's data objects alone (see
-# Catalog.collect): a save may upload for a long time, and a zombie's may still commit.
+# The age below which cleanup leaves a store's objects alone (see Catalog.collect): a save may
+# upload for a long time, and a zombie's may still commit.
 GRACE_SECONDS = 3600.0
 # How far a store's clock (its objects' modification times) may run ahead of this machine's.
 CLOCK_SKEW_SECONDS = 5.0
@@ -91,15 +80,20 @@ def _clock() -> float:
     return time.time()
 
 
+def now() -> float:
+    """Now, as the clock that ages leftovers reads it."""
+    return _clock()
+
+
 def grace_cutoff(grace_seconds: float) -> float:
     """The POSIX time before which a leftover is past a grace period of ``grace_seconds``."""
     return _clock() - grace_seconds
 
 
-# Saves this process saw end without committing and without cleaning up (``abandon``):
-# (the root's tidy scope, staging) -> when.
-_abandoned: dict[tuple[str, str], float] = {}
-_abandoned_lock = threading.Lock()
+class Hashes(Protocol):
+    """What a writer feeds the bytes it writes to (a checksum, computed on the way)."""
+
+    def update(self, data: memoryview | bytes | bytearray, /) -> None: ...
 
 
 class PreconditionFailed(StorageError):
@@ -127,21 +121,11 @@ class Stat:
     modified: float | None = None
 
 
-def staging_name(name: str, save_id: str) -> str:
-    """Where a save of checkpoint ``name`` writes before it commits."""
-    return f"{TMP_PREFIX}{name}-{save_id}"
-
-
-def replaced_name(name: str, tag: str) -> str:
-    """Where a replace without atomic swap moves the old checkpoint ``name`` meanwhile."""
-    return f"{TMP_PREFIX}{name}-replaced-{tag}"
-
-
 class Writer(abc.ABC):
     """A file being written. ``close()`` makes its bytes durable."""
 
     @abc.abstractmethod
-    def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
+    def write(self, data: memoryview | bytes, *, hasher: Hashes | None = None) -> None:
         """Append ``data``.
 
         With ``hasher``, the writer updates it with exactly the bytes it writes, taken from its
@@ -187,11 +171,6 @@ class Reader(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# What the catalog's sweep looks at under one name: (name, [(data object, its Stat or None)], whether a
-# manifest was listed there).
-Candidate = tuple[str, list[tuple[str, Stat | None]], bool]
 
 
 class Storage(abc.ABC):
@@ -245,43 +224,8 @@ class Storage(abc.ABC):
         st = self.stat(name)
         return st is not None and st.is_dir
 
-    # -- the commit strategy (see the module docstring) -----------------------------------
-
-    @abc.abstractmethod
-    def begin(self, name: str, save_id: str) -> str:
-        """Prepare where the data files of a save of checkpoint ``name`` go; return it."""
-
-    def data_name(self, file: str, save_id: str) -> str:
-        """The name a save stores its data file ``file`` under (in the manifest too)."""
-        return file
-
-    @abc.abstractmethod
-    def commit(
-        self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
-    ) -> None:
-        """Write ``manifest`` and make save ``save_id`` in ``staging`` visible as ``name``.
-        ``replace`` replaces an existing checkpoint; without it, one that appeared meanwhile
-        raises CheckpointExistsError and nothing is committed."""
-
-    @abc.abstractmethod
-    def abort(self, staging: str, name: str, save_id: str) -> None:
-        """Remove what a save that will not commit wrote (it never became visible)."""
-
-    def abandon(self, staging: str) -> None:
-        """Let go of ``staging`` without removing it: its save ended without committing and
-        its ``abort`` failed, or its outcome is unknown. Whatever marks it as a live save's
-        (a POSIX staging directory's flock) is dropped, or (a store) it is recorded in this
-        process, so ``tidy`` takes it for a dead writer's leftover. Never raises."""
-        return None
-
-    # Whether move() works: POSIX directories rename; object stores cannot.
+    # Whether this is a :class:`Directories` (POSIX directories rename; stores cannot).
     can_move = False
-
-    def move(self, src: str, dst: str) -> None:
-        """Rename ``src`` to ``dst`` durably, never replacing anything at ``dst``."""
-        raise StorageError(
-            errno.EOPNOTSUPP, f"{self.url(src)}: this storage cannot rename (an object store)"
-        )
 
     def preflight(self) -> None:
         """Raise StorageError if checkpoints can never be written here (read-only, denied, a
@@ -316,56 +260,37 @@ class Storage(abc.ABC):
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
     ) -> builtins.list[Tidied]:
-        """Clean up after writers that died: their staging, half-done replaces and deletes.
-
-        Only what no live writer holds, and never a committed checkpoint (a store, which
-        cannot tell, waits out a grace period: the catalog's sweep, ``Catalog.collect``).
-        ``progress`` is called with each leftover once it is dealt with (``tardigrade gc``
-        draws its bar)."""
+        """Remove what this backend's own machinery left behind when a writer died (a store's
+        incomplete multipart uploads, past the grace period); what saves left is the commit
+        strategy's and the catalog's to find. ``progress`` is called with each leftover once
+        it is dealt with."""
         return []
 
-    # -- what saves that never committed left where they write (a store's data objects), for
-    # the catalog's sweep by reachability (``Catalog.collect``); nothing on a POSIX root,
-    # whose saves stage apart and whose ``tidy`` removes what dies there.
+    gc_grace_seconds: float = GRACE_SECONDS
+    """Age (seconds) below which cleanup leaves this root's objects alone (a storage option
+    on stores: a save may upload for long, a zombie writer's may still commit)."""
 
-    gc_grace_seconds: float = 0.0
-    """Age (seconds) below which the sweep leaves a save's data objects alone."""
+    @property
+    def tidy_scope(self) -> str:
+        """What tells this root from every other (its URL; with its endpoint, for a store)."""
+        return self.root
 
-    def tidy_candidates(self) -> Iterator[Candidate]:
-        """(name, [(data object, its Stat or None)], whether a manifest is there) for each
-        name holding a save's data objects, and ("", [(probe, Stat)], False) for the root's
-        probes."""
-        return iter(())
-
-    def abandoned_saves(self) -> dict[str, float]:
-        """The names under which this process saw a save fail, each with the time before
-        which what that save wrote may go at once."""
-        return {}
-
-    def save_of(self, data: str) -> str:
-        """Which save wrote data object ``data``."""
-        return data
+    def walk(self) -> Iterator[tuple[str, Stat]] | None:
+        """Every object under the root, recursively, with its Stat, from one listing; None
+        where the backend has no such listing (the caller then lists name by name)."""
+        return None
 
     @abc.abstractmethod
-    def lease(self, *, lease_seconds: float = 30.0) -> Any:
-        """The one-writer lease of this root (a ``lease.Lease``; not yet taken)."""
+    def lease(self, name: str, *, lease_seconds: float = 30.0) -> Any:
+        """The one-writer lease of this root, kept in the object ``name`` (a ``lease.Lease``;
+        not yet taken)."""
+
+    def wrap_commit(self, commit: _C) -> _C:
+        """The commit strategy chosen for this backend, as a wrapping backend (fault
+        injection, kill points) wants it observed: unchanged here."""
+        return commit
 
     # -- derived helpers ------------------------------------------------------------------
-
-    def describe(self, name: str) -> str | None:
-        """What is at ``name``: None (nothing), ``"checkpoint"`` (a directory whose commit
-        record is a Tardigrade manifest), ``"directory"`` or ``"file"`` (anything else)."""
-        if not self.exists(name):
-            return None
-        try:
-            with self.open_reader(f"{name}/{MANIFEST}") as r:
-                head = bytearray(min(r.size, len(MANIFEST_START)))
-                r.readinto(0, memoryview(head))
-            if bytes(head) == MANIFEST_START:
-                return "checkpoint"
-        except (OSError, TardigradeError):
-            pass
-        return "directory" if self.list(name) or self.is_dir(name) else "file"
 
     def read_bytes(self, name: str, limit: int) -> bytes:
         """Read a whole small file, refusing ones larger than ``limit``."""
@@ -382,128 +307,37 @@ class Storage(abc.ABC):
         return f"{self.root.rstrip('/')}/{name}"
 
 
-# A store's data object: the save's id (16 hex digits), a dot, the file's name in the plan.
-_SAVE_DATA = re.compile(r"^[0-9a-f]{16}\.")
-_SAVE_ID_CHARS = 17  # what of a data object's name names its save: ``<16 hex digits>.``
+class Directories(Storage):
+    """A backend with real directories (POSIX): besides the byte primitives, it makes, locks,
+    renames and swaps them, durably. This is what a commit by rename needs (a staging
+    directory renamed into place; a lock that tells a live save's staging from a dead one's)."""
 
+    can_move = True
 
-def due(st: Stat, cutoff: float, abandoned: float | None) -> bool:
-    """Whether ``tidy`` may remove a save's data object: written before ``cutoff`` (past the
-    grace period), or before ``abandoned`` (when this process abandoned its save, plus clock
-    skew). One of unknown age counts as young unless abandoned."""
-    if st.modified is not None and st.modified <= cutoff:
-        return True
-    return abandoned is not None and (st.modified is None or st.modified <= abandoned)
+    @abc.abstractmethod
+    def make_dir(self, name: str) -> bool:
+        """Create directory ``name`` (its parents too); False if something is already there."""
 
+    @abc.abstractmethod
+    def hold(self, name: str, *, wait: bool) -> bool:
+        """Take an exclusive lock on directory ``name`` for this process (the kernel drops it
+        when the process dies) until ``release(name)`` or ``delete(name)``. False when
+        ``name`` is gone or was replaced meanwhile, is held here already, or (``wait=False``)
+        another process holds it."""
 
-class ManifestLastCommit(Storage):
-    """The commit strategy of object stores, which cannot rename (and copy is not atomic).
+    @abc.abstractmethod
+    def release(self, name: str) -> None:
+        """Drop the lock ``hold`` took on ``name`` (nothing if none)."""
 
-    Data objects are written straight under the checkpoint's prefix, under names unique to the
-    save (``<save id>.data-...``), so a retry, a zombie writer or ``overwrite=True`` never
-    overwrites bytes a committed manifest points at. The manifest is written last, with one
-    conditional create: of two writers, exactly one commits. A prefix without a manifest holds
-    no checkpoint; ``abort`` deletes the save's own objects. Replacing puts the new manifest
-    only if the old one is still the version read (if-match), then deletes the old data.
-    What saves that never committed left is swept by the catalog, which reads manifests
-    (``Catalog.collect``: by reachability), once older than a grace period
-    (``gc_grace_seconds``), or at once where this process saw the save fail (``abandon``);
-    this class lists it (``tidy_candidates``) and says which save wrote an object
-    (``save_of``).
-    """
+    @abc.abstractmethod
+    def move(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` durably, never replacing anything at ``dst`` (a
+        StorageError with EEXIST, or ENOTEMPTY, when something is there)."""
 
-    implicit_directories = True
+    @abc.abstractmethod
+    def exchange(self, a: str, b: str) -> bool:
+        """Swap ``a`` and ``b`` atomically; False where the filesystem cannot (nothing done)."""
 
-    def begin(self, name: str, save_id: str) -> str:
-        return name  # nothing to prepare: the data go where they stay
-
-    def data_name(self, file: str, save_id: str) -> str:
-        return f"{save_id[:16]}.{file}"
-
-    def commit(
-        self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
-    ) -> None:
-        key = f"{name}/{MANIFEST}"
-        old = self.stat(key) if replace else None
-        try:
-            if old is None:
-                self.put(key, manifest, mode="create")
-            else:
-                self.put(key, manifest, mode="if_match", expect=old.version)
-        except PreconditionFailed:
-            raise CheckpointExistsError(
-                f"{self.url(name)}: another writer committed a checkpoint here while this save "
-                "was running; nothing was overwritten and this save did not commit."
-            ) from None
-        if old is not None:
-            mine = self.data_name("", save_id)
-            self.delete_many(
-                [
-                    f"{name}/{n}"
-                    for n in self.list(name)
-                    if _SAVE_DATA.match(n) and not n.startswith(mine)
-                ]
-            )
-
-    def abort(self, staging: str, name: str, save_id: str) -> None:
-        mine = self.data_name("", save_id)
-        self.delete_many([f"{name}/{n}" for n in self.list(name) if n.startswith(mine)])
-
-    # -- cleanup: what saves that never committed left -------------------------------------
-
-    # Age (seconds) below which tidy leaves a save's data objects alone; a backend sets it from
-    # its ``gc_grace_seconds`` storage option.
-    gc_grace_seconds: float = GRACE_SECONDS
-
-    @property
-    def tidy_scope(self) -> str:
-        """What tells this root from others in the record of abandoned saves (its URL)."""
-        return self.root
-
-    def abandon(self, staging: str) -> None:
-        """A save into ``staging`` ended without committing and did not clean up: ``tidy``
-        in this process removes what it wrote so far without waiting for the grace period."""
-        with _abandoned_lock:
-            _abandoned[(self.tidy_scope, staging)] = _clock()
-
-    def tidy_candidates(self) -> Iterator[Candidate]:
-        """What ``tidy`` looks at: (name, [(object, its Stat or None)], whether a manifest is
-        there) for each name that holds a save's data objects (named ``<save id>.<file>``),
-        and ("", [(probe, Stat)], False) for the probes at the root. A Stat of None is read
-        only if needed. This lists the root and each name in it; a store with a recursive
-        listing overrides it."""
-        probes: list[tuple[str, Stat | None]] = []
-        for name in self.list():
-            if name.startswith(PROBE_PREFIX):
-                probes.append((name, None))
-                continue
-            if name.startswith("."):
-                continue
-            names = self.list(name)
-            data: list[tuple[str, Stat | None]] = [(n, None) for n in names if _SAVE_DATA.match(n)]
-            if data:
-                yield name, data, MANIFEST in names
-        if probes:
-            yield "", probes, False
-
-    def abandoned_saves(self) -> dict[str, float]:
-        """The names under which this process saw a save fail (``abandon``), each with the
-        time (plus clock skew) before which what that save wrote may go at once."""
-        with _abandoned_lock:
-            return {
-                staging: when + CLOCK_SKEW_SECONDS
-                for (scope, staging), when in _abandoned.items()
-                if scope == self.tidy_scope
-            }
-
-    def save_of(self, data: str) -> str:
-        """Which save wrote data object ``data`` (a name ``tidy_candidates`` gave): the
-        prefix ``data_name`` put before the file's name."""
-        return data[:_SAVE_ID_CHARS]
-
-    def describe(self, name: str) -> str | None:
-        """As :meth:`Storage.describe`; data a save left without committing is nothing."""
-        kind = super().describe(name)
-        if kind == "directory" and all(_SAVE_DATA.match(n) for n in self.list(name)):
-            return None
-        return kind
+    @abc.abstractmethod
+    def sync(self, name: str = "") -> None:
+        """Make the entries of directory ``name`` durable (renames into or out of it)."""

@@ -3,9 +3,9 @@
 Schemes this package has no backend of its own for go through fsspec (imported on first use,
 from the ``fsspec`` extra; the filesystem itself comes from its own package: ``gcsfs`` for
 ``gs://``, ``adlfs`` for ``az://``). ``storage_options`` are the filesystem's arguments, as
-everywhere in the fsspec world. The checkpoint protocol is the stores' one
-(:class:`ManifestLastCommit`): data objects under names unique to the save, the manifest last
-with a create-only put; nothing is ever renamed or copied.
+everywhere in the fsspec world. It cannot rename, so checkpoints commit as on every store
+(``tardigrade._commit.ManifestLastCommit``): data objects under names unique to the save, the
+manifest last with a create-only put; nothing is ever renamed or copied.
 
 What fsspec gives and what it does not, and how the contract is kept:
 
@@ -43,16 +43,16 @@ from datetime import datetime
 from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
-from ..format.checksum import Hasher
 from ._options import grace_seconds
 from .base import (
     GRACE_SECONDS,
     PROBE_PREFIX,
-    ManifestLastCommit,
+    Hashes,
     PreconditionFailed,
     PutMode,
     Reader,
     Stat,
+    Storage,
     Writer,
 )
 from .lease import ObjectLease
@@ -159,7 +159,7 @@ class FsspecWriter(Writer):
             raise storage.fail(name, "open for writing", e) from e
         self._open = True
 
-    def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
+    def write(self, data: memoryview | bytes, *, hasher: Hashes | None = None) -> None:
         # A private copy: the caller's memory may change during the call (live tensors), and
         # the checksum must describe the bytes written.
         part = bytes(memoryview(data).cast("B"))
@@ -227,7 +227,9 @@ class FsspecReader(Reader):
         pass
 
 
-class FsspecStorage(ManifestLastCommit):
+class FsspecStorage(Storage):
+    implicit_directories = True  # a name is a directory exactly when objects lie under it
+
     """Checkpoints under any URL an fsspec filesystem serves; see the module docstring.
 
     ``storage_options`` go to the filesystem (``fsspec.core.url_to_fs(root, **options)``),
@@ -451,8 +453,8 @@ class FsspecStorage(ManifestLastCommit):
             _creates[key] = works
         return works
 
-    def lease(self, *, lease_seconds: float = 30.0) -> ObjectLease:
-        return ObjectLease(self, lease_seconds=lease_seconds)
+    def lease(self, name: str, *, lease_seconds: float = 30.0) -> ObjectLease:
+        return ObjectLease(self, name, lease_seconds=lease_seconds)
 
     def preflight(self) -> None:
         super().preflight()

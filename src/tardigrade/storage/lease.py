@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BOOT_ID",
-    "LOCK",
     "PID_NAMESPACE",
     "Lease",
     "ObjectLease",
@@ -43,7 +42,6 @@ __all__ = [
 
 log = logging.getLogger("tardigrade")
 
-LOCK = ".lock"
 _MAX_RECORD = 64 * 1024
 # Puts a release tries before leaving the record to expire.
 _RELEASE_TRIES = 3
@@ -146,8 +144,10 @@ class Lease(abc.ABC):
 class ObjectLease(Lease):
     """A lease record object (``.lock``) under a store root, changed only conditionally."""
 
-    def __init__(self, storage: Storage, *, lease_seconds: float = 30.0) -> None:
+    def __init__(self, storage: Storage, name: str, *, lease_seconds: float = 30.0) -> None:
+        """The lease of ``storage``'s root, kept in its object ``name``."""
         self.storage = storage
+        self.name = name
         self.lease = lease_seconds
         self.owner = uuid.uuid4().hex
         self.generation: int | None = None
@@ -159,7 +159,7 @@ class ObjectLease(Lease):
 
     @property
     def url(self) -> str:
-        return self.storage.url(LOCK)
+        return self.storage.url(self.name)
 
     def _record(self, *, released: bool = False) -> bytes:
         return json.dumps(
@@ -181,11 +181,11 @@ class ObjectLease(Lease):
         are not a record. A failure to read it raises StorageError: a record that could not be
         read says nothing about its holder, who may be alive (taking the lease over on a
         transient read error would make two writers)."""
-        st = self.storage.stat(LOCK)
+        st = self.storage.stat(self.name)
         if st is None:
             return None, None
         try:
-            raw = self.storage.read_bytes(LOCK, _MAX_RECORD)
+            raw = self.storage.read_bytes(self.name, _MAX_RECORD)
         except CorruptCheckpointError:
             return {}, st.version  # larger than any record, or gone since the stat
         try:
@@ -218,10 +218,10 @@ class ObjectLease(Lease):
         self.superseded = previous if taken is not None and taken.may_live else None
         try:
             if version is None:
-                self._version = self.storage.put(LOCK, self._record(), mode="create")
+                self._version = self.storage.put(self.name, self._record(), mode="create")
             else:
                 self._version = self.storage.put(
-                    LOCK, self._record(), mode="if_match", expect=version
+                    self.name, self._record(), mode="if_match", expect=version
                 )
         except PreconditionFailed:
             self.generation = None
@@ -331,7 +331,7 @@ class ObjectLease(Lease):
                     return
                 try:
                     self._version = self.storage.put(
-                        LOCK, self._record(), mode="if_match", expect=self._version
+                        self.name, self._record(), mode="if_match", expect=self._version
                     )
                 except PreconditionFailed:
                     if self._adopt():
@@ -357,7 +357,10 @@ class ObjectLease(Lease):
                 for attempt in range(1, _RELEASE_TRIES + 1):
                     try:
                         self.storage.put(
-                            LOCK, self._record(released=True), mode="if_match", expect=self._version
+                            self.name,
+                            self._record(released=True),
+                            mode="if_match",
+                            expect=self._version,
                         )
                         return
                     except PreconditionFailed as e:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import builtins
 import ctypes
 import errno
 import fcntl
 import logging
 import os
-import re
 import shutil
 import stat
 import uuid
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -20,20 +17,16 @@ if TYPE_CHECKING:
 # numpy is imported by the writers that use it: `tardigrade ls` and `gc` start without it.
 
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError, StorageError
-from ..format.checksum import Hasher
+from ..errors import CorruptCheckpointError, StorageError
 from .base import (
-    MANIFEST,
-    TMP_PREFIX,
+    PROBE_PREFIX,
+    Directories,
+    Hashes,
     PreconditionFailed,
     PutMode,
     Reader,
     Stat,
-    Storage,
-    Tidied,
     Writer,
-    replaced_name,
-    staging_name,
 )
 from .local_lease import DirectoryLock
 
@@ -49,11 +42,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("tardigrade")
-# A committed checkpoint a replace without atomic swap moved aside (``replaced_name``). Any id
-# is accepted: a checkpoint is put back, never deleted, whoever named it.
-_REPLACED = re.compile(rf"^{re.escape(TMP_PREFIX)}(.+)-replaced-[^-]+$")
-# A small object being written by put(): a dot file, not a ``.tmp-`` one (whose directories
-# cleanup judges by their flock).
+# A small object being written by put(): a dot file of its own, which cleanup never takes for
+# a save's staging.
 TMP_PUT = ".put-"
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -152,7 +142,7 @@ class LocalWriter(Writer):
             self._bounce_cap = min(BOUNCE_BYTES, -(-size_hint // DIRECT_BLOCK) * DIRECT_BLOCK)
             self.direct = True
 
-    def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
+    def write(self, data: memoryview | bytes, *, hasher: Hashes | None = None) -> None:
         import numpy as np
 
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
@@ -181,7 +171,7 @@ class LocalWriter(Writer):
             if self._fill == len(bounce):
                 self._flush_bounce(self._fill)
 
-    def _write_private(self, view: memoryview, hasher: Hasher) -> None:
+    def _write_private(self, view: memoryview, hasher: Hashes) -> None:
         """Copy, hash the copy, write the copy: the source may change under a buffered write."""
         while view.nbytes:
             n = min(view.nbytes, SCRATCH_BYTES)
@@ -346,16 +336,13 @@ class LocalReader(Reader):
         os.close(self._fd)
 
 
-class LocalStorage(Storage):
-    """Checkpoints as directories under ``root`` on a POSIX filesystem.
-
-    Its commit strategy is the rename: a save writes into a staging directory (``.tmp-*``),
-    fsyncs it, writes the manifest, and renames (or atomically exchanges) it into place.
-    """
+class LocalStorage(Directories):
+    """Checkpoints as directories under ``root`` on a POSIX filesystem: fsynced files, and
+    directories made, locked (``flock``), renamed and swapped (``renameat2``) durably."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
-        self._held: dict[str, int] = {}  # staging name -> fd holding its flock
+        self._held: dict[str, int] = {}  # name -> fd holding its flock (``hold``)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, name) if name else self.root
@@ -384,13 +371,11 @@ class LocalStorage(Storage):
     def exists(self, name: str) -> bool:
         return os.path.lexists(self._path(name))
 
-    def lease(self, *, lease_seconds: float = 30.0) -> DirectoryLock:
-        return DirectoryLock(self.root, lease_seconds=lease_seconds)
+    def lease(self, name: str, *, lease_seconds: float = 30.0) -> DirectoryLock:
+        return DirectoryLock(self._path(name), lease_seconds=lease_seconds)
 
     def preflight(self) -> None:
         preflight_directory(self.root)
-
-    can_move = True
 
     def move(self, src: str, dst: str) -> None:
         a, b = self._path(src), self._path(dst)
@@ -400,63 +385,43 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(e.errno, f"cannot rename {a} to {b}: {e.strerror}") from e
 
-    def tidy(
-        self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None
-    ) -> builtins.list[Tidied]:
-        """Clean up after writers that died under this root.
+    def exchange(self, a: str, b: str) -> bool:
+        try:
+            return _exchange(self._path(a), self._path(b))
+        except OSError as e:
+            raise StorageError(
+                e.errno, f"cannot swap {self._path(a)} and {self._path(b)}: {e.strerror}"
+            ) from e
 
-        Only ``.tmp-*`` directories are considered, and only those no live process holds:
-        every save holds an flock on its staging directory (and on a checkpoint it moves
-        aside) until it commits or gives up, so a save in flight, by this process or any
-        other, is skipped. A dead save's staging directory (or an interrupted retention
-        delete) is removed. A committed checkpoint that a crashed replace had moved aside
-        (``.tmp-NAME-replaced-*``) is put back under its name when that name is free,
-        whatever the name; if a committed checkpoint holds the name, the replace had finished
-        and the old copy is removed. Committed checkpoints are never touched.
-        """
-        done = []
-        for n in self.list():
-            path = self._path(n)
-            if not n.startswith(TMP_PREFIX) or os.path.islink(path) or not os.path.isdir(path):
-                continue
-            fd = lock_dir(path, wait=False)
-            if fd is None:
-                continue  # a live save holds it, or it is already gone
-            try:
-                now = self._tidy_one(n, dry_run)
-            finally:
-                os.close(fd)
-            done.extend(now)
-            if progress is not None:
-                for t in now:
-                    progress(t)
-        return done
+    def sync(self, name: str = "") -> None:
+        try:
+            fsync_dir(self._path(name))
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot fsync {self._path(name)}: {e.strerror}") from e
 
-    def _tidy_one(self, n: str, dry_run: bool) -> builtins.list[Tidied]:
-        path = self._path(n)
-        m = _REPLACED.match(n)
-        if m and is_committed(path):
-            name = m.group(1)
-            target = self._path(name)
-            if not os.path.lexists(target):
-                if not dry_run:
-                    os.rename(path, target)
-                    fsync_dir(self.root)
-                    log.warning("tardigrade: recovered %s from an interrupted replace", name)
-                return [Tidied(name, "recovered", tree_bytes(path if dry_run else target))]
-            if not is_committed(target):
-                log.warning(
-                    "tardigrade: %s holds the checkpoint an interrupted replace moved aside, "
-                    "but %s is taken by something that is not a checkpoint; leaving both",
-                    path,
-                    target,
-                )
-                return []
-        nbytes = tree_bytes(path)
-        if not dry_run:
-            log.info("tardigrade: removing leftover %s from an interrupted save", n)
-            shutil.rmtree(path, ignore_errors=True)
-        return [Tidied(n, "removed", nbytes)]
+    def make_dir(self, name: str) -> bool:
+        try:
+            os.makedirs(os.path.dirname(self._path(name)) or self.root, exist_ok=True)
+            os.mkdir(self._path(name))
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise StorageError(e.errno, f"cannot create {self._path(name)}: {e.strerror}") from e
+        return True
+
+    def hold(self, name: str, *, wait: bool) -> bool:
+        if name in self._held:
+            return False
+        fd = lock_dir(self._path(name), wait=wait)
+        if fd is None:
+            return False
+        self._held[name] = fd
+        return True
+
+    def release(self, name: str) -> None:
+        fd = self._held.pop(name, None)
+        if fd is not None:
+            os.close(fd)
 
     def stat(self, name: str) -> Stat | None:
         try:
@@ -527,38 +492,6 @@ class LocalStorage(Storage):
         path = self._path(name)
         return os.path.isdir(path) and not os.path.islink(path)
 
-    def begin(self, name: str, save_id: str) -> str:
-        """Create ``.tmp-NAME-ID`` and hold an ``flock`` on it until commit or delete.
-
-        A save needs no directory lock (``tg.save`` takes none), so cleanup (``tardigrade gc``,
-        a manager's tidy-up) tells a live save's staging from a dead one's by this flock: the
-        kernel drops it when the saving process dies, whatever killed it.
-        """
-        try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as e:
-            raise StorageError(e.errno, f"cannot create {self.root}: {e.strerror}") from e
-        for attempt in range(8):
-            staging = staging_name(name, save_id if attempt == 0 else uuid.uuid4().hex)
-            path = self._path(staging)
-            try:
-                os.mkdir(path)
-            except FileExistsError:
-                continue
-            except OSError as e:
-                raise StorageError(e.errno, f"cannot create {path}: {e.strerror}") from e
-            fd = lock_dir(path, wait=True)
-            if fd is not None:
-                self._held[staging] = fd
-                return staging
-            # A cleanup judged the fresh, not yet locked directory dead and removed it.
-        raise StorageError(errno.EAGAIN, f"cannot create a staging directory for {name}")
-
-    def _unlock(self, name: str) -> None:
-        fd = self._held.pop(name, None)
-        if fd is not None:
-            os.close(fd)
-
     def delete(self, name: str) -> None:
         path = self._path(name)
         try:
@@ -570,102 +503,7 @@ class LocalStorage(Storage):
                 except FileNotFoundError:
                     pass
         finally:
-            self._unlock(name)
-
-    def abort(self, staging: str, name: str, save_id: str) -> None:
-        self.delete(staging)
-
-    def abandon(self, staging: str) -> None:
-        self._unlock(staging)
-
-    def commit(
-        self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
-    ) -> None:
-        src, dst = self._path(staging), self._path(name)
-        try:
-            w = self.open_writer(f"{staging}/{MANIFEST}")
-            try:
-                w.write(manifest)
-            except BaseException:
-                w.abort()
-                raise
-            w.close()
-            fsync_dir(src)
-            if replace and os.path.lexists(dst):
-                # rename() cannot replace a non-empty directory. Swap the two atomically, so at
-                # every instant the name holds a complete checkpoint (old, then new).
-                if _exchange(src, dst):
-                    if not is_committed(src):
-                        # Something else took the name since the caller checked: put it back.
-                        _exchange(src, dst)
-                        raise CheckpointExistsError(
-                            f"{dst}: something that is not a checkpoint appeared here during "
-                            "the save; it was left in place and nothing was committed."
-                        )
-                    fsync_dir(self.root)
-                    shutil.rmtree(src, ignore_errors=True)
-                else:
-                    self._replace_by_renames(src, dst, name)
-            else:
-                try:
-                    _rename_new(src, dst)
-                except (FileExistsError, IsADirectoryError, NotADirectoryError):
-                    raise CheckpointExistsError(
-                        f"{dst}: something appeared here during the save; it was left in place "
-                        "and nothing was committed."
-                    ) from None
-            fsync_dir(self.root)
-        except (CheckpointExistsError, StorageError):
-            raise
-        except OSError as e:
-            raise StorageError(e.errno, f"cannot commit {dst}: {e.strerror}") from e
-        finally:
-            self._unlock(staging)
-
-    def _replace_by_renames(self, src: str, dst: str, name: str) -> None:
-        """Replace without an atomic swap: move the old checkpoint aside, then rename.
-
-        A crash in between leaves it as ``.tmp-NAME-replaced-ID``, which cleanup puts back. It
-        is locked while aside, so a concurrent cleanup does not "recover" it mid-replace.
-        """
-        if not is_committed(dst):
-            raise CheckpointExistsError(
-                f"{dst}: something that is not a checkpoint appeared here during the save; it "
-                "was left in place and nothing was committed."
-            )
-        fd = lock_dir(dst, wait=True)
-        try:
-            old = self._path(replaced_name(name, uuid.uuid4().hex))
-            os.rename(dst, old)
-            os.rename(src, dst)
-            fsync_dir(self.root)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            if fd is not None:
-                os.close(fd)
-
-
-def tree_bytes(path: str) -> int:
-    """Bytes of the regular files under ``path``, recursively (symlinks not followed)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def is_committed(path: str) -> bool:
-    """Whether ``path`` is a committed checkpoint: a directory holding a manifest (no links)."""
-    manifest = os.path.join(path, MANIFEST)
-    return (
-        os.path.isdir(path)
-        and not os.path.islink(path)
-        and os.path.isfile(manifest)
-        and not os.path.islink(manifest)
-    )
+            self.release(name)
 
 
 def lock_dir(path: str, *, wait: bool) -> int | None:
@@ -737,9 +575,11 @@ def preflight_directory(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
         os.listdir(directory)
-        # A staging directory like a save's (locked, so a concurrent cleanup leaves it alone).
-        probe = storage.begin("probe", uuid.uuid4().hex)
+        # A directory like a save's staging (locked, so a concurrent cleanup leaves it alone).
+        probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+        storage.make_dir(probe)
         try:
+            storage.hold(probe, wait=True)
             storage.open_writer(f"{probe}/probe").close()
         finally:
             storage.delete(probe)

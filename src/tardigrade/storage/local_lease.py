@@ -44,7 +44,7 @@ import weakref
 from typing import Any
 
 from ..errors import CheckpointLockedError
-from .lease import BOOT_ID, LOCK, PID_NAMESPACE, Lease, Takeover, _pid_alive, local_pid
+from .lease import BOOT_ID, PID_NAMESPACE, Lease, Takeover, _pid_alive, local_pid
 
 __all__ = [
     "DirectoryLock",
@@ -107,9 +107,10 @@ class DirectoryLock(Lease):
     ``generation`` is the fencing token of the current tenure (None while not held).
     """
 
-    def __init__(self, directory: str, *, lease_seconds: float = 30.0) -> None:
-        self.directory = directory
-        self.path = os.path.join(directory, LOCK)
+    def __init__(self, path: str, *, lease_seconds: float = 30.0) -> None:
+        """The lease kept in the file ``path`` (in the directory it guards)."""
+        self.directory = os.path.dirname(path)
+        self.path = path
         self.lease = lease_seconds
         self.owner = uuid.uuid4().hex
         self.generation: int | None = None

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError
-from ..format.checksum import Hasher
 from ._options import grace_seconds
-from .base import ManifestLastCommit, PreconditionFailed, PutMode, Reader, Stat, Writer
+from .base import Hashes, PreconditionFailed, PutMode, Reader, Stat, Storage, Writer
 from .lease import ObjectLease
 
 __all__ = [
@@ -70,7 +69,7 @@ class MemoryWriter(Writer):
         self._parts: list[bytes] = []
         self._open = True
 
-    def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
+    def write(self, data: memoryview | bytes, *, hasher: Hashes | None = None) -> None:
         # A private copy: the caller's memory may change after the call (live tensors).
         part = bytes(memoryview(data).cast("B"))
         if hasher is not None:
@@ -102,7 +101,9 @@ class MemoryReader(Reader):
         self._data.release()
 
 
-class MemoryStorage(ManifestLastCommit):
+class MemoryStorage(Storage):
+    implicit_directories = True  # a name is a directory exactly when objects lie under it
+
     """Objects of a ``memory://bucket/prefix`` root, keyed by their names under it.
 
     ``options`` may hold ``gc_grace_seconds`` (default 0: see the module docstring), e.g.
@@ -187,8 +188,8 @@ class MemoryStorage(ManifestLastCommit):
             keys = [k[len(under) :] for k in self._bucket.objects if k.startswith(under)]
         return sorted({k.split("/", 1)[0] for k in keys})
 
-    def lease(self, *, lease_seconds: float = 30.0) -> ObjectLease:
-        return ObjectLease(self, lease_seconds=lease_seconds)
+    def lease(self, name: str, *, lease_seconds: float = 30.0) -> ObjectLease:
+        return ObjectLease(self, name, lease_seconds=lease_seconds)
 
     def delete(self, name: str) -> None:
         key = self._key(name)

@@ -12,8 +12,8 @@ How the contract maps onto S3:
   An upload is only ever completed by ``close()``, never by a file object's exit;
 - a reader answers ``readinto`` with ranged GETs straight into the caller's buffer, large
   ranges split into parallel GETs;
-- commit is manifest-last (:class:`ManifestLastCommit`): data objects under names unique to the
-  save, then the manifest with one ``If-None-Match: *`` PUT (never a multipart completion, whose
+- commit is manifest-last (``tardigrade._commit.ManifestLastCommit``, as on every backend that
+  cannot rename): data objects under names unique to the save, then the manifest with one ``If-None-Match: *`` PUT (never a multipart completion, whose
   condition some servers do not enforce atomically under races);
 - whether the server honours conditional PUTs is probed once per endpoint and bucket. Where it
   does not, the store runs in single-writer mode (a warning says so): creates check first and
@@ -42,20 +42,16 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError, TardigradeError
-from ..format.checksum import Hasher
 from ._options import grace_seconds
 from .base import (
-    _SAVE_DATA,
     GRACE_SECONDS,
-    MANIFEST,
     PROBE_PREFIX,
-    TMP_PREFIX,
-    Candidate,
-    ManifestLastCommit,
+    Hashes,
     PreconditionFailed,
     PutMode,
     Reader,
     Stat,
+    Storage,
     Tidied,
     Writer,
     grace_cutoff,
@@ -372,7 +368,7 @@ class S3Writer(Writer):
         self._sent = 0  # items handed to the upload queue
         self._taken = 0  # items the client has taken hold of (it asked for the next one)
 
-    def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
+    def write(self, data: memoryview | bytes, *, hasher: Hashes | None = None) -> None:
         if not self._open:
             raise StorageError(errno.EINVAL, f"{self._storage.url(self._name)}: writer closed")
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
@@ -406,7 +402,7 @@ class S3Writer(Writer):
                             pass  # its part is still uploading
                     time.sleep(0.002)
 
-    def _copy(self, view: memoryview, hasher: Hasher | None) -> None:
+    def _copy(self, view: memoryview, hasher: Hashes | None) -> None:
         part = memoryview(self._part)
         while view.nbytes:
             n = min(view.nbytes, self._part_bytes - self._fill)
@@ -570,7 +566,7 @@ class S3Reader(Reader):
     def readinto(self, offset: int, buf: memoryview) -> None:
         self.read_hashed(offset, buf, None)
 
-    def read_hashed(self, offset: int, buf: memoryview, hasher: Hasher | None) -> None:
+    def read_hashed(self, offset: int, buf: memoryview, hasher: Hashes | None) -> None:
         """Fill ``buf`` from ``offset`` with parallel ranged GETs, updating ``hasher`` with
         each piece in order as soon as it and those before it have arrived."""
         view, end = self.byte_span(offset, buf)
@@ -636,7 +632,9 @@ class S3Reader(Reader):
         pass
 
 
-class S3Storage(ManifestLastCommit):
+class S3Storage(Storage):
+    implicit_directories = True  # a name is a directory exactly when objects lie under it
+
     """Checkpoints under ``s3://bucket/prefix``.
 
     ``storage_options`` (all optional; the AWS_* environment variables fill the gaps):
@@ -887,7 +885,7 @@ class S3Storage(ManifestLastCommit):
         if known is not None:
             return known
         obs = _client()
-        probe = f"{TMP_PREFIX}probe-{uuid.uuid4().hex}"
+        probe = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
         works = True
         try:
             first = self._put(probe, b"1", "probe conditional writes", mode="create")
@@ -993,8 +991,8 @@ class S3Storage(ManifestLastCommit):
             except BaseException as e:  # a client panic too (see _fail)
                 raise self._fail(batch[0], f"delete {len(batch)} object(s)", e) from e
 
-    def lease(self, *, lease_seconds: float = 30.0) -> ObjectLease:
-        return ObjectLease(self, lease_seconds=lease_seconds)
+    def lease(self, name: str, *, lease_seconds: float = 30.0) -> ObjectLease:
+        return ObjectLease(self, name, lease_seconds=lease_seconds)
 
     def preflight(self) -> None:
         super().preflight()
@@ -1011,30 +1009,18 @@ class S3Storage(ManifestLastCommit):
         # One bucket name may be two buckets on two endpoints.
         return f"{self.config.endpoint or ''} {self.root}"
 
-    def tidy_candidates(self) -> Iterator[Candidate]:
-        """As :meth:`ManifestLastCommit.tidy_candidates`, from one recursive listing (a
-        listing per name would be a request per checkpoint), which also gives each object's
-        size and age, and sees checkpoints at any depth."""
-        found: dict[str, list[tuple[str, Stat | None]]] = {}
-        manifests: set[str] = set()
+    def walk(self) -> Iterator[tuple[str, Stat]]:
+        """Every object under the root with its size, version and age, from one recursive
+        listing (a listing per name would be a request per checkpoint)."""
         for meta in self._walk("", "gc: list"):
-            path: str = meta["path"]
-            ckpt, _, base = path.rpartition("/")
-            if ckpt:
-                if base == MANIFEST:
-                    manifests.add(ckpt)
-                if not _SAVE_DATA.match(base):
-                    continue
-            elif not base.startswith((PROBE_PREFIX, f"{TMP_PREFIX}probe-")):
-                continue
-            st = Stat(
-                int(meta["size"]),
-                str(meta.get("e_tag") or meta.get("version") or ""),
-                modified=meta["last_modified"].timestamp(),
+            yield (
+                meta["path"],
+                Stat(
+                    int(meta["size"]),
+                    str(meta.get("e_tag") or meta.get("version") or ""),
+                    modified=meta["last_modified"].timestamp(),
+                ),
             )
-            found.setdefault(ckpt, []).append((base, st))
-        for ckpt, objects in found.items():
-            yield ckpt, objects, ckpt in manifests
 
     def tidy(
         self, *, dry_run: bool = False, progress: Callable[[Tidied], None] | None = None

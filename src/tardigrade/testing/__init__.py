@@ -29,14 +29,15 @@ import itertools
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._commit import Candidate, Commit, commit_for
 from ..errors import InvalidArgumentError, StorageError
-from ..format.checksum import Hasher
-from ..storage import Reader, Stat, Storage, Writer, check_name, open_root, register_scheme
-from ..storage.base import ManifestLastCommit, PutMode, Tidied
+from ..format.manifest import check_name
+from ..storage import Directories, Reader, Stat, Storage, Writer, open_root, register_scheme
+from ..storage.base import Hashes, PutMode, Tidied
 from ..storage.lease import ObjectLease
 from ._kill import KillResult, kill_during
 from ._resume import ResumeReport, assert_resumes_exactly, checkpoint_dir, log_loss, save_final
@@ -88,7 +89,7 @@ class _Fault:
     seen: int = 0  # matching operations so far
 
 
-class FaultyStorage(Storage):
+class FaultyStorage(Directories):
     """A backend that fails chosen operations of the backend it wraps.
 
     ``inner`` is a Storage or a location (a directory or URL) whose checkpoints it serves,
@@ -260,77 +261,56 @@ class FaultyStorage(Storage):
     @property
     def _store(self) -> bool:
         """Whether the inner backend commits manifest-last (an object store)."""
-        return isinstance(self.inner, ManifestLastCommit)
+        return not self.inner.can_move
 
     @property
     def implicit_directories(self) -> bool:  # type: ignore[override]  # the wrapped backend's class attribute
         return self.inner.implicit_directories
 
-    def begin(self, name: str, save_id: str) -> str:
-        late = self._op("begin", self.url(name))
-        staging = self.inner.begin(name, save_id)
-        if late is not None:
-            # The caller never learns the staging name: let go of what this process holds of
-            # it (a local staging's flock), so it is a dead writer's leftover that gc removes.
-            self.inner.abandon(staging)
-        self._after(late)
-        return staging
-
-    def data_name(self, file: str, save_id: str) -> str:
-        return self.inner.data_name(file, save_id)
-
-    def commit(
-        self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
-    ) -> None:
-        late = self._op("commit", self.url(name))
-        if self._store:
-            ManifestLastCommit.commit(
-                self,  # type: ignore[arg-type]  # a store's commit, over this wrapper's primitives
-                staging,
-                name,
-                manifest,
-                save_id=save_id,
-                replace=replace,
-            )
-        else:
-            self.inner.commit(staging, name, manifest, save_id=save_id, replace=replace)
-        self._after(late)
-
-    def abort(self, staging: str, name: str, save_id: str) -> None:
-        late = self._op("abort", self.url(name))
-        if self._store:
-            ManifestLastCommit.abort(self, staging, name, save_id)  # type: ignore[arg-type]  # a store's abort, over this wrapper's primitives
-        else:
-            self.inner.abort(staging, name, save_id)
-        self._after(late)
-
-    def abandon(self, staging: str) -> None:
-        self.inner.abandon(staging)  # lets go of a resource here; no storage request
-
-    def describe(self, name: str) -> str | None:
-        return self.inner.describe(name)
-
-    def lease(self, *, lease_seconds: float = 30.0) -> Any:
-        lease = self.inner.lease(lease_seconds=lease_seconds)
-        if isinstance(lease, ObjectLease):
-            # The record is read and written with this wrapper's conditional puts.
-            return ObjectLease(self, lease_seconds=lease_seconds)
-        return lease
-
     @property
     def can_move(self) -> bool:  # type: ignore[override]  # a class attribute on backends
         return self.inner.can_move
 
+    def wrap_commit(self, commit: Any) -> Any:
+        return _FaultyCommit(self, commit)
+
+    def lease(self, name: str, *, lease_seconds: float = 30.0) -> Any:
+        lease = self.inner.lease(name, lease_seconds=lease_seconds)
+        if isinstance(lease, ObjectLease):
+            # The record is read and written with this wrapper's conditional puts.
+            return ObjectLease(self, name, lease_seconds=lease_seconds)
+        return lease
+
+    # What only a POSIX directory does: a rename is an operation of its own; making, locking,
+    # swapping and syncing directories are the rename commit's system calls (its ``begin``
+    # and ``commit``), never failed on their own.
+
     def move(self, src: str, dst: str) -> None:
         late = self._op("move", self.url(src))
-        self.inner.move(src, dst)
+        self._directories.move(src, dst)
         self._after(late)
 
-    # A store's tidy runs over this wrapper's primitives, with the inner store's grace period
-    # and its record of abandoned saves (``abandon`` goes to the inner store).
-    tidy_candidates = ManifestLastCommit.tidy_candidates
-    abandoned_saves = ManifestLastCommit.abandoned_saves
-    save_of = ManifestLastCommit.save_of
+    def make_dir(self, name: str) -> bool:
+        return self._directories.make_dir(name)
+
+    def hold(self, name: str, *, wait: bool) -> bool:
+        return self._directories.hold(name, wait=wait)
+
+    def release(self, name: str) -> None:
+        if isinstance(self.inner, Directories):
+            self.inner.release(name)
+
+    def exchange(self, a: str, b: str) -> bool:
+        return self._directories.exchange(a, b)
+
+    def sync(self, name: str = "") -> None:
+        self._directories.sync(name)
+
+    @property
+    def _directories(self) -> Directories:
+        if not isinstance(self.inner, Directories):
+            raise StorageError(errno.EOPNOTSUPP, f"{self.inner.root}: cannot rename (a store)")
+        return self.inner
 
     @property
     def gc_grace_seconds(self) -> float:  # type: ignore[override]  # the inner store's, read-only
@@ -338,12 +318,7 @@ class FaultyStorage(Storage):
 
     @property
     def tidy_scope(self) -> str:
-        return str(getattr(self.inner, "tidy_scope", self.inner.root))
-
-    def tidy(self, *, dry_run: bool = False, progress: Any = None) -> builtins.list[Tidied]:
-        if self._store:
-            return []  # a store's leftovers are the catalog's to sweep (tidy_candidates)
-        return self.inner.tidy(dry_run=dry_run, progress=progress)
+        return self.inner.tidy_scope
 
     def preflight(self) -> None:
         if self._store:
@@ -352,13 +327,78 @@ class FaultyStorage(Storage):
             self.inner.preflight()
 
 
+class _FaultyCommit(Commit):
+    """The commit strategy chosen for a ``FaultyStorage``, with ``begin``, ``commit`` and
+    ``abort`` logged (and failed) as operations of their own.
+
+    Around an object store the strategy runs over the wrapper's primitives (each request of a
+    commit fails on its own, as a store's do). Around a POSIX directory a save's ``begin``,
+    ``commit`` and ``abort`` (and cleanup's ``leftovers``) are the backend's own system calls,
+    one operation each; retiring or setting aside a checkpoint is a ``move`` and a ``delete``
+    of the wrapper's.
+    """
+
+    def __init__(self, faulty: FaultyStorage, outer: Commit) -> None:
+        super().__init__(faulty)
+        self.faulty = faulty
+        self.outer = outer  # over the wrapper's primitives
+        self.own = commit_for(faulty.inner) if outer.renames else outer
+        self.renames = outer.renames
+
+    def begin(self, name: str, save_id: str) -> str:
+        late = self.faulty._op("begin", self.faulty.url(name))
+        staging = self.own.begin(name, save_id)
+        if late is not None:
+            # The caller never learns the staging name: let go of what this process holds of
+            # it (a local staging's flock), so it is a dead writer's leftover that gc removes.
+            self.own.abandon(staging)
+        self.faulty._after(late)
+        return staging
+
+    def data_name(self, file: str, save_id: str) -> str:
+        return self.own.data_name(file, save_id)
+
+    def commit(
+        self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
+    ) -> None:
+        late = self.faulty._op("commit", self.faulty.url(name))
+        self.own.commit(staging, name, manifest, save_id=save_id, replace=replace)
+        self.faulty._after(late)
+
+    def abort(self, staging: str, name: str, save_id: str) -> None:
+        late = self.faulty._op("abort", self.faulty.url(name))
+        self.own.abort(staging, name, save_id)
+        self.faulty._after(late)
+
+    def abandon(self, staging: str) -> None:
+        self.own.abandon(staging)  # lets go of a resource here; no storage request
+
+    def retire(self, name: str) -> None:
+        self.outer.retire(name)
+
+    def set_aside(self, name: str, aside: str) -> None:
+        self.outer.set_aside(name, aside)
+
+    def leftovers(self, *, dry_run: bool = False, progress: Any = None) -> builtins.list[Tidied]:
+        return self.own.leftovers(dry_run=dry_run, progress=progress)
+
+    def candidates(self) -> Iterator[Candidate]:
+        return self.outer.candidates()
+
+    def abandoned_saves(self) -> dict[str, float]:
+        return self.outer.abandoned_saves()
+
+    def save_of(self, data: str) -> str:
+        return self.outer.save_of(data)
+
+
 class _FaultyWriter(Writer):
     def __init__(self, storage: FaultyStorage, name: str, inner: Writer) -> None:
         self._storage = storage
         self._name = name
         self._inner = inner
 
-    def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
+    def write(self, data: memoryview | bytes, *, hasher: Hashes | None = None) -> None:
         late = self._storage._op("write", self._storage.url(self._name))
         if late == "short_write":
             # The storage keeps half and says nothing: the hasher sees what was asked, as a

@@ -48,10 +48,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .. import _probes
+from .._commit import Commit
 from ..errors import InvalidArgumentError
-from ..format.checksum import Hasher
 from ..storage import _BACKENDS as _SCHEMES  # the registry's factories, to wrap each
 from ..storage import Reader, Storage, Writer, register_scheme
+from ..storage.base import Hashes
 
 ENV = "TARDIGRADE_KILL_POINT"
 MOMENTS = ("write", "staging", "commit", "committed", "operation", "phase", "never")
@@ -228,7 +229,7 @@ class _KillWriter(Writer):
         self._where = where
         self._inner = inner
 
-    def write(self, data: memoryview | bytes, *, hasher: Hasher | None = None) -> None:
+    def write(self, data: memoryview | bytes, *, hasher: Hashes | None = None) -> None:
         h = self._hook
         h.op("write", self._where)
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
@@ -311,16 +312,27 @@ class _Killing(Storage):
     def move(self, src: str, dst: str) -> None:
         assert _hook is not None
         _hook.op("move", self.url(src))
-        super().move(src, dst)
+        super().move(src, dst)  # type: ignore[misc]  # mixed into a Directories backend only (the only one that moves)
+
+    def wrap_commit(self, commit: Any) -> Any:
+        commit = super().wrap_commit(commit)
+        commit.__class__ = _killing_class(type(commit), _KillingCommit)
+        return commit
+
+
+class _KillingCommit(Commit):
+    """Mixed in before a commit strategy's class: its ``begin`` and ``commit`` counted, and
+    killed at (the moments ``staging``, ``commit`` and ``committed``); the primitives they
+    are made of are counted by the storage's own mixin."""
 
     def begin(self, name: str, save_id: str) -> str:
         assert _hook is not None
         h = _hook
-        h.op("begin", self.url(name))
+        h.op("begin", self.storage.url(name))
         staging = super().begin(name, save_id)
         p = h.point
         if p.at == "staging" and h.counts["begin"] == p.nth and h.mine():
-            h.die(f"staging #{p.nth}: {self.url(staging)} created, nothing written")
+            h.die(f"staging #{p.nth}: {self.storage.url(staging)} created, nothing written")
         return staging
 
     def commit(
@@ -328,33 +340,34 @@ class _Killing(Storage):
     ) -> None:
         assert _hook is not None
         h = _hook
-        h.op("commit", self.url(name))
+        h.op("commit", self.storage.url(name))
         p = h.point
         n = h.counts["commit"]
         inside = p.at == "commit" and n == p.nth and h.mine()
         if inside:
-            h.local.commit = name
+            h.local.commit = name  # its first write (the manifest's) dies half done
         try:
             super().commit(staging, name, manifest, save_id=save_id, replace=replace)
         finally:
             h.local.commit = None
         if inside:
-            h.die(f"commit #{n}: at its end, {self.url(name)} ({type(self).__name__})")
+            h.die(f"commit #{n}: at its end, {self.storage.url(name)} ({type(self).__name__})")
         if p.at == "committed" and n == p.nth and h.mine():
-            h.die(f"committed #{n}: {self.url(name)} exists, the save has not returned")
+            h.die(f"committed #{n}: {self.storage.url(name)} exists, the save has not returned")
 
     def abort(self, staging: str, name: str, save_id: str) -> None:
         assert _hook is not None
-        _hook.op("abort", self.url(staging))
+        _hook.op("abort", self.storage.url(staging))
         super().abort(staging, name, save_id)
 
 
 _classes: dict[type, type] = {}
 
 
-def _killing_class(cls: type) -> type:
+def _killing_class(cls: type, mixin: type | None = None) -> type:
+    mixin = mixin or _Killing
     if cls not in _classes:
-        _classes[cls] = type(f"Killing{cls.__name__}", (_Killing, cls), {})
+        _classes[cls] = type(f"Killing{cls.__name__}", (mixin, cls), {})
     return _classes[cls]
 
 

@@ -24,6 +24,11 @@ import pytest
 
 from tardigrade.testing import S3Server
 
+# The run id a manager takes from the launcher by default (``run_id=``): the suite's own runs
+# must not depend on whether it runs inside a SLURM job or under torchrun.
+for _launcher_variable in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+    os.environ.pop(_launcher_variable, None)
+
 # The fault matrix's counts from each pytest-xdist worker (tests/storage/conftest.py).
 _WORKER_FAULTS: Counter[str] = Counter()
 

@@ -81,10 +81,15 @@ class RamTierStats:
     restored: int = 0
 
 
-def namespace(directory: str) -> str:
-    """The RAM tier's directory name for checkpoint directory ``directory`` (a root URL)."""
+def namespace(directory: str, run: str | None = None) -> str:
+    """The RAM tier's directory name for checkpoint directory ``directory`` (a root URL, or
+    one rank's share of it) in run ``run`` (None: the directory alone names the run). Every
+    run of one directory shares the name's stem: what another run left is found by it."""
     digest = hashlib.sha256(directory.encode()).hexdigest()[:16]
-    return f"tardigrade-{os.geteuid()}-{digest}"
+    stem = f"tardigrade-{os.geteuid()}-{digest}"
+    if run is None:
+        return stem
+    return f"{stem}-run-{hashlib.sha256(run.encode()).hexdigest()[:12]}"
 
 
 def _image_bytes(job: SaveJob) -> int:
@@ -93,9 +98,12 @@ def _image_bytes(job: SaveJob) -> int:
 
 class RamTier:
     """The RAM tier of the checkpoint directory ``directory``, under ``base``; ``rank``: the
-    rank of a distributed job whose share this is (None in a single process).
+    rank of a distributed job whose share this is (None in a single process); ``run``: the
+    run id of the job (``run_id=``; None: the directory alone names the run).
 
-    The caller holds ``directory``'s lock: one job per directory, so one writer here too.
+    The caller holds ``directory``'s lock: one job per directory, so one writer here too, and
+    what another run of the directory left on this node is a dead job's: it is removed (never
+    restored from).
     Raises StorageError when ``base`` cannot hold it (missing, not writable, not ours).
     """
 
@@ -104,13 +112,16 @@ class RamTier:
         directory: str,
         base: str | os.PathLike[str] | None = None,
         rank: int | None = None,
+        run: str | None = None,
     ) -> None:
         base = os.path.abspath(os.fspath(DEFAULT_BASE if base is None else base))
-        # What the namespace belongs to: the directory, or one rank's share of it.
-        self.directory = directory if rank is None else f"{directory} (rank {rank})"
+        # What the namespace belongs to: the directory, or one rank's share of it, in a run.
+        family = directory if rank is None else f"{directory} (rank {rank})"
+        self.directory = family if run is None else f"{family} (run {run})"
         self.rank = rank
-        self.root = os.path.join(base, namespace(self.directory))
+        self.root = os.path.join(base, namespace(family, run))
         self._make_root(base)
+        self._remove_other_runs(base, family)
         self.storage = LocalStorage(self.root)
         self.catalog = Catalog(self.storage)
         self.stats = RamTierStats(self.root)
@@ -177,12 +188,44 @@ class RamTier:
 
     def _ours(self, path: str) -> bool:
         """Whether ``path`` is a private directory of this user holding this tier's copies."""
+        return self._source(path) == self.directory
+
+    @staticmethod
+    def _source(path: str) -> str | None:
+        """What ``path`` says it holds (its ``.source``), if it is a private directory of this
+        user; else None."""
         try:
             private_directory(path)
             there = LocalStorage(path).read_bytes(_SOURCE, 64 * 1024)
         except (StorageError, CorruptCheckpointError, OSError):
-            return False
-        return there.decode(errors="replace") == self.directory
+            return None
+        return there.decode(errors="replace")
+
+    def _remove_other_runs(self, base: str, family: str) -> None:
+        """Remove what other runs of this directory (other run ids, or none) left on this node:
+        their copies are never restored (a copy counts only in the run that made it), and they
+        hold memory. The directory's lock is ours: none of them is live."""
+        stem, mine = namespace(family), os.path.basename(self.root)
+        listed = LocalStorage(base)
+        try:
+            entries = [e for e in listed.list() if e.startswith(stem) and e != mine]
+        except OSError:
+            return
+        for entry in entries:
+            source = self._source(os.path.join(base, entry))
+            if source is None or (source != family and not source.startswith(f"{family} (run ")):
+                continue
+            try:
+                listed.delete(entry)
+            except OSError as e:
+                log.warning("tardigrade: could not remove %s: %s", os.path.join(base, entry), e)
+                continue
+            log.info(
+                "tardigrade: removed the RAM tier %s of another run of %s (%s)",
+                os.path.join(base, entry),
+                family,
+                source,
+            )
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -603,13 +646,15 @@ def _drain(get: Callable[[], Any]) -> None:
             block.done()
 
 
-def open_ram_tier(directory: str, ram_tier: Any, rank: int | None = None) -> RamTier | None:
+def open_ram_tier(
+    directory: str, ram_tier: Any, rank: int | None = None, run: str | None = None
+) -> RamTier | None:
     """The manager's ``ram_tier=`` argument: False/None (off), True (``/dev/shm``) or a path;
-    ``rank``: this process's rank in a distributed job."""
+    ``rank``: this process's rank in a distributed job; ``run``: the job's run id."""
     if ram_tier is None or ram_tier is False:
         return None
     if ram_tier is True:
-        return RamTier(directory, rank=rank)
+        return RamTier(directory, rank=rank, run=run)
     if isinstance(ram_tier, (str, os.PathLike)):
         base = os.path.abspath(os.fspath(ram_tier))
         if base == directory or base.startswith(directory.rstrip(os.sep) + os.sep):
@@ -618,7 +663,7 @@ def open_ram_tier(directory: str, ram_tier: Any, rank: int | None = None) -> Ram
                 f"{directory}; pass a directory on a memory filesystem elsewhere (such as "
                 "/dev/shm, the default with ram_tier=True)"
             )
-        return RamTier(directory, ram_tier, rank=rank)
+        return RamTier(directory, ram_tier, rank=rank, run=run)
     raise InvalidArgumentError(
         f"ram_tier must be True, False or a directory on a memory filesystem, got {ram_tier!r}"
     )

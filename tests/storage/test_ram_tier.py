@@ -441,4 +441,77 @@ def test_a_manager_without_a_ram_tier_agrees_on_nothing_for_it(tmp_path: Path) -
             raise AssertionError(f"a collective for a tier that is off: {what}")
 
     catalog = tg.Catalog(str(tmp_path))
-    assert open_memory_tier(False, root=catalog, ranks=Ranks()) is None  # type: ignore[arg-type]
+    assert open_memory_tier(False, root=catalog, ranks=Ranks(), run=None) is None  # type: ignore[arg-type]
+
+
+# -- the run id: a RAM copy counts only in the run that made it ------------------------------
+
+
+def crashed_run(directory: Path, shm: Path, run_id: str | None, steps: tuple[int, ...]) -> Path:
+    """A run that saved ``steps`` with a RAM tier, then died (its RAM copy stays)."""
+    state = state_at(0)
+    with tg.CheckpointManager(directory, state, ram_tier=shm, run_id=run_id) as mgr:
+        for step in steps:
+            state["w"].copy_(state_at(step)["w"])
+            mgr.save(step)
+        mgr.wait()
+        mgr._ram_keep = True  # as after a crash
+        root = Path(mgr.ram_tier_stats.root)  # type: ignore[union-attr]
+    assert (root / f"step-{steps[-1]:09d}" / "manifest.json").is_file()
+    return root
+
+
+def test_a_restart_of_the_same_run_restores_from_memory(tmp_path: Path, shm: Path) -> None:
+    root = crashed_run(tmp_path / "ckpt", shm, "job-7", (1, 2))
+    assert root.name == namespace(str(tmp_path / "ckpt"), "job-7")
+    restored = state_at(0)
+    with tg.CheckpointManager(tmp_path / "ckpt", restored, ram_tier=shm, run_id="job-7") as mgr:
+        assert mgr.restore() == 2 and mgr.restored_from == str(root / "step-000000002")
+    assert torch.equal(restored["w"], state_at(2)["w"])
+
+
+@pytest.mark.parametrize("before", ["job-7", None], ids=["another-run-id", "no-run-id"])
+def test_another_run_s_ram_copy_is_never_restored_and_is_removed(
+    tmp_path: Path, shm: Path, before: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A new job on the same directory (another run id): the RAM copy the last one left is the
+    same save as the directory's newest, and still is not taken (a copy counts only in its own
+    run); it goes, since it holds memory and can never be used."""
+    caplog.set_level(logging.INFO, logger="tardigrade")
+    old = crashed_run(tmp_path / "ckpt", shm, before, (1, 2))
+    restored = state_at(0)
+    with tg.CheckpointManager(tmp_path / "ckpt", restored, ram_tier=shm, run_id="job-8") as mgr:
+        assert not old.exists()
+        assert mgr.restore() == 2
+        assert mgr.restored_from == str(tmp_path / "ckpt" / "step-000000002")
+        assert mgr.ram_tier_stats.restored == 0  # type: ignore[union-attr]
+    assert torch.equal(restored["w"], state_at(2)["w"])
+    assert any("of another run of" in r.getMessage() for r in caplog.records)
+
+
+def test_another_directory_s_ram_tier_is_left_alone(tmp_path: Path, shm: Path) -> None:
+    other = crashed_run(tmp_path / "other", shm, "job-7", (1,))
+    with tg.CheckpointManager(tmp_path / "ckpt", state_at(0), ram_tier=shm, run_id="job-8"):
+        pass
+    assert (other / "step-000000001" / "manifest.json").is_file()
+
+
+def test_the_run_id_defaults_to_the_launcher_s(
+    tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def root_with(**env: str) -> str:
+        for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        with tg.CheckpointManager(tmp_path / "ckpt", state_at(0), ram_tier=shm) as mgr:
+            return Path(mgr.ram_tier_stats.root).name  # type: ignore[union-attr]
+
+    directory = str(tmp_path / "ckpt")
+    assert root_with() == namespace(directory)
+    assert root_with(SLURM_JOB_ID="4242") == namespace(directory, "4242")
+    both = root_with(SLURM_JOB_ID="4242", TORCHELASTIC_RUN_ID="rdzv-1")
+    assert both == namespace(directory, "rdzv-1")  # torchrun's id, inside a SLURM allocation
+    for bad in ("", "x" * 257, 7):
+        with pytest.raises(InvalidArgumentError, match="run_id must be"):
+            tg.CheckpointManager(tmp_path / "bad", state_at(0), run_id=bad)  # type: ignore[arg-type]

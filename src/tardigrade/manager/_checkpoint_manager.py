@@ -9,6 +9,7 @@ agreement between ranks (``_agreement``). Here they are wired together, once, at
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -39,6 +40,7 @@ from ._options import (
     check_positive,
     check_retention,
     check_run_directory,
+    check_run_id,
     check_signals,
     check_step,
 )
@@ -153,13 +155,11 @@ class CheckpointManager:
         ``timeout``: seconds any rank waits for the others in one of the manager's collectives
             (its saves and loads included) before every rank raises ``DistributedError``.
         ``upload_to``: a second, remote tier (e.g. ``"s3://bucket/run"``): each checkpoint
-            committed in ``directory`` is then copied there in the background, off the
-            training thread; it counts as uploaded once its remote manifest is committed. A
-            failed upload is logged, counted in ``uploads`` and retried, never raised.
-            ``restore()`` first downloads the remote tier's newest checkpoint when it is newer
-            than the newest here (a fresh machine with an empty ``directory``). In a
-            distributed job each rank uploads the data files it wrote and rank 0 commits the
-            remote manifest once every rank's are there; a download is shared the same way.
+            committed in ``directory`` is copied there in the background; it counts as
+            uploaded once its remote manifest is committed. A failed upload is logged,
+            counted in ``uploads`` and retried, never raised. ``restore()`` first downloads
+            the remote tier's newest checkpoint when it is newer than the newest here. In a
+            distributed job each rank uploads the files it wrote, rank 0 commits.
         ``keep_last_remote``: retention of the remote tier (None: keep every upload).
         ``upload_timeout``: seconds ``close()`` waits for pending uploads (default 600).
         ``storage_options``: options for the backend of a URL ``directory`` (for ``s3://``:
@@ -170,31 +170,30 @@ class CheckpointManager:
         ``ram_tier``: ``True`` keeps a copy of the newest checkpoint in host shared memory
             (``/dev/shm``), a path keeps it in that directory (a tmpfs); ``False`` (default)
             does not. A process killed and restarted on the same node then restores from
-            memory (``restore()`` prefers it when it is the same save as the newest
-            checkpoint here; ``restored_from`` tells which copy was read). An async save
-            writes it from its staging copy (nothing more is copied while training waits).
-            It holds the newest checkpoint only, is namespaced by this directory's path (a
-            restart finds it, another job does not), and is removed by ``close()`` (not on a
-            crash, nor on a ``with`` block left by an exception). A failed copy (a full
-            ``/dev/shm``) is logged and counted in ``ram_tier_stats``, never raised. In a
-            distributed job each rank keeps its own files of the newest checkpoint (copied
-            from ``directory`` in the background), and a restart reads from memory only when
-            every rank holds that save. See docs/storage.md.
+            memory when it is the same save as the newest checkpoint here (``restored_from``
+            says which copy was read). An async save writes it from its staging copy. It
+            holds the newest checkpoint only, is namespaced by this directory and the run
+            (``run_id``), and is removed by ``close()`` (not on a crash, nor on a ``with``
+            block left by an exception). A failed copy (a full ``/dev/shm``) is logged and
+            counted in ``ram_tier_stats``, never raised. In a distributed job each rank keeps
+            its own files, and a restart reads from memory only when every rank holds that
+            save. See docs/storage.md.
+        ``run_id``: the id of this job across its restarts (default: ``TORCHELASTIC_RUN_ID``
+            or ``SLURM_JOB_ID`` where set, else the directory alone): a RAM copy is restored
+            only in the run that made it; another run's, left on this node, is removed.
 
     In a distributed job the constructor, ``step``, ``save``, ``stop_at_boundary``,
     ``restore``, ``steps``, ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are
-    collective: every rank of the group calls them, in the same order. Each decision (whether this step saves, whether to stop
-    after a signal that reached any rank, which checkpoint ``restore`` picks, when a background
-    save is recorded and whether it succeeded) is the same on every rank; the directory checks,
-    the lock, retention and the cleanup run on the group's rank 0 only. With ``async_save``
-    each rank copies its own tensors to host memory and returns; the collective save runs in
-    the background on a gloo group forked from the manager's group at its first async save, so
-    it never meets training's own collectives. A background save is recorded on every rank at
-    the same call (the first ``step`` that finds every rank's save finished, or the next save,
-    ``wait``, ``restore`` or ``close``), as failed on every rank if it failed on any, and
-    retention follows only a save that every rank knows committed. ``max_staging_bytes`` does
-    not apply to collective saves: with it, saves there are synchronous (said once, in a
-    warning).
+    collective: every rank calls them, in the same order. Each decision (whether this step
+    saves, whether to stop after a signal that reached any rank, which checkpoint ``restore``
+    picks, whether a background save succeeded) is the same on every rank; the directory
+    checks, the lock, retention and the cleanup run on rank 0 only. With ``async_save`` each
+    rank copies its own tensors to host memory and returns; the collective save runs in the
+    background on a gloo group of its own, so it never meets training's own collectives. A
+    background save is recorded on every rank at the same call (the first ``step`` that finds
+    every rank's save finished, or the next save, ``wait``, ``restore`` or ``close``), as
+    failed on every rank if it failed on any. With ``max_staging_bytes``, saves there are
+    synchronous (said once, in a warning).
     """
 
     every_steps = _Knob("_policy")
@@ -234,6 +233,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         upload_storage_options: Mapping[str, Any] | None = None,
         ram_tier: bool | str | os.PathLike[str] = False,
+        run_id: str | None = None,
     ) -> None:
         # Every byte, listing and delete goes through the catalog over the storage contract.
         self._storage_options = storage_options
@@ -244,8 +244,7 @@ class CheckpointManager:
         retention = check_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         on_error = check_one_of("on_save_error", on_save_error, ("warn", "raise"))
         check_flag("async_save", async_save)
-        self.should_stop = False
-        self._closed = False
+        self.should_stop = self._closed = False
         self._last_step: int | None = None
         self._last_epoch: int | None = None
         self._last_save_time = time.monotonic()
@@ -253,7 +252,7 @@ class CheckpointManager:
         self.restored_from: str | None = None  # where restore() read its checkpoint
         self.keep_last_remote = check_positive("keep_last_remote", keep_last_remote)
         self.upload_timeout = check_positive("upload_timeout", upload_timeout, float)
-        signals = check_signals(save_on_signals)
+        signals, run = check_signals(save_on_signals), check_run_id(run_id)
         # In a single process, the null agreement: nothing talks to other ranks.
         self._ranks = agreement(f"CheckpointManager({self.directory!r})", process_group, timeout)
         lock_timeout = check_non_negative("lock_timeout", lock_timeout)
@@ -265,7 +264,8 @@ class CheckpointManager:
         self._start(async_save, max_staging_bytes, signals)
         if upload_to is not None:
             self._open_tier(lambda: self._remote_tier(upload_to, upload_storage_options))
-        self._open_tier(lambda: open_memory_tier(ram_tier, root=self._catalog, ranks=self._ranks))
+        tier = functools.partial(open_memory_tier, ram_tier, root=self._catalog, run=run)
+        self._open_tier(lambda: tier(ranks=self._ranks))
 
     def _wire(self, retention: Retention, on_save_error: str) -> None:
         """Make the collaborators, each given what it needs (none reaches back in here)."""

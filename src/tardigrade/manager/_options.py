@@ -115,3 +115,21 @@ def check_retention(
         best_mode=check_one_of("best_mode", best_mode, ("min", "max")),
         best_metric=check_best_metric(keep_best, best_metric),
     )
+
+
+# Where launchers put the id of one job, kept across its restarts: torchrun's elastic agent
+# (``--rdzv-id``, the same for every restart of the workers) and SLURM (kept by ``--requeue``).
+RUN_ID_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+
+
+def check_run_id(v: Any) -> str | None:
+    """``run_id=``: the id of this job across its restarts; None: the launcher's (see
+    ``RUN_ID_VARIABLES``) where one is set, else none (the checkpoint directory names the run)."""
+    if v is None:
+        return next((os.environ[k] for k in RUN_ID_VARIABLES if os.environ.get(k)), None)
+    if not isinstance(v, str) or not v or len(v) > 256 or "\x00" in v:
+        raise InvalidArgumentError(
+            f"run_id must be a non-empty string of at most 256 characters (the id of this job "
+            f"across its restarts, e.g. the scheduler's job id), got {v!r}"
+        )
+    return v

@@ -276,15 +276,17 @@ def open_remote_tier(
     return RemoteTier(uploader, held, root, ranks, timeout=timeout, retain=retain)
 
 
-def open_memory_tier(ram_tier: Any, *, root: Catalog, ranks: Agreement) -> MemoryTier | None:
+def open_memory_tier(
+    ram_tier: Any, *, root: Catalog, ranks: Agreement, run: str | None
+) -> MemoryTier | None:
     """The RAM tier of ``ram_tier=`` (None when off), open on every rank or raising on all:
-    a restore agrees over all of them."""
+    a restore agrees over all of them. ``run``: the job's run id (``run_id=``)."""
     if ram_tier is None or ram_tier is False:
         return None  # off: nothing to agree on (no collective)
     error: BaseException | None = None
     ram = None
     try:
-        ram = open_ram_tier(root.root, ram_tier, rank=ranks.rank)
+        ram = open_ram_tier(root.root, ram_tier, rank=ranks.rank, run=run)
     except BaseException as e:
         error = e
     what = f"CheckpointManager({root.root!r}): ram_tier={ram_tier!r}"

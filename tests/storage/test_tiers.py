@@ -124,6 +124,41 @@ def test_uploads_retention_and_a_fresh_machine_restores_from_the_remote(
         assert mgr.steps() == [4]  # downloaded into the fast tier
 
 
+def test_each_tier_keeps_its_own_cadence(tmp_path: Path, remote_url: str) -> None:
+    """The directory every step, the remote tier every third (``upload_every``): the remote
+    takes only its own steps, the directory's retention still waits for those uploads, and a
+    fresh machine restores the remote's newest."""
+    state = state_at(0)
+    with tg.CheckpointManager(
+        tmp_path / "run", state, every_steps=1, keep_last=2, upload_to=remote_url,
+        upload_every=3,
+    ) as mgr:  # fmt: skip
+        assert (mgr.upload_every, mgr.keep_last_remote) == (3, None)
+        for step in range(1, 8):
+            state.update(state_at(step))
+            state["w"].fill_(float(step))
+            mgr.step(step)
+        mgr.wait()
+        assert mgr.steps() == [6, 7]
+    assert mgr.uploads is not None and mgr.uploads.uploaded == ["step-000000003", "step-000000006"]
+    assert [n for n in open_root(remote_url).list() if n.startswith("step-")] == [
+        "step-000000003",
+        "step-000000006",
+    ]
+    fresh = state_at(0)
+    with tg.CheckpointManager(tmp_path / "new-machine", fresh, upload_to=remote_url) as mgr:
+        assert mgr.restore() == 6 and float(fresh["w"][0]) == 6.0
+
+
+def test_a_cadence_for_a_tier_that_is_not_there_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(tg.InvalidArgumentError, match="upload_every=5 was given without upload_to"):
+        tg.CheckpointManager(tmp_path / "run", state_at(0), upload_every=5)
+    with pytest.raises(tg.InvalidArgumentError, match="upload_every"):
+        tg.CheckpointManager(
+            tmp_path / "run", state_at(0), upload_to=tmp_path / "r", upload_every=0
+        )
+
+
 def test_a_failed_upload_is_counted_retried_and_never_stops_training(
     tmp_path: Path, remote_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -32,12 +32,12 @@ from ..storage.lease import Lease
 from ._agreement import DUE, NOTHING, PREEMPTED, agreement
 from ._dispatch import SaveDispatch
 from ._options import (
+    Uploads,
     check_directory,
     check_flag,
     check_non_negative,
     check_one_of,
     check_policy,
-    check_positive,
     check_retention,
     check_run_directory,
     check_run_id,
@@ -145,11 +145,9 @@ class CheckpointManager:
             valid without a heartbeat (a holder on this machine frees it when it dies: a
             directory's at once, a store's as soon as its process is gone).
         ``lock_timeout``: seconds the constructor waits for a lock whose holder may be dead
-            (another machine's, until its lease expires), logging who holds it, before it
-            raises ``CheckpointLockedError`` (default None: one lease, so that a restarted job
-            whose previous process died anywhere starts; 0: fail at once). A holder that waiting
-            cannot help (a directory's flock held on this machine, another manager of this
-            process) is refused at once.
+            (another machine's), logging who holds it, before ``CheckpointLockedError``
+            (default None: one lease, so a restarted job starts; 0: fail at once). A live holder
+            on this machine, or another manager of this process, is refused at once.
         ``process_group``: in a distributed job (``torch.distributed`` initialized) the group
             whose ranks share this manager (default: the whole job); ignored otherwise.
         ``timeout``: seconds any rank waits for the others in one of the manager's collectives
@@ -162,6 +160,8 @@ class CheckpointManager:
             distributed job each rank uploads the files it wrote, rank 0 commits.
         ``keep_last_remote``: retention of the remote tier (None: keep every upload).
         ``upload_timeout``: seconds ``close()`` waits for pending uploads (default 600).
+        ``upload_every``: the remote tier's own cadence: it takes the checkpoints of steps
+            that are multiples of it (None: every checkpoint ``directory`` commits).
         ``storage_options``: options for the backend of a URL ``directory`` (for ``s3://``:
             ``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ...; for an
             fsspec URL, its filesystem's arguments); a local directory takes none.
@@ -205,6 +205,7 @@ class CheckpointManager:
     best_metric = _Knob("_retainer", "policy")
     best_mode = _Knob("_retainer", "policy")
     on_save_error = _Knob("_outcomes")
+    keep_last_remote, upload_timeout, upload_every = (_Knob("_uploads") for _ in range(3))
 
     def __init__(
         self,
@@ -230,6 +231,7 @@ class CheckpointManager:
         upload_to: str | os.PathLike[str] | None = None,
         keep_last_remote: int | None = None,
         upload_timeout: float = 600.0,
+        upload_every: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         upload_storage_options: Mapping[str, Any] | None = None,
         ram_tier: bool | str | os.PathLike[str] = False,
@@ -250,8 +252,7 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._ram_keep = False  # leave the local tiers in place at close (left by an exception)
         self.restored_from: str | None = None  # where restore() read its checkpoint
-        self.keep_last_remote = check_positive("keep_last_remote", keep_last_remote)
-        self.upload_timeout = check_positive("upload_timeout", upload_timeout, float)
+        self._uploads = Uploads.check(upload_to, keep_last_remote, upload_timeout, upload_every)
         signals, run = check_signals(save_on_signals), check_run_id(run_id)
         # In a single process, the null agreement: nothing talks to other ranks.
         self._ranks = agreement(f"CheckpointManager({self.directory!r})", process_group, timeout)
@@ -363,6 +364,7 @@ class CheckpointManager:
             lease_seconds=self._lock.lease,
             keep_last=self.keep_last_remote,
             timeout=self.upload_timeout,
+            every=self.upload_every,
             retain=self._retainer.retain,
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from .._catalog import Catalog
@@ -133,3 +134,27 @@ def check_run_id(v: Any) -> str | None:
             f"across its restarts, e.g. the scheduler's job id), got {v!r}"
         )
     return v
+
+
+@dataclass(frozen=True)
+class Uploads:
+    """The remote tier's settings (``upload_to=``): its retention (``keep_last_remote``), how
+    long ``close()`` waits for it (``upload_timeout``) and its own cadence (``upload_every``:
+    every N-th step the directory commits, by step number; None: every one)."""
+
+    keep_last_remote: int | None = None
+    upload_timeout: float = 600.0
+    upload_every: int | None = None
+
+    @classmethod
+    def check(cls, upload_to: Any, keep_last: Any, timeout: Any, every: Any) -> Uploads:
+        if upload_to is None and every is not None:
+            raise InvalidArgumentError(
+                f"upload_every={every!r} was given without upload_to=: it is the cadence of "
+                "the remote tier; pass upload_to= too, or use every_steps= for the directory"
+            )
+        return cls(
+            check_positive("keep_last_remote", keep_last),
+            check_positive("upload_timeout", timeout, float),
+            check_positive("upload_every", every),
+        )

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar, TypeVar
 
-from .._catalog import Catalog, step_name
+from .._catalog import STEP_NAMES, Catalog, step_name
 from .._load import load
 from .._ramtier import RamTier, RamTierStats, open_ram_tier
 from .._sinks import Sink
@@ -60,9 +60,13 @@ class Tier:
         """Pause this tier's background work while the training thread waits on a save."""
         return nullcontext()
 
+    def takes(self, name: str) -> bool:
+        """Whether this tier keeps checkpoint ``name`` (its own cadence; every one here)."""
+        return True
+
     def committed(self, name: str, *, teed: bool) -> None:
-        """Checkpoint ``name`` committed in the run's root (``teed``: an async save, whose
-        sinks copied it already); on every rank."""
+        """Checkpoint ``name``, which this tier ``takes``, committed in the run's root
+        (``teed``: an async save, whose sinks copied it already); on every rank."""
 
     def pinned(self) -> set[str]:
         """Checkpoints the root must not retire yet (this tier still copies them)."""
@@ -150,7 +154,9 @@ class RemoteTier(Tier):
         *,
         timeout: float,
         retain: Callable[[], None],
+        every: int | None = None,
     ) -> None:
+        self.every = every  # its cadence: the steps that are multiples of it (None: all)
         self.uploader: Uploader | None = uploader
         self.lease: Lease | None = lease
         self.root = root
@@ -165,6 +171,10 @@ class RemoteTier(Tier):
 
     def held(self) -> AbstractContextManager[None]:
         return nullcontext() if self.uploader is None else self.uploader.held()
+
+    def takes(self, name: str) -> bool:
+        step = STEP_NAMES.step(name)
+        return self.every is None or step is None or step % self.every == 0
 
     def committed(self, name: str, *, teed: bool) -> None:
         if self.uploader is not None:
@@ -240,6 +250,7 @@ def open_remote_tier(
     keep_last: int | None,
     timeout: float,
     retain: Callable[[], None],
+    every: int | None = None,
 ) -> RemoteTier:
     """Open ``upload_to`` and take its lease (rank 0's stands for the job): one job uploads
     into a remote root, as one job saves into a directory. Raises on every rank."""
@@ -273,7 +284,7 @@ def open_remote_tier(
     )
     # Rank 0 holds the lease; the other ranks' tiers hold none.
     held = leases[0] if leases else None
-    return RemoteTier(uploader, held, root, ranks, timeout=timeout, retain=retain)
+    return RemoteTier(uploader, held, root, ranks, timeout=timeout, retain=retain, every=every)
 
 
 def open_memory_tier(
@@ -340,7 +351,8 @@ class Tiers:
 
     def committed(self, name: str, *, teed: bool) -> None:
         for tier in self._tiers:
-            tier.committed(name, teed=teed)
+            if tier.takes(name):
+                tier.committed(name, teed=teed)
 
     def pinned(self) -> set[str]:
         return {n for t in self._tiers for n in t.pinned()}

@@ -102,7 +102,7 @@ class PreconditionFailed(StorageError):
 
 @dataclass(frozen=True)
 class Tidied:
-    """One leftover of a dead writer that :meth:`Storage.tidy` dealt with."""
+    """One leftover of a dead writer that cleanup dealt with (``Catalog.tidy``)."""
 
     name: str
     action: str  # "removed" or "recovered"

@@ -146,8 +146,8 @@ class CheckpointManager:
             directory's at once, a store's as soon as its process is gone).
         ``lock_timeout``: seconds the constructor waits for a lock whose holder may be dead
             (another machine's), logging who holds it, before ``CheckpointLockedError``
-            (default None: one lease, so a restarted job starts; 0: fail at once). A live holder
-            on this machine, or another manager of this process, is refused at once.
+            (default None: one lease, so a restarted job starts; 0: fail at once). A directory's
+            flock held on this machine, or another manager of this process, is refused at once.
         ``process_group``: in a distributed job (``torch.distributed`` initialized) the group
             whose ranks share this manager (default: the whole job); ignored otherwise.
         ``timeout``: seconds any rank waits for the others in one of the manager's collectives

@@ -139,7 +139,10 @@ def test_each_tier_keeps_its_own_cadence(tmp_path: Path, remote_url: str) -> Non
             state["w"].fill_(float(step))
             mgr.step(step)
         mgr.wait()
-        assert mgr.steps() == [6, 7]
+        # Retention (keep_last=2) spares step 3 and 6 while they upload: it catches up once
+        # they are (at close, at the latest).
+        assert {6, 7} <= set(mgr.steps()) <= {3, 6, 7}
+    assert tg.Catalog(tmp_path / "run").steps() == [6, 7]
     assert mgr.uploads is not None and mgr.uploads.uploaded == ["step-000000003", "step-000000006"]
     assert [n for n in open_root(remote_url).list() if n.startswith("step-")] == [
         "step-000000003",

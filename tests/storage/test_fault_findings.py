@@ -344,3 +344,28 @@ def test_gc_removes_a_failed_replace_s_data_from_a_committed_checkpoint_on_a_sto
     assert gc(store.root) == 0
     assert set(store.inner.list("step-1")) == listed | {"manifest.json"}
     assert tg.load(store.url("step-1"))["step"] == 1
+
+
+def test_a_target_whose_manifest_cannot_be_read_fails_the_save_with_the_storage_error(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before a save replaces a checkpoint it reads what is there. An I/O error on that read is
+    the storage's error, said as such: not taken for "something that is not a checkpoint is in
+    the way" (what the old ``Storage.describe`` made of it), and nothing is replaced."""
+    from tardigrade.storage import local
+
+    tg.save(tmp_path / "ckpt", make_state(1.0))
+    real = local.LocalStorage.open_reader
+
+    def failing(self: Any, name: str) -> Any:
+        if name.endswith("manifest.json"):
+            raise StorageError(5, f"{self.url(name)}: injected EIO")
+        return real(self, name)
+
+    monkeypatch.setattr(local.LocalStorage, "open_reader", failing)
+    with pytest.raises(TardigradeError, match="injected EIO") as raised:
+        tg.save(tmp_path / "ckpt", make_state(2.0), overwrite=True)
+    assert "in the way" not in str(raised.value)
+    monkeypatch.undo()
+    assert float(tg.load(tmp_path / "ckpt")["model"]["weight"][0, 0]) == 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging left

@@ -515,3 +515,15 @@ def test_the_run_id_defaults_to_the_launcher_s(
     for bad in ("", "x" * 257, 7):
         with pytest.raises(InvalidArgumentError, match="run_id must be"):
             tg.CheckpointManager(tmp_path / "bad", state_at(0), run_id=bad)  # type: ignore[arg-type]
+
+
+def test_a_run_id_from_the_environment_is_checked_as_one_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's variable is input like any other: a value no run id can be (empty is
+    'unset'; too long, or with a NUL) is refused by name, before anything is written."""
+    monkeypatch.setenv("SLURM_JOB_ID", "x" * 100_000)
+    with pytest.raises(InvalidArgumentError, match="SLURM_JOB_ID") as raised:
+        tg.CheckpointManager(tmp_path / "ckpt", state_at(0), ram_tier=True)
+    assert "run_id=" in str(raised.value) and len(str(raised.value)) < 1000
+    assert not (tmp_path / "ckpt").exists()

@@ -125,13 +125,22 @@ RUN_ID_VARIABLES = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 
 def check_run_id(v: Any) -> str | None:
     """``run_id=``: the id of this job across its restarts; None: the launcher's (see
-    ``RUN_ID_VARIABLES``) where one is set, else none (the checkpoint directory names the run)."""
+    ``RUN_ID_VARIABLES``) where one is set, else none (the checkpoint directory names the run).
+    A launcher's value is checked as one given here."""
+    source = "run_id"
     if v is None:
-        return next((os.environ[k] for k in RUN_ID_VARIABLES if os.environ.get(k)), None)
+        source, v = next(
+            ((k, os.environ[k]) for k in RUN_ID_VARIABLES if os.environ.get(k)), ("", None)
+        )
+        if v is None:
+            return None
     if not isinstance(v, str) or not v or len(v) > 256 or "\x00" in v:
+        shown = repr(v) if len(repr(v)) <= 80 else f"{repr(v)[:60]}... ({len(v)} characters)"
+        where = "run_id" if source == "run_id" else f"the run id in ${source}"
         raise InvalidArgumentError(
-            f"run_id must be a non-empty string of at most 256 characters (the id of this job "
-            f"across its restarts, e.g. the scheduler's job id), got {v!r}"
+            f"{where} must be a non-empty string of at most 256 characters without NUL (the id "
+            f"of this job across its restarts, e.g. the scheduler's job id), got {shown}; pass "
+            "run_id= to name the run yourself"
         )
     return v
 

@@ -72,13 +72,18 @@ _SOURCE = ".source"  # the checkpoint directory this namespace belongs to (for p
 @dataclass
 class RamTierStats:
     """What the RAM tier did: its ``root``, the checkpoints ``stored`` there in order, copies
-    that ``failed`` (``last_error``), and how many restores read from it (``restored``)."""
+    that ``failed`` (``last_error``), how many restores read from it (``restored``), and with
+    ``peer_replicas`` the replicas it keeps for other ranks and the bytes it sent to its own."""
 
     root: str
     stored: list[str] = field(default_factory=list)
     failed: int = 0
     last_error: str | None = None
     restored: int = 0
+    replicas: list[str] = field(default_factory=list)
+    """The replicas of other ranks' shares this rank keeps for them (``peer_replicas=``)."""
+    sent_bytes: int = 0
+    """Bytes of this rank's shares sent to the peers that keep its replicas."""
 
 
 def namespace(directory: str, run: str | None = None) -> str:
@@ -92,6 +97,20 @@ def namespace(directory: str, run: str | None = None) -> str:
     return f"{stem}-run-{hashlib.sha256(run.encode()).hexdigest()[:12]}"
 
 
+def family_of(directory: str, rank: int | None = None, replica_of: int | None = None) -> str:
+    """What a RAM tier's namespace holds, without the run: the checkpoints of ``directory``
+    (a single process's), rank ``rank``'s share of them, or the replica of rank
+    ``replica_of``'s share that a peer keeps (``_peers``)."""
+    if replica_of is not None:
+        return f"{directory} (replica of rank {replica_of})"
+    return directory if rank is None else f"{directory} (rank {rank})"
+
+
+def source_of(family: str, run: str | None) -> str:
+    """What a namespace's ``.source`` says it holds: the family, in run ``run``."""
+    return family if run is None else f"{family} (run {run})"
+
+
 def _image_bytes(job: SaveJob) -> int:
     return sum(len(file_header(fp)) + fp.nbytes for fp in job.plan.files)
 
@@ -99,7 +118,8 @@ def _image_bytes(job: SaveJob) -> int:
 class RamTier:
     """The RAM tier of the checkpoint directory ``directory``, under ``base``; ``rank``: the
     rank of a distributed job whose share this is (None in a single process); ``run``: the
-    run id of the job (``run_id=``; None: the directory alone names the run).
+    run id of the job (``run_id=``; None: the directory alone names the run); ``replica_of``:
+    the rank whose share a peer keeps here instead (the peer tier's, ``_peers``).
 
     The caller holds ``directory``'s lock: one job per directory, so one writer here too, and
     what another run of the directory left on this node is a dead job's: it is removed (never
@@ -113,11 +133,14 @@ class RamTier:
         base: str | os.PathLike[str] | None = None,
         rank: int | None = None,
         run: str | None = None,
+        replica_of: int | None = None,
     ) -> None:
         base = os.path.abspath(os.fspath(DEFAULT_BASE if base is None else base))
+        self.base = base
         # What the namespace belongs to: the directory, or one rank's share of it, in a run.
-        family = directory if rank is None else f"{directory} (rank {rank})"
-        self.directory = family if run is None else f"{family} (run {run})"
+        family = family_of(directory, rank, replica_of)
+        self.directory = source_of(family, run)
+        self.job_directory = directory
         self.rank = rank
         self.root = os.path.join(base, namespace(family, run))
         self._make_root(base)
@@ -280,7 +303,7 @@ class RamTier:
 
     def wait(self) -> None:
         """Wait for ``copy_in_background``'s copy, if one runs."""
-        copying, self._copying = self._copying, None
+        copying = self._copying  # kept: the peer tier's thread waits for it too
         if copying is not None:
             copying.join()
 
@@ -404,6 +427,14 @@ class RamTier:
     def restored(self) -> None:
         with self._lock:
             self.stats.restored += 1
+
+    def count_sent(self, nbytes: int) -> None:
+        with self._lock:
+            self.stats.sent_bytes += nbytes
+
+    def count_replica(self, what: str) -> None:
+        with self._lock:
+            self.stats.replicas.append(what)
 
     def close(self, *, clean: bool) -> None:
         """``clean``: remove everything here (the job ended normally)."""

@@ -149,6 +149,21 @@ def _check_checkpoint(
     return _check_files(files_checked, one, workers, where)
 
 
+def verify_files(storage: Storage, name: str, m: Manifest, files: Sequence[str]) -> int:
+    """Check data files ``files`` of checkpoint ``name`` (``m``: its manifest) whole, against
+    the manifest: a share of a checkpoint held apart from the rest (a peer's replica)."""
+    by_file: dict[str, list[tuple[int, Chunk]]] = {f: [] for f in files}
+    for i, info in enumerate(m.tensors):
+        for c in info.chunks:
+            if c.file in by_file:
+                by_file[c.file].append((i, c))
+
+    def one(file: str) -> int:
+        return _verify_file(storage, name, file, m, by_file[file])
+
+    return _check_files(list(files), one, DEFAULT_READ_THREADS, storage.url(name))
+
+
 def _check_files(files: list[str], one: Callable[[str], int], workers: int, where: str) -> int:
     """Verify ``files`` side by side; raise one error naming every damaged file."""
     errors: list[CorruptCheckpointError] = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import datetime
+import functools
 import json
 import operator
 import threading
@@ -496,15 +497,66 @@ class Ranks:
             raise _Failure.decode(data, 0).error(what, self.size) from result.exc
         return data
 
-    def broadcast(self, what: str, produce: Callable[[], bytes]) -> bytes:
-        """The coordinator's ``produce()`` bytes, on every rank (``produce`` runs only there)."""
+    def broadcast(self, what: str, produce: Callable[[], bytes], src: int = 0) -> bytes:
+        """Rank ``src``'s ``produce()`` bytes (the coordinator's by default), on every rank
+        (``produce`` runs only there)."""
         _probes.entering_phase(what)
-        mine = _run_callable(self.rank, "produce()", produce) if self.coordinator else _Outcome()
+        mine = _run_callable(self.rank, "produce()", produce) if self.rank == src else _Outcome()
         if self.size == 1:
             self._raise_if_failed(what, [mine])
             return mine.payload
         headers = self._open(what, _tag("broadcast", what), mine)
-        return self._broadcast_bytes(what, "receiving the payload", mine.payload, headers[0][1])
+        return self._broadcast_bytes(
+            what, "receiving the payload", mine.payload, headers[src][1], src
+        )
+
+    def exchange(
+        self,
+        what: str,
+        out: dict[int, bytes],
+        sources: list[int],
+        *,
+        chunk: int = 64 * 1024 * 1024,
+        go: Callable[[], object] | None = None,
+    ) -> dict[int, bytes]:
+        """Point to point: send ``out[r]`` to each rank ``r`` and receive one payload from
+        each rank of ``sources``; returns them by source. Only the ranks of a pair take part
+        (both must call it, each naming the other), in pieces of at most ``chunk`` bytes;
+        ``go()`` is called before each piece (a background sender pausing for training).
+        Every wait is bounded by the timeout; a peer gone raises DistributedError."""
+        _probes.entering_phase(what)
+        group = self._transport_group(what)
+        peer = functools.partial(dist.get_global_rank, group)
+        sent = {r: _to_tensor(data, len(data)) for r, data in out.items()}
+        sizes = {r: torch.tensor([len(data)], dtype=torch.int64) for r, data in out.items()}
+        lengths = {r: torch.empty(1, dtype=torch.int64) for r in sources}
+        self._wait_all(
+            what,
+            "exchanging sizes",
+            [dist.isend(t, peer(r), group) for r, t in sizes.items()]
+            + [dist.irecv(t, peer(r), group) for r, t in lengths.items()],
+        )
+        got = {r: torch.empty(int(t.item()), dtype=torch.uint8) for r, t in lengths.items()}
+        longest = max([t.numel() for t in [*sent.values(), *got.values()]], default=0)
+        for start in range(0, longest, chunk):
+            if go is not None:
+                go()
+            end = start + chunk
+            works = [
+                dist.isend(t[start:end], peer(r), group) for r, t in sent.items() if start < len(t)
+            ] + [dist.irecv(t[start:end], peer(r), group) for r, t in got.items() if start < len(t)]
+            self._wait_all(what, "sending and receiving payloads", works)
+        return {r: _to_bytes(t, t.numel()) for r, t in got.items()}
+
+    def _wait_all(self, what: str, step: str, works: list[Any]) -> None:
+        start = time.monotonic()
+        try:
+            for work in works:
+                if not work.wait(timeout=self._wait):
+                    raise TimeoutError("Operation timed out!")
+        except Exception as exc:
+            traceback.clear_frames(exc.__traceback__)
+            raise self._transport_error(what, step, exc, time.monotonic() - start) from exc
 
     def agree_max(self, value: int, what: str = "agree_max") -> int:
         """The largest ``value`` any rank passed, on every rank: one tiny all-reduce, no header.
@@ -627,19 +679,20 @@ class Ranks:
         )
         return [_to_bytes(t, n) for t, n in zip(received, lengths, strict=True)]
 
-    def _broadcast_bytes(self, what: str, step: str, data: bytes, nbytes: int) -> bytes:
+    def _broadcast_bytes(
+        self, what: str, step: str, data: bytes, nbytes: int, src: int = 0
+    ) -> bytes:
         if not nbytes:
             return b""
-        tensor = (
-            _to_tensor(data, nbytes) if self.coordinator else torch.empty(nbytes, dtype=torch.uint8)
-        )
-        self._issue(
-            what,
-            step,
-            lambda group: dist.broadcast(tensor, src=self._root, group=group, async_op=True),
-            tensor,
-        )
-        return data if self.coordinator else _to_bytes(tensor, nbytes)
+        sending = self.rank == src
+        tensor = _to_tensor(data, nbytes) if sending else torch.empty(nbytes, dtype=torch.uint8)
+
+        def op(group: Any) -> Any:
+            root = self._root if src == 0 else dist.get_global_rank(group, src)
+            return dist.broadcast(tensor, src=root, group=group, async_op=True)
+
+        self._issue(what, step, op, tensor)
+        return data if sending else _to_bytes(tensor, nbytes)
 
     def _transport_group(self, what: str) -> Any:
         """The group that carries the payloads: the group itself, or its gloo sibling."""

@@ -52,6 +52,9 @@ class Agreement(abc.ABC):
     split: Split
     """How a save's or a copy's work is split between the job's processes (``_split``)."""
 
+    ranks: Ranks | None
+    """The ranks of the manager's process group (None in a single process)."""
+
     @abc.abstractmethod
     def shared(self, what: str, here: Callable[[], Any]) -> Any:
         """``here()`` (a JSON value) as rank 0 computes it, on every rank; its error everywhere.
@@ -126,6 +129,7 @@ class SingleProcess(Agreement):
     coordinator = True
     rank = None
     share = None
+    ranks = None
 
     def __init__(self) -> None:
         self.collective: dict[str, Any] = {}
@@ -180,7 +184,7 @@ class RankGroup(Agreement):
 
     def __init__(self, name: str, ranks: Ranks, process_group: Any, timeout: float) -> None:
         self.name = name  # the manager, as errors and logs name it
-        self.ranks = ranks
+        self.ranks: Ranks = ranks
         self.coordinator = ranks.coordinator
         self.collective = {"process_group": process_group, "timeout": timeout}
         self.rank: int | None = ranks.rank

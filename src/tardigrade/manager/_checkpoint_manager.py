@@ -51,7 +51,14 @@ from ._retainer import Retainer
 from ._retention import Retention
 from ._signals import Preemption
 from ._stats import ManagerStats
-from ._tiers import MemoryTier, RemoteTier, RootTier, Tiers, open_memory_tier, open_remote_tier
+from ._tiers import (
+    MemoryTier,
+    RemoteTier,
+    RootTier,
+    Tiers,
+    open_memory_tiers,
+    open_remote_tier,
+)
 from ._timeline import Timeline
 
 log = logging.getLogger("tardigrade")
@@ -168,16 +175,15 @@ class CheckpointManager:
         ``upload_storage_options``: the same for ``upload_to`` (each location has its own:
             a local ``directory`` and an ``s3://`` tier is the usual pair).
         ``ram_tier``: ``True`` keeps a copy of the newest checkpoint in host shared memory
-            (``/dev/shm``), a path keeps it in that directory (a tmpfs); ``False`` (default)
-            does not. A process killed and restarted on the same node then restores from
-            memory when it is the same save as the newest checkpoint here (``restored_from``
-            says which copy was read). An async save writes it from its staging copy. It
-            holds the newest checkpoint only, is namespaced by this directory and the run
-            (``run_id``), and is removed by ``close()`` (not on a crash, nor on a ``with``
-            block left by an exception). A failed copy (a full ``/dev/shm``) is logged and
-            counted in ``ram_tier_stats``, never raised. In a distributed job each rank keeps
-            its own files, and a restart reads from memory only when every rank holds that
-            save. See docs/storage.md.
+            (``/dev/shm``), a path in that directory (a tmpfs); ``False`` (default) does not.
+            A process restarted on the same node restores from memory the same save as the
+            newest checkpoint here (``restored_from`` says which copy was read). Namespaced
+            by this directory and ``run_id``, removed by ``close()`` (not on a crash); a
+            failed copy is logged and counted in ``ram_tier_stats``, never raised. In a
+            distributed job each rank keeps its own files. See docs/storage.md.
+        ``peer_replicas``: with ``ram_tier`` in a distributed job, each rank's share is also
+            kept in the memory of this many ranks on other nodes (``$TARDIGRADE_NODE`` or the
+            host name): a node's loss restores from memory. See docs/failures.md.
         ``run_id``: the id of this job across its restarts (default: ``TORCHELASTIC_RUN_ID``
             or ``SLURM_JOB_ID`` where set, else the directory alone): a RAM copy is restored
             only in the run that made it; another run's, left on this node, is removed.
@@ -235,6 +241,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         upload_storage_options: Mapping[str, Any] | None = None,
         ram_tier: bool | str | os.PathLike[str] = False,
+        peer_replicas: int = 0,
         run_id: str | None = None,
     ) -> None:
         # Every byte, listing and delete goes through the catalog over the storage contract.
@@ -246,11 +253,10 @@ class CheckpointManager:
         retention = check_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         on_error = check_one_of("on_save_error", on_save_error, ("warn", "raise"))
         check_flag("async_save", async_save)
-        self.should_stop = self._closed = False
+        self.should_stop = self._closed = self._ram_keep = False  # _ram_keep: see __exit__
         self._last_step: int | None = None
         self._last_epoch: int | None = None
         self._last_save_time = time.monotonic()
-        self._ram_keep = False  # leave the local tiers in place at close (left by an exception)
         self.restored_from: str | None = None  # where restore() read its checkpoint
         self._uploads = Uploads.check(upload_to, keep_last_remote, upload_timeout, upload_every)
         signals, run = check_signals(save_on_signals), check_run_id(run_id)
@@ -265,8 +271,8 @@ class CheckpointManager:
         self._start(async_save, max_staging_bytes, signals)
         if upload_to is not None:
             self._open_tier(lambda: self._remote_tier(upload_to, upload_storage_options))
-        tier = functools.partial(open_memory_tier, ram_tier, root=self._catalog, run=run)
-        self._open_tier(lambda: tier(ranks=self._ranks))
+        tiers = functools.partial(open_memory_tiers, ram_tier, peer_replicas, root=self._catalog)
+        self._open_tier(lambda: tiers(ranks=self._ranks, run=run, state=state))
 
     def _wire(self, retention: Retention, on_save_error: str) -> None:
         """Make the collaborators, each given what it needs (none reaches back in here)."""

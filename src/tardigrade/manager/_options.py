@@ -52,6 +52,13 @@ def check_non_negative(name: str, v: Any) -> float | None:
     return float(v)
 
 
+def check_count(name: str, v: Any) -> int:
+    """``v`` if it is an int >= 0 (a count, such as ``peer_replicas``)."""
+    if type(v) is not int or v < 0:
+        raise InvalidArgumentError(f"{name} must be an int >= 0, got {v!r}")
+    return v
+
+
 def check_one_of(name: str, v: Any, choices: tuple[str, ...]) -> str:
     if v not in choices:
         allowed = " or ".join(repr(c) for c in choices)

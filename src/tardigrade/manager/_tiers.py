@@ -7,13 +7,14 @@ and asks it, never one tier by kind:
 
 * :class:`MemoryTier` (``ram_tier=``): this rank's copy of the newest checkpoint in host
   memory, written from an async save's staged copy (a :class:`~tardigrade._sinks.Sink`).
+* :class:`PeerTier` (``peer_replicas=``): each rank's share of the newest checkpoint also in
+  the memory of ranks on other nodes, sent over torch.distributed (``_peers``).
 * :class:`RootTier`: the run's directory or store prefix, where every save commits first.
 * :class:`RemoteTier` (``upload_to=``): a copy of each committed checkpoint in another root,
   uploaded in the background; ``restore()`` first downloads its newest when it is newer.
 
 A tier receives what it needs (the agreement between ranks, the lease, the catalog, a
-retention callback) when it is made, and never reaches back into the manager. A peer tier (a
-copy in another node's memory) is one more instance.
+retention callback) when it is made, and never reaches back into the manager.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, ClassVar, TypeVar
 
 from .._catalog import STEP_NAMES, Catalog, step_name
 from .._load import load
+from .._peers import MemoryShares, Placement, Replicator, check_room, node_name, share_bytes
 from .._ramtier import RamTier, RamTierStats, open_ram_tier
 from .._sinks import Sink
 from .._tiers import Uploader, UploadStats, warn_of_another_run
@@ -35,6 +37,7 @@ from ..errors import InvalidArgumentError, TardigradeError
 from ..storage import open_root
 from ..storage.lease import Lease
 from ._agreement import Agreement
+from ._options import check_count
 
 log = logging.getLogger("tardigrade")
 
@@ -107,16 +110,26 @@ class RootTier(Tier):
 
 
 class MemoryTier(Tier):
-    """The newest checkpoint in host memory (``ram_tier=``; see ``_ramtier.RamTier``)."""
+    """The newest checkpoint in host memory (``ram_tier=``; see ``_ramtier.RamTier``). In a
+    distributed job a restore reads every rank's share from the RAM tiers of the job's nodes
+    (``_peers.MemoryShares``): each rank's own, and the others' of its node or sent by them."""
 
     speed = 10
     where = "the RAM tier"
     restores = True
 
-    def __init__(self, ram: RamTier, root: Catalog, ranks: Agreement) -> None:
+    def __init__(
+        self, ram: RamTier, root: Catalog, ranks: Agreement, run: str | None = None
+    ) -> None:
         self.ram = ram
         self.root = root.storage
         self.ranks = ranks
+        self.run = run
+        self.shares = None
+        if ranks.ranks is not None:
+            self.shares = MemoryShares(
+                ram, ranks.ranks, self.root, run, replicas=False, where=self.where
+            )
 
     @property
     def stats(self) -> RamTierStats:
@@ -130,13 +143,86 @@ class MemoryTier(Tier):
         self.ram.saved(self.root, name, files=self.ranks.share, teed=teed)
 
     def holds(self, name: str) -> bool:
+        if self.shares is not None:
+            return self.shares.holds(name)
         return self.ram.copy_of(name, self.root) is not None
 
     def restore(self, name: str, state: Any) -> str:
+        if self.shares is not None:
+            return self.shares.restore(name, state, self.ranks.collective)
         return self.ram.restore(name, self.root, state, self.ranks.collective)
 
     def close(self, *, clean: bool) -> None:
         self.ram.close(clean=clean)
+
+
+class PeerTier(Tier):
+    """Each rank's share of the newest checkpoint also kept in the memory of ranks on other
+    nodes (``peer_replicas=``; see ``_peers``): a node's loss restores from memory."""
+
+    speed = 20
+    where = "the peer tier"
+    restores = True
+
+    def __init__(self, memory: MemoryTier, replicator: Replicator, ranks: Agreement) -> None:
+        self.memory = memory
+        self.replicator = replicator
+        self.ranks = ranks
+        assert ranks.ranks is not None
+        self.shares = MemoryShares(
+            memory.ram, ranks.ranks, memory.root, memory.run, replicas=True, where=self.where
+        )
+
+    def held(self) -> AbstractContextManager[None]:
+        return self.replicator.held()
+
+    def takes(self, name: str) -> bool:
+        return self.memory.takes(name)
+
+    def committed(self, name: str, *, teed: bool) -> None:
+        self.replicator.submit(name)
+
+    def holds(self, name: str) -> bool:
+        self.replicator.wait()
+        return self.shares.holds(name)
+
+    def restore(self, name: str, state: Any) -> str:
+        return self.shares.restore(name, state, self.ranks.collective)
+
+    def close(self, *, clean: bool) -> None:
+        self.replicator.close(None if clean else 0.0)
+        if clean:
+            self.replicator.remove()
+
+
+def open_peer_tier(
+    replicas: int, memory: MemoryTier | None, state: Any, ranks: Agreement
+) -> PeerTier | None:
+    """The peer tier of ``peer_replicas=replicas`` (None when 0) over the RAM tier ``memory``:
+    the job's nodes found, the placement and the room on each node checked (the same error on
+    every rank), and the replication thread started over a group of its own."""
+    if not replicas:
+        return None
+    what = f"peer_replicas={replicas}"
+    if memory is None:
+        raise InvalidArgumentError(
+            f"{what} keeps each rank's share in the RAM tier of ranks on other nodes: pass "
+            "ram_tier=True (or a directory on a memory filesystem) with it"
+        )
+    group = ranks.ranks
+    if group is None:
+        raise InvalidArgumentError(
+            f"{what} needs a distributed job (torch.distributed initialized, ranks on "
+            "several nodes); a single process has no peer: pass peer_replicas=0"
+        )
+    nodes = group.all_gather("peer tier: nodes", lambda: node_name().encode())
+    placement = Placement.of(
+        [n.decode(errors="replace") for n in nodes], replicas, say=group.coordinator
+    )
+    check_room(group, memory.ram.base, share_bytes(state, group.size) * (1 + replicas), placement)
+    forked = ranks.split.fork()
+    assert forked is not None
+    return PeerTier(memory, Replicator(memory.ram, forked, placement, memory.run), ranks)
 
 
 class RemoteTier(Tier):
@@ -287,6 +373,22 @@ def open_remote_tier(
     return RemoteTier(uploader, held, root, ranks, timeout=timeout, retain=retain, every=every)
 
 
+def open_memory_tiers(
+    ram_tier: Any, peers: int, *, root: Catalog, ranks: Agreement, run: str | None, state: Any
+) -> list[Tier]:
+    """The RAM tier of ``ram_tier=`` and the peer tier of ``peer_replicas=peers`` (none when
+    off), each open on every rank or raising on all."""
+    peers = check_count("peer_replicas", peers)
+    memory = open_memory_tier(ram_tier, root=root, ranks=ranks, run=run)
+    try:
+        peer = open_peer_tier(peers, memory, state, ranks)
+    except BaseException:
+        if memory is not None:
+            memory.close(clean=False)
+        raise
+    return [t for t in (memory, peer) if t is not None]
+
+
 def open_memory_tier(
     ram_tier: Any, *, root: Catalog, ranks: Agreement, run: str | None
 ) -> MemoryTier | None:
@@ -315,7 +417,7 @@ def open_memory_tier(
         if ram is not None:
             ram.close(clean=True)
         raise error
-    return None if ram is None else MemoryTier(ram, root, ranks)
+    return None if ram is None else MemoryTier(ram, root, ranks, run)
 
 
 class Tiers:
@@ -326,9 +428,9 @@ class Tiers:
         for tier in tiers:
             self.add(tier)
 
-    def add(self, tier: Tier | None) -> None:
-        if tier is not None:
-            self._tiers.append(tier)
+    def add(self, tier: Tier | list[Tier] | None) -> None:
+        for t in tier if isinstance(tier, list) else [] if tier is None else [tier]:
+            self._tiers.append(t)
             self._tiers.sort(key=lambda t: t.speed)
 
     def first(self, kind: type[_T]) -> _T | None:

@@ -27,6 +27,7 @@ from .base import Hashes, PreconditionFailed, PutMode, Reader, Stat, Storage, Wr
 from .lease import ObjectLease
 
 __all__ = [
+    "MemoryReader",
     "MemoryStorage",
 ]
 

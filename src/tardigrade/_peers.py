@@ -1,0 +1,620 @@
+"""The peer tier: each rank's share of a checkpoint also kept in the memory of ranks on other
+nodes, and restores that gather a checkpoint's shares from memory over torch.distributed.
+
+A rank's share of a checkpoint is what its RAM tier holds of it: the manifest and the data
+files it wrote. With ``peer_replicas=k`` each rank sends its share, once the save committed
+there, to ``k`` ranks on other nodes (:class:`Placement`: the same local rank on the next
+nodes of a ring), which keep it in their own RAM tier's memory filesystem as a *replica*: a
+namespace of its own (``<directory> (replica of rank r)``, scoped by the run id), committed by
+rename only once the whole share arrived and every byte verified against the manifest's
+checksums, the newest only. The transfer runs in a background thread over a gloo group of its
+own (``Replicator``), point to point (``Ranks.exchange``), paused while training waits on a
+save; a failure is logged and counted, never raised into training.
+
+A restore (:class:`MemoryShares`) asks every rank what its node holds of the candidate
+checkpoint: its own RAM tier, the other ranks' RAM tiers of the same node, and (for the peer
+tier) the replicas kept there. The checkpoint restores from memory when every share of it (one
+per rank of the job that saved it) is held somewhere under the save id the root's manifest
+names: each rank reads what its node holds directly, and receives every other share, point to
+point, from one rank that holds it. No byte comes from a slower tier for a share held in
+memory; what is read is verified as every restore is. A world size other than the save's
+loads as ``tg.load`` does (N->M).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._load import load_from
+from ._open import save_id_at
+from ._ramtier import RamTier, family_of, source_of
+from ._tree import flatten
+from ._verify import verify_files
+from .distributed._collectives import Ranks
+from .errors import CorruptCheckpointError, StorageError
+from .format import limits
+from .format.jsonio import loads_strict
+from .format.manifest import MANIFEST, parse
+from .storage import LocalStorage, Storage
+from .storage.base import Reader, Stat
+from .storage.local import free_bytes
+from .storage.memory import MemoryReader
+
+log = logging.getLogger("tardigrade")
+
+NODE_VARIABLE = "TARDIGRADE_NODE"
+
+
+def node_name() -> str:
+    """This process's node: ``TARDIGRADE_NODE`` when set (several simulated nodes on one
+    machine), else the host name."""
+    return os.environ.get(NODE_VARIABLE) or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which ranks keep each rank's replicas: ``nodes[r]`` is rank r's node; each rank's
+    ``replicas`` go to the ranks of the same local index on the next nodes of a ring (nodes
+    in the order of their first rank), never to a rank of its own node."""
+
+    nodes: tuple[str, ...]
+    replicas: int
+
+    @classmethod
+    def of(cls, nodes: Sequence[str], replicas: int, *, say: bool = True) -> Placement:
+        """The placement of ``replicas`` per rank over ``nodes``. With fewer other nodes than
+        that (a job restarted on fewer nodes after one was lost for good), as many as there
+        are, logged (``say``): a rank never replicates to its own node."""
+        order = list(dict.fromkeys(nodes))
+        usable = min(replicas, len(order) - 1)
+        if usable < replicas and say:
+            shown = ", ".join(repr(n) for n in order[:8]) + (", ..." if len(order) > 8 else "")
+            log.warning(
+                "tardigrade: peer_replicas=%d, but this job's %d rank(s) run on %d node(s) (%s; "
+                "a rank's node is $%s or its host name), and a rank never replicates to its "
+                "own node: %s. Run on more nodes, or set %s per node",
+                replicas,
+                len(nodes),
+                len(order),
+                shown,
+                NODE_VARIABLE,
+                f"{usable} replica(s) per rank"
+                if usable
+                else "no replicas are kept (restores still read those left on this node)",
+                NODE_VARIABLE,
+            )
+        return cls(tuple(nodes), usable)
+
+    @property
+    def order(self) -> list[str]:
+        return list(dict.fromkeys(self.nodes))
+
+    def members(self, node: str) -> list[int]:
+        return [r for r, n in enumerate(self.nodes) if n == node]
+
+    def targets(self, rank: int) -> list[int]:
+        """The ranks that keep ``rank``'s replicas, nearest node first."""
+        order = self.order
+        at = order.index(self.nodes[rank])
+        local = self.members(self.nodes[rank]).index(rank)
+        out = []
+        for j in range(1, self.replicas + 1):
+            members = self.members(order[(at + j) % len(order)])
+            out.append(members[local % len(members)])
+        return out
+
+    def sources(self, rank: int, j: int) -> list[int]:
+        """The ranks whose ``j``-th replica ``rank`` keeps."""
+        return [r for r in range(len(self.nodes)) if self.targets(r)[j] == rank]
+
+
+def share_bytes(state: Any, world: int) -> int:
+    """About how many bytes of ``state`` this rank writes in a collective save: its shards,
+    and its part of the replicated tensors (the plan spreads them over the ranks)."""
+    flat = flatten(state)
+    total = 0
+    for e in [*flat.entries, *flat.own_entries()]:
+        total += e.tensor.nbytes if e.box is not None else e.tensor.nbytes // world
+    return total
+
+
+def check_room(ranks: Ranks, base: str, need: int, placement: Placement) -> None:
+    """Raise StorageError (ENOSPC) on every rank unless each node's memory filesystem can hold
+    its ranks' own shares and the replicas they keep (``need``: this rank's, in bytes)."""
+    from ._ramtier import HEADROOM_BYTES
+
+    here = {"need": need, "free": free_bytes(base), "base": base}
+    seen = [json.loads(b) for b in ranks.all_gather("peer tier: room", lambda: _json(here))]
+    for node in placement.order:
+        members = placement.members(node)
+        want = sum(seen[r]["need"] for r in members) + HEADROOM_BYTES
+        free = min(seen[r]["free"] for r in members)
+        if free < want:
+            raise StorageError(
+                errno.ENOSPC,
+                f"the RAM and peer tiers need {want / 1e6:.1f} MB on node {node!r} (its "
+                f"{len(members)} rank(s)' own shares and the {placement.replicas} replica(s) "
+                f"each keeps for a rank on another node, +{HEADROOM_BYTES >> 20} MiB left "
+                f"free), but {seen[members[0]]['base']} there has {free / 1e6:.1f} MB free. "
+                "Free or enlarge it (`df -h /dev/shm`; `mount -o remount,size=... /dev/shm`), "
+                "pass ram_tier= a larger tmpfs, or a smaller peer_replicas",
+            )
+
+
+def _json(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+# -- a share on the wire ----------------------------------------------------------------------
+
+
+@dataclass
+class Share:
+    """One rank's share of checkpoint ``name``: its manifest and the data files it holds."""
+
+    share: int
+    name: str
+    save_id: str
+    manifest: bytes
+    files: dict[str, bytes] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, share: int, storage: Storage, name: str) -> Share:
+        """The share kept in ``storage`` (a RAM tier's, or a replica's)."""
+        raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+        m = parse(raw, storage.url(f"{name}/{MANIFEST}"))
+        save_id = loads_strict(raw, storage.url(name)).get("save_id")
+        files = {}
+        for f, size in m.files.items():
+            if storage.exists(f"{name}/{f}"):
+                files[f] = storage.read_bytes(f"{name}/{f}", size)
+        return cls(share, name, str(save_id), raw, files)
+
+
+def pack(shares: Sequence[Share]) -> bytes:
+    """``shares`` as one payload: a JSON head, then the manifests and files' bytes."""
+    head = [
+        {
+            "share": s.share,
+            "name": s.name,
+            "save_id": s.save_id,
+            "manifest": len(s.manifest),
+            "files": [[f, len(b)] for f, b in s.files.items()],
+        }
+        for s in shares
+    ]
+    body = _json(head)
+    parts = [len(body).to_bytes(8, "little"), body]
+    for s in shares:
+        parts.append(s.manifest)
+        parts.extend(s.files.values())
+    return b"".join(parts)
+
+
+def unpack(data: bytes, sender: int) -> list[Share]:
+    """The shares of a payload ``pack`` made (rank ``sender``'s); CorruptCheckpointError for
+    one that does not add up (a torn or foreign payload)."""
+    what = f"the shares rank {sender} sent"
+    try:
+        n = int.from_bytes(data[:8], "little")
+        head = loads_strict(data[8 : 8 + n], what)
+        at = 8 + n
+        out = []
+        for h in head:
+            size = int(h["manifest"])
+            share = Share(int(h["share"]), str(h["name"]), str(h["save_id"]), data[at : at + size])
+            at += size
+            for f, size in h["files"]:
+                share.files[str(f)] = data[at : at + int(size)]
+                at += int(size)
+            out.append(share)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{what}: malformed ({e})") from e
+    if at != len(data):
+        raise CorruptCheckpointError(f"{what}: {len(data)} bytes, {at} expected")
+    return out
+
+
+# -- replication --------------------------------------------------------------------------
+
+
+class Replicator:
+    """This rank's side of the peer tier: sends its share of each checkpoint to the ranks of
+    ``placement.targets``, and keeps what its sources send, in a thread over ``ranks`` (a
+    fork: its exchanges never meet training's collectives). Every rank submits the same
+    checkpoints in the same order (``committed`` is called on every rank alike)."""
+
+    def __init__(self, own: RamTier, ranks: Ranks, placement: Placement, run: str | None) -> None:
+        self.own = own
+        self.ranks = ranks
+        self.placement = placement
+        self.run = run
+        self.directory = own.job_directory
+        self.kept: dict[int, RamTier] = {}  # source rank -> its replica here
+        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._go = threading.Event()
+        self._go.set()
+        self._holds = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._thread = threading.Thread(target=self._run, name="tardigrade-peers", daemon=True)
+        self._thread.start()
+
+    def submit(self, name: str) -> None:
+        with self._lock:
+            self._pending += 1
+        self._queue.put(name)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Pause the transfer between pieces while training waits on a save."""
+        with self._lock:
+            self._holds += 1
+            self._go.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                if not self._holds:
+                    self._go.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted replication ended; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            name = self._queue.get()
+            if name is None:
+                return
+            try:
+                self._replicate(name)
+            except Exception as e:
+                self.own._failed(f"the replicas of {name}", e)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _replicate(self, name: str) -> None:
+        self.own.wait()  # a synchronous save's copy is made in the background
+        try:
+            payload = pack([Share.read(self.ranks.rank, self.own.storage, name)])
+        except Exception as e:  # the peers still take part: they get an empty payload
+            self.own._failed(f"the replica of {name} for the peers", e)
+            payload = b""
+        targets = self.placement.targets(self.ranks.rank)
+        for j, target in enumerate(targets):
+            sources = self.placement.sources(self.ranks.rank, j)
+            got = self.ranks.exchange(
+                f"peer tier: replicating {name}", {target: payload}, sources, go=self._go.wait
+            )
+            if payload:
+                self.own.count_sent(len(payload))
+            for source, data in sorted(got.items()):
+                if data:
+                    self._keep(source, data)
+                else:
+                    log.warning(
+                        "tardigrade: rank %d sent no replica of %s (its log says why); the "
+                        "peer tier keeps its previous one",
+                        source,
+                        name,
+                    )
+
+    def _keep(self, source: int, data: bytes) -> None:
+        try:
+            (share,) = unpack(data, source)
+            tier = self.kept.get(source)
+            if tier is None:
+                tier = RamTier(self.directory, self.own.base, run=self.run, replica_of=source)
+                self.kept[source] = tier
+            keep_share(tier, share)
+            self.own.count_replica(f"{share.name} of rank {source}")
+        except Exception as e:
+            self.own._failed(f"the replica of rank {source}'s share", e)
+
+    def remove(self) -> None:
+        """Remove the replicas kept here (the job ended normally)."""
+        for tier in self.kept.values():
+            tier.close(clean=True)
+
+
+def keep_share(tier: RamTier, share: Share) -> None:
+    """Commit ``share`` (received from a peer) in ``tier``: written into a staging directory,
+    every byte verified against its manifest, then renamed into place (the newest only)."""
+    where = tier.storage.url(share.name)
+    m = parse(share.manifest, f"{where}/{MANIFEST}")
+    for f in share.files:
+        if f not in m.files:
+            raise CorruptCheckpointError(f"{where}: {f} is not a data file of its manifest")
+    tier._make_room(len(share.manifest) + sum(map(len, share.files.values())), keep=share.name)
+    staging = tier.catalog.commit.begin(share.name, share.save_id)
+    try:
+        for f, data in share.files.items():
+            writer = tier.storage.open_writer(f"{staging}/{f}")
+            try:
+                writer.write(data)
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+        verify_files(tier.storage, staging, m, list(share.files))
+        tier._commit(staging, share.name, share.manifest, share.save_id)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tier.catalog.commit.abort(staging, share.name, share.save_id)
+        raise
+
+
+# -- restoring from memory ---------------------------------------------------------------
+
+
+_KIND = re.compile(r" \((rank|replica of rank) (\d+)\)$")
+
+
+def local_copies(base: str, directory: str, run: str | None, *, replicas: bool) -> list[Any]:
+    """The RAM tier namespaces of ``directory`` in run ``run`` on this node (under ``base``):
+    ``(share, storage)`` for every rank's own, and for every replica when ``replicas``."""
+    stem = f"tardigrade-{os.geteuid()}-"
+    out = []
+    try:
+        entries = [e for e in LocalStorage(base).list() if e.startswith(stem)]
+    except OSError:
+        return []
+    suffix = "" if run is None else f" (run {run})"
+    for entry in entries:
+        source = RamTier._source(os.path.join(base, entry))
+        if source is None or not source.endswith(suffix) or not source.startswith(directory):
+            continue
+        family = source[: len(source) - len(suffix)] if suffix else source
+        m = _KIND.search(family)
+        if m is None or family[: m.start()] != directory:
+            continue
+        if m.group(1) != "rank" and not replicas:
+            continue
+        k = int(m.group(2))
+        if family != family_of(directory, rank=k) and family != family_of(directory, None, k):
+            continue
+        if source != source_of(family, run):
+            continue
+        out.append((k, LocalStorage(os.path.join(base, entry))))
+    return out
+
+
+class MemoryShares:
+    """Restores of a collective checkpoint from the memory of the job's nodes (see the module
+    docstring): ``holds`` (collective) agrees whether every share is held in memory under the
+    root's save id, ``restore`` gathers and loads it."""
+
+    def __init__(
+        self,
+        own: RamTier,
+        ranks: Ranks,
+        root: Storage,
+        run: str | None,
+        *,
+        replicas: bool,
+        where: str,
+    ) -> None:
+        self.own = own
+        self.ranks = ranks
+        self.root = root
+        self.run = run
+        self.replicas = replicas
+        self.where = where
+        self._plan: dict[str, Any] | None = None
+        self._copies: dict[int, Storage] = {}
+
+    def holds(self, name: str) -> bool:
+        self.own.wait()
+        self._plan = None
+        copies: dict[int, tuple[Storage, str, int]] = {}
+        for k, storage in local_copies(
+            self.own.base, self.own.job_directory, self.run, replicas=self.replicas
+        ):
+            try:
+                if k not in copies and storage.exists(f"{name}/{MANIFEST}"):
+                    where = storage.url(f"{name}/{MANIFEST}")
+                    raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+                    doc = loads_strict(raw, where)
+                    copies[k] = (storage, str(doc.get("save_id")), parse(raw, where).world_size)
+            except Exception as e:  # an unreadable copy is not held
+                log.warning("tardigrade: not restoring from %s: %s", storage.url(name), e)
+
+        def mine() -> bytes:
+            expect = None
+            if self.ranks.coordinator:
+                with contextlib.suppress(Exception):  # unreadable: nothing restores from memory
+                    expect = save_id_at(self.root, name)
+            held = {str(k): [sid, world] for k, (_, sid, world) in copies.items()}
+            return _json({"node": node_name(), "expect": expect, "held": held})
+
+        seen = [json.loads(b) for b in self.ranks.all_gather(f"{self.where}: {name}", mine)]
+        expect = seen[0]["expect"]
+        self._copies = {k: s for k, (s, sid, _) in copies.items() if sid == expect}
+        held = [{int(k): w for k, (sid, w) in s["held"].items() if sid == expect} for s in seen]
+        worlds = {w for h in held for w in h.values()}
+        if expect is None or len(worlds) != 1:
+            return False
+        world = worlds.pop()
+        holder, missing = {}, []
+        for k in range(world):
+            ranks = [r for r, h in enumerate(held) if k in h]
+            if ranks:
+                holder[k] = k if k in ranks else ranks[0]
+            else:
+                missing.append(k)
+        if missing:
+            if self.ranks.coordinator:
+                log.info(
+                    "tardigrade: %s is not whole in %s: no node holds the share of rank(s) %s "
+                    "in memory; reading it from the next tier",
+                    name,
+                    self.where,
+                    missing,
+                )
+            return False
+        shares = [set(h) for h in held]
+        self._plan = {"name": name, "world": world, "holder": holder, "held": shares, "seen": seen}
+        return True
+
+    def restore(self, name: str, state: Any, collective: dict[str, Any]) -> str:
+        plan = self._plan
+        assert plan is not None and plan["name"] == name
+        me = self.ranks.rank
+
+        def view() -> Storage:
+            received = self._gather(plan)
+            return _SharesView(name, self._copies, received, plan["world"])
+
+        load_from(view, name, into=state, verify="all", **collective)
+        self._log(plan)
+        self.own.restored()
+        if plan["held"][me] == set(range(plan["world"])) and me in self._copies:
+            return self._copies[me].url(name)  # every byte read from this node's memory
+        return f"{self.where}: {name} (rank {me} of {self.ranks.size})"
+
+    def _gather(self, plan: dict[str, Any]) -> dict[int, Share]:
+        """Send the shares this rank is the holder of to the ranks that lack them; receive
+        those this rank lacks (point to point, one payload per pair)."""
+        me, name, held = self.ranks.rank, plan["name"], plan["held"]
+        out: dict[int, list[int]] = {}
+        need_from: set[int] = set()
+        for k, h in plan["holder"].items():
+            for r in range(self.ranks.size):
+                if k in held[r]:
+                    continue
+                if h == me:
+                    out.setdefault(r, []).append(k)
+                if r == me:
+                    need_from.add(h)
+        payloads = {}
+        for r, ks in out.items():
+            try:
+                payloads[r] = pack([Share.read(k, self._copies[k], name) for k in ks])
+            except Exception as e:
+                log.warning("tardigrade: cannot send %s's shares %s to rank %d: %s", name, ks, r, e)
+                payloads[r] = b""
+        got = self.ranks.exchange(f"{self.where}: {name}", payloads, sorted(need_from))
+        received: dict[int, Share] = {}
+        for r, data in got.items():
+            if not data:
+                raise CorruptCheckpointError(
+                    f"{name}: rank {r} could not send the shares it holds in memory (its log "
+                    "says why)"
+                )
+            for share in unpack(data, r):
+                if share.save_id != plan_save_id(plan):
+                    raise CorruptCheckpointError(
+                        f"{name}: rank {r} sent share {share.share} of save {share.save_id!r}, "
+                        f"not {plan_save_id(plan)!r}"
+                    )
+                received[share.share] = share
+        return received
+
+    def _log(self, plan: dict[str, Any]) -> None:
+        if not self.ranks.coordinator:
+            return
+        seen, held = plan["seen"], plan["held"]
+        parts = []
+        for k, h in sorted(plan["holder"].items()):
+            own = k < len(seen) and k in held[k] and seen[k]["node"] == seen[h]["node"]
+            kind = "own RAM" if own else "a replica"
+            parts.append(f"rank {k}'s share from {kind} on node {seen[h]['node']!r} (rank {h})")
+        log.info("tardigrade: %s restored from %s: %s", plan["name"], self.where, "; ".join(parts))
+
+
+def plan_save_id(plan: dict[str, Any]) -> str:
+    return str(plan["seen"][0]["expect"])
+
+
+class _SharesView(Storage):
+    """A read-only view of checkpoint ``name`` assembled from shares: each data file from a
+    copy on this node that holds it, else from the shares received. The manifest is the
+    first copy's (every share's names the same files in the same order; only their names may
+    differ, by where each was copied from)."""
+
+    def __init__(
+        self, name: str, copies: dict[int, Storage], received: dict[int, Share], world: int
+    ) -> None:
+        self.name = name
+        self.root = f"memory of the job's nodes ({name})"
+        self._files: dict[str, tuple[Storage, str] | bytes] = {}
+        # Per share held: its manifest's file names, and where one of them is found here.
+        sources: list[tuple[list[str], Callable[[str], tuple[Storage, str] | bytes | None]]] = []
+        manifests = []
+        for k in sorted({*copies, *received}):
+            if k in copies:
+                storage = copies[k]
+                raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+
+                def local(f: str, s: Storage = storage) -> tuple[Storage, str] | None:
+                    return (s, f"{name}/{f}") if s.exists(f"{name}/{f}") else None
+
+                find: Callable[[str], tuple[Storage, str] | bytes | None] = local
+            else:
+                raw, find = received[k].manifest, received[k].files.get
+            manifests.append(raw)
+            sources.append((list(parse(raw, self.root).files), find))
+        self.manifest = manifests[0]
+        for i, f in enumerate(sources[0][0]):
+            for files, look in sources:
+                found = look(files[i]) if i < len(files) else None
+                if found is not None:
+                    self._files[f"{name}/{f}"] = found
+                    break
+            else:
+                raise CorruptCheckpointError(
+                    f"{name}: no rank holds data file {f} in memory, though every share of "
+                    f"the {world} rank(s) that saved it is held"
+                )
+
+    def open_reader(self, name: str) -> Reader:
+        if name == f"{self.name}/{MANIFEST}":
+            return MemoryReader(self.url(name), self.manifest)
+        found = self._files.get(name)
+        if found is None:
+            raise StorageError(errno.ENOENT, f"{self.url(name)}: not held in memory")
+        if isinstance(found, bytes):
+            return MemoryReader(self.url(name), found)
+        storage, there = found
+        return storage.open_reader(there)
+
+    def stat(self, name: str) -> Stat | None:
+        if name == f"{self.name}/{MANIFEST}":
+            return Stat(len(self.manifest), "0")
+        found = self._files.get(name)
+        if found is None:
+            return Stat(0, "0", is_dir=True) if name == self.name else None
+        if isinstance(found, bytes):
+            return Stat(len(found), "0")
+        return found[0].stat(found[1])
+
+    def list(self, name: str = "") -> list[str]:
+        if name == self.name:
+            return sorted([MANIFEST, *(n.split("/", 1)[1] for n in self._files)])
+        return [self.name] if name == "" else []
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise StorageError(errno.EROFS, f"{self.root}: a read-only view")
+
+    open_writer = put = delete = lease = _read_only

@@ -1,0 +1,158 @@
+"""The peer tier (``peer_replicas=``) in real gloo jobs of simulated nodes: each node its own
+``TARDIGRADE_NODE`` and its own RAM directory. A node's loss (its ranks killed, its memory
+gone) restores from the replicas its peers keep, bit-exactly, reading no data file of the
+directory; a job restarted on fewer ranks loads the lost node's shares at the new world size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+import tardigrade as tg
+from tardigrade._peers import Placement
+from tardigrade.errors import InvalidArgumentError
+from tardigrade.manager._tiers import PeerTier
+
+from ._harness import run_ranks
+from .test_manager_distributed import make_state, set_state, state_value
+
+pytestmark = pytest.mark.distributed
+
+
+def peer_of(mgr: tg.CheckpointManager) -> PeerTier:
+    tier = mgr._tiers.first(PeerTier)
+    assert tier is not None
+    return tier
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def node_job_rank(
+    rank: int, world: int, shm: str, local: str, nodes: list[str], last: int, kill: bool
+) -> dict[str, Any]:
+    """A rank of a job of simulated nodes: restore, report where from, save each step up to
+    ``last`` (RAM + peers), wait until every replica is kept, then (``kill``) die with SIGKILL."""
+    os.environ["TARDIGRADE_NODE"] = nodes[rank]
+    lines = _Lines()
+    logging.getLogger("tardigrade").addHandler(lines)
+    logging.getLogger("tardigrade").setLevel(logging.INFO)
+    state = make_state(rank, world, 0.0)
+    mgr = tg.CheckpointManager(
+        local, state, every_steps=1, ram_tier=os.path.join(shm, nodes[rank]), peer_replicas=1
+    )
+    start = mgr.restore()
+    report: dict[str, Any] = {
+        "restored": start,
+        "value": state_value(state, rank),
+        "from": mgr.restored_from,
+        "log": [x for x in lines.lines if "restored from" in x or "not whole" in x],
+    }
+    for step in range((start or 0) + 1, last + 1):
+        set_state(state, rank, float(step))
+        mgr.step(step)
+    mgr.wait()
+    assert peer_of(mgr).replicator.wait(60)
+    stats = mgr.ram_tier_stats
+    assert stats is not None
+    report.update(replicas=stats.replicas, sent=stats.sent_bytes, failed=stats.failed)
+    if not kill:
+        mgr.close()
+        return report
+    (Path(local).parent / f"report-{world}-{rank}-{last}.json").write_text(json.dumps(report))
+    dist.barrier()  # every replica is kept before any rank dies
+    os.kill(os.getpid(), signal.SIGKILL)
+    return report  # never reached
+
+
+def reports(tmp_path: Path, world: int, last: int) -> list[dict[str, Any]]:
+    return [
+        json.loads((tmp_path / f"report-{world}-{r}-{last}.json").read_text()) for r in range(world)
+    ]
+
+
+def boot(shm: Path, *nodes: str) -> None:
+    """Each node's memory filesystem (its own directory here), there as a machine boots."""
+    for node in nodes:
+        (shm / node).mkdir(exist_ok=True)
+
+
+def drop_data_files(ckpt: Path) -> None:
+    """Delete the data files of a checkpoint in the directory (its manifest stays): a restore
+    that reads any of them fails."""
+    for f in ckpt.iterdir():
+        if f.name != "manifest.json":
+            f.unlink()
+
+
+def test_a_lost_node_restores_from_its_peers_memory_and_then_on_fewer_ranks(
+    tmp_path: Path, shm: Path
+) -> None:
+    local, nodes = str(tmp_path / "run"), ["A", "A", "B", "B"]
+    boot(shm, "A", "B")
+    out = run_ranks(node_job_rank, 4, str(shm), local, nodes, 3, True, timeout=120)
+    assert out == [{"died": -signal.SIGKILL}] * 4, out
+    first = reports(tmp_path, 4, 3)
+    for rank, r in enumerate(first):
+        # Each rank keeps the replica of the same local rank of the other node: 0<->2, 1<->3.
+        assert r["replicas"][-1] == f"step-000000003 of rank {(rank + 2) % 4}", r
+        assert r["sent"] > 0 and r["failed"] == 0, r
+    # Node B is lost: its ranks died, and its memory with them. The directory's data files of
+    # step 3 are gone too: whatever restores step 3 reads none of them.
+    shutil.rmtree(shm / "B")
+    drop_data_files(tmp_path / "run" / "step-000000003")
+    boot(shm, "B")  # a fresh machine in its place
+
+    out = run_ranks(node_job_rank, 4, str(shm), local, nodes, 5, True, timeout=120)
+    assert out == [{"died": -signal.SIGKILL}] * 4, out
+    second = reports(tmp_path, 4, 5)
+    for r in second:
+        assert r["restored"] == 3 and r["value"] == 3.0, r
+    assert second[2]["from"].startswith("the peer tier"), second[2]
+    log = " ".join(second[0]["log"])
+    assert "not whole in the RAM tier" in log, log  # node B's own copies are gone
+    assert "rank 2's share from a replica on node 'A'" in log, log
+    assert "rank 0's share from own RAM on node 'A'" in log, log
+
+    # Node B is gone for good: the job restarts on node A's two ranks, which hold their own
+    # shares of step 5 and node B's replicas; it loads at the new world size.
+    shutil.rmtree(shm / "B")
+    drop_data_files(tmp_path / "run" / "step-000000005")
+    out = run_ranks(node_job_rank, 2, str(shm), local, ["A", "A"], 6, False, timeout=120)
+    for r in out:
+        assert r["restored"] == 5 and r["value"] == 5.0, out
+        assert r["replicas"] == [] and r["sent"] == 0, out  # one node: no peer to send to
+
+
+def test_the_placement_is_a_ring_of_nodes_and_never_the_own_node() -> None:
+    p = Placement.of(["A", "A", "B", "B", "C", "C"], 2)
+    assert [p.targets(r) for r in range(6)] == [[2, 4], [3, 5], [4, 0], [5, 1], [0, 2], [1, 3]]
+    assert p.sources(0, 0) == [4] and p.sources(0, 1) == [2]
+    uneven = Placement.of(["A", "A", "A", "B"], 1)
+    assert [uneven.targets(r) for r in range(4)] == [[3], [3], [3], [0]]
+    assert Placement.of(["A", "A"], 1).replicas == 0  # one node: none, said in a warning
+    assert Placement.of(["A", "B"], 3).replicas == 1
+
+
+def test_peer_replicas_needs_a_ram_tier_and_a_distributed_job(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="peer_replicas=1 needs a distributed job"):
+        tg.CheckpointManager(tmp_path / "a", {"w": 1}, ram_tier=True, peer_replicas=1)
+    with pytest.raises(InvalidArgumentError, match="pass ram_tier=True"):
+        tg.CheckpointManager(tmp_path / "b", {"w": 1}, peer_replicas=1)
+    with pytest.raises(InvalidArgumentError, match="peer_replicas must be an int >= 0"):
+        tg.CheckpointManager(tmp_path / "c", {"w": 1}, ram_tier=True, peer_replicas=-1)

@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._catalog import STEP_NAMES
+from ._commit import committed
 from ._load import load_from
 from ._open import save_id_at
 from ._ramtier import RamTier, family_of, source_of
@@ -423,47 +425,93 @@ class MemoryShares:
         self.where = where
         self._plan: dict[str, Any] | None = None
         self._copies: dict[int, Storage] = {}
+        self.kept: dict[int, RamTier] | None = None  # the replicas this rank keeps (peer tier)
 
-    def holds(self, name: str) -> bool:
+    def _scan(self, name: str | None) -> dict[str, dict[int, tuple[Storage, str, int, Any]]]:
+        """What this node's memory holds: checkpoint name -> share -> (where, save id, world
+        size, epoch); of checkpoint ``name`` only, or of every one (None)."""
         self.own.wait()
-        self._plan = None
-        copies: dict[int, tuple[Storage, str, int]] = {}
+        found: dict[str, dict[int, tuple[Storage, str, int, Any]]] = {}
         for k, storage in local_copies(
             self.own.base, self.own.job_directory, self.run, replicas=self.replicas
         ):
             try:
-                if k not in copies and storage.exists(f"{name}/{MANIFEST}"):
-                    where = storage.url(f"{name}/{MANIFEST}")
-                    raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
-                    doc = loads_strict(raw, where)
-                    copies[k] = (storage, str(doc.get("save_id")), parse(raw, where).world_size)
-            except Exception as e:  # an unreadable copy is not held
-                log.warning("tardigrade: not restoring from %s: %s", storage.url(name), e)
+                names = [name] if name is not None else storage.list()
+            except OSError:
+                continue
+            for n in names:
+                if STEP_NAMES.step(n) is None:
+                    continue
+                try:
+                    if k in found.get(n, {}) or not storage.exists(f"{n}/{MANIFEST}"):
+                        continue
+                    where = storage.url(f"{n}/{MANIFEST}")
+                    raw = storage.read_bytes(f"{n}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+                    m = parse(raw, where)
+                    sid = str(loads_strict(raw, where).get("save_id"))
+                    found.setdefault(n, {})[k] = (storage, sid, m.world_size, m.epoch)
+                except Exception as e:  # an unreadable copy is not held
+                    log.warning("tardigrade: not restoring from %s: %s", storage.url(n), e)
+        return found
+
+    def steps(self) -> dict[int, Any]:
+        """The steps whose every share this job's nodes hold in memory, under one save id (a
+        step with two whole saves is none: which is current cannot be told), with their
+        epochs. Collective: the same answer on every rank."""
+        found = self._scan(None)
+
+        def mine() -> bytes:
+            held = {
+                n: {str(k): [sid, world, epoch] for k, (_, sid, world, epoch) in shares.items()}
+                for n, shares in found.items()
+            }
+            return _json(held)
+
+        seen = [json.loads(b) for b in self.ranks.all_gather(f"{self.where}: steps", mine)]
+        out: dict[int, Any] = {}
+        for n in sorted({n for held in seen for n in held}):
+            step = STEP_NAMES.step(n)
+            sids = {v[0] for held in seen for v in held.get(n, {}).values()}
+            whole = []
+            for sid in sorted(sids):
+                shares = [
+                    {int(k): v[1] for k, v in h.get(n, {}).items() if v[0] == sid} for h in seen
+                ]
+                if _holders(shares) is not None:
+                    whole.append(sid)
+            if step is not None and len(whole) == 1:
+                out[step] = next(
+                    v[2] for h in seen for v in h.get(n, {}).values() if v[0] == whole[0]
+                )
+        return out
+
+    def holds(self, name: str) -> bool:
+        self._plan = None
+        copies = self._scan(name).get(name, {})
 
         def mine() -> bytes:
             expect = None
             if self.ranks.coordinator:
                 with contextlib.suppress(Exception):  # unreadable: nothing restores from memory
-                    expect = save_id_at(self.root, name)
-            held = {str(k): [sid, world] for k, (_, sid, world) in copies.items()}
+                    if committed(self.root, name):
+                        expect = save_id_at(self.root, name)
+            held = {str(k): [sid, world] for k, (_, sid, world, _) in copies.items()}
             return _json({"node": node_name(), "expect": expect, "held": held})
 
         seen = [json.loads(b) for b in self.ranks.all_gather(f"{self.where}: {name}", mine)]
         expect = seen[0]["expect"]
-        self._copies = {k: s for k, (s, sid, _) in copies.items() if sid == expect}
-        held = [{int(k): w for k, (sid, w) in s["held"].items() if sid == expect} for s in seen]
-        worlds = {w for h in held for w in h.values()}
-        if expect is None or len(worlds) != 1:
-            return False
-        world = worlds.pop()
-        holder, missing = {}, []
-        for k in range(world):
-            ranks = [r for r, h in enumerate(held) if k in h]
-            if ranks:
-                holder[k] = k if k in ranks else ranks[0]
-            else:
-                missing.append(k)
-        if missing:
+        if expect is None:
+            # Not in the root (a step saved to memory alone): the one save whose every share
+            # memory holds, if there is exactly one.
+            sids = {v[0] for s in seen for v in s["held"].values()}
+            whole = [sid for sid in sorted(sids) if _holders(_shares(seen, sid)) is not None]
+            if len(whole) != 1:
+                return False
+            expect = whole[0]
+        held = _shares(seen, expect)
+        found = _holders(held)
+        if found is None:
+            missing = _missing(held)
             if self.ranks.coordinator:
                 log.info(
                     "tardigrade: %s is not whole in %s: no node holds the share of rank(s) %s "
@@ -473,9 +521,25 @@ class MemoryShares:
                     missing,
                 )
             return False
+        world, holder = found
+        self._copies = {k: c[0] for k, c in copies.items() if c[1] == expect}
         shares = [set(h) for h in held]
-        self._plan = {"name": name, "world": world, "holder": holder, "held": shares, "seen": seen}
+        self._plan = {
+            "name": name,
+            "world": world,
+            "holder": holder,
+            "held": shares,
+            "seen": seen,
+            "save_id": expect,
+        }
         return True
+
+    def forget_after(self, step: int) -> None:
+        """Remove this rank's copies of steps after ``step`` (a restore went back to it:
+        they belong to a timeline this run abandoned)."""
+        tiers = [self.own] + (list(self.kept.values()) if self.kept is not None else [])
+        for tier in tiers:
+            tier.forget_after(step)
 
     def restore(self, name: str, state: Any, collective: dict[str, Any]) -> str:
         plan = self._plan
@@ -544,7 +608,34 @@ class MemoryShares:
 
 
 def plan_save_id(plan: dict[str, Any]) -> str:
-    return str(plan["seen"][0]["expect"])
+    return str(plan["save_id"])
+
+
+def _shares(seen: list[dict[str, Any]], sid: str) -> list[dict[int, int]]:
+    """Per rank, the shares (and their save's world size) it holds of save ``sid``."""
+    return [{int(k): v[1] for k, v in s["held"].items() if v[0] == sid} for s in seen]
+
+
+def _holders(held: list[dict[int, int]]) -> tuple[int, dict[int, int]] | None:
+    """The save's world size and, for each of its shares, the rank that sends it (the rank
+    of that number when it holds it, else the lowest that does); None unless every share is
+    held somewhere (and the copies agree on the world size)."""
+    worlds = {w for h in held for w in h.values()}
+    if len(worlds) != 1:
+        return None
+    world = worlds.pop()
+    holder = {}
+    for k in range(world):
+        ranks = [r for r, h in enumerate(held) if k in h]
+        if not ranks:
+            return None
+        holder[k] = k if k in ranks else ranks[0]
+    return world, holder
+
+
+def _missing(held: list[dict[int, int]]) -> list[int]:
+    world = max((w for h in held for w in h.values()), default=0)
+    return [k for k in range(world) if not any(k in h for h in held)]
 
 
 class _SharesView(Storage):

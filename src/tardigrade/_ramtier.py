@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._catalog import STEP_NAMES, Catalog
+from ._commit import committed
 from ._load import load, load_from
 from ._open import save_id_at
 from ._save_job import SaveJob, SaveResult, file_header
@@ -265,6 +266,7 @@ class RamTier:
         now in a single process (a preemption's is not copied either: the job stops next), and
         a rank's share (``files``) in the background, on every rank."""
         if teed:
+            self._recorded(name)
             return
         if self.rank is not None:
             self.copy_in_background(src, name, files=files)
@@ -350,6 +352,25 @@ class RamTier:
                 except OSError as e:
                     log.warning("tardigrade: removing %s from the RAM tier: %s", n, e)
 
+    def forget_after(self, step: int) -> None:
+        """Remove the checkpoints here of steps after ``step`` (a timeline abandoned)."""
+        self.wait()
+        for n in self.catalog.names():
+            s = STEP_NAMES.step(n)
+            if s is not None and s > step:
+                try:
+                    self.catalog.retire(n)
+                except OSError as e:
+                    log.warning("tardigrade: removing %s from the RAM tier: %s", n, e)
+
+    def _recorded(self, name: str) -> None:
+        """A save committed straight into this tier (``persist_every``), or a copy its mirror
+        committed already: counted and retained once."""
+        with self._lock:
+            known = name in self.stats.stored
+        if not known and self.catalog.committed(name):
+            self._stored(name)
+
     def _failed(self, name: str, e: BaseException) -> None:
         error = str(e)
         if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) and "ram_tier=" not in error:
@@ -387,7 +408,10 @@ class RamTier:
             if not self.catalog.committed(name):
                 return None
             ours = save_id_at(self.storage, name)
-            if ours is None or ours != save_id_at(disk, name):
+            # A step the directory does not hold was saved here alone (persist_every): the
+            # manager asks only of those it takes as candidates.
+            theirs = save_id_at(disk, name) if committed(disk, name) else ours
+            if ours is None or ours != theirs:
                 return None
         except Exception as e:  # unreadable on either side: the directory's copy is restored
             log.warning("tardigrade: not restoring %s from the RAM tier: %s", name, e)

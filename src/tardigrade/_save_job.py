@@ -83,6 +83,9 @@ class SaveOptions:
     # The generation of the lease a manager holds on the location (recorded in the manifest,
     # so that a commit made after losing the lease can be told apart: Catalog.fence).
     lease_generation: int | None = None
+    # A collective save whose every rank commits the checkpoint (its own data files and the
+    # manifest) in a storage of its own: the manager's saves into the RAM tiers alone.
+    each_rank_commits: bool = False
 
 
 @dataclass

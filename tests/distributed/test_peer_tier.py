@@ -11,6 +11,8 @@ import logging
 import os
 import shutil
 import signal
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ import tardigrade as tg
 from tardigrade._peers import Placement
 from tardigrade.errors import InvalidArgumentError
 from tardigrade.manager._tiers import PeerTier
+from tardigrade.storage import open_root
+from tardigrade.testing import FaultyStorage
 
 from ._harness import run_ranks
 from .test_manager_distributed import make_state, set_state, state_value
@@ -156,3 +160,78 @@ def test_peer_replicas_needs_a_ram_tier_and_a_distributed_job(tmp_path: Path) ->
         tg.CheckpointManager(tmp_path / "b", {"w": 1}, peer_replicas=1)
     with pytest.raises(InvalidArgumentError, match="peer_replicas must be an int >= 0"):
         tg.CheckpointManager(tmp_path / "c", {"w": 1}, ram_tier=True, peer_replicas=-1)
+
+
+def cadence_rank(
+    rank: int, world: int, shm: str, root: str, nodes: list[str], last: int, kill: bool
+) -> dict[str, Any]:
+    """Saves every step to RAM + peers, every 4th to the root (``persist_every=4``); restores
+    first, reporting where from and which root objects that read."""
+    os.environ["TARDIGRADE_NODE"] = nodes[rank]
+    faulty = FaultyStorage(root)  # faulty://1 on every rank: the root, its operations logged
+    state = make_state(rank, world, 0.0)
+    mgr = tg.CheckpointManager(
+        faulty.root,
+        state,
+        every_steps=1,
+        persist_every=4,
+        ram_tier=os.path.join(shm, nodes[rank]),
+        peer_replicas=1,
+    )
+    start = mgr.restore()
+    report: dict[str, Any] = {
+        "restored": start,
+        "value": state_value(state, rank),
+        "from": mgr.restored_from,
+        # What the restore read of the root's checkpoints (its lock aside).
+        "reads": [w for op, w in faulty.log if op == "open_reader" and "/step-" in w],
+        "root_steps": mgr.steps(),
+    }
+    for step in range((start or 0) + 1, last + 1):
+        set_state(state, rank, float(step))
+        mgr.step(step)
+    mgr.wait()
+    assert peer_of(mgr).replicator.wait(60)
+    report["root_after"] = mgr.steps()
+    if not kill:
+        mgr.close()
+        return report
+    (Path(shm) / f"report-{rank}-{last}.json").write_text(json.dumps(report))
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+    return report  # never reached
+
+
+@pytest.fixture(params=["directory", pytest.param("s3", marks=pytest.mark.s3)])
+def root_of_job(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """The job's root (a directory, or a SeaweedFS prefix) and the environment reaching it."""
+    if request.param == "s3":
+        server = request.getfixturevalue("s3_env")
+        url = f"s3://{server.bucket}/peer-{uuid.uuid4().hex[:12]}"
+        yield url, server.env()
+        open_root(url).delete("")
+    else:
+        yield str(tmp_path / "run"), {}
+
+
+def test_steps_saved_to_memory_alone_restore_after_a_node_loss_reading_nothing_of_the_root(
+    shm: Path, root_of_job: tuple[str, dict[str, str]]
+) -> None:
+    root, env = root_of_job
+    nodes = ["A", "A", "B", "B"]
+    boot(shm, "A", "B")
+    out = run_ranks(cadence_rank, 4, str(shm), root, nodes, 6, True, timeout=120, env=env)
+    assert out == [{"died": -signal.SIGKILL}] * 4, out
+    first = [json.loads((shm / f"report-{r}-6.json").read_text()) for r in range(4)]
+    assert all(r["root_after"] == [4] for r in first), first  # the root took step 4 alone
+    shutil.rmtree(shm / "B")  # node B is lost with its memory; a fresh machine replaces it
+    boot(shm, "B")
+    out = run_ranks(cadence_rank, 4, str(shm), root, nodes, 8, False, timeout=120, env=env)
+    for r in out:
+        # Step 6, saved to memory alone, every share held by node A (own and replicas).
+        assert r["restored"] == 6 and r["value"] == 6.0, out
+        assert r["reads"] == [], out  # not one object of the root was read
+        assert r["root_steps"] == [4] and r["root_after"] == [4, 8], out
+    assert out[2]["from"].startswith("the peer tier"), out

@@ -527,3 +527,59 @@ def test_a_run_id_from_the_environment_is_checked_as_one_given(
         tg.CheckpointManager(tmp_path / "ckpt", state_at(0), ram_tier=True)
     assert "run_id=" in str(raised.value) and len(str(raised.value)) < 1000
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_the_ram_tier_saves_more_often_than_the_directory(
+    tmp_path: Path, shm: Path, async_save: bool
+) -> None:
+    """persist_every=5 with a save every step: the directory holds the multiples of 5 alone,
+    the RAM tier the newest step; a crash restarts from the RAM tier's step 7, exactly, and an
+    explicit restore(5) leaves the later step 7 behind (not restored after a second crash)."""
+    state = state_at(0)
+    with (
+        pytest.raises(RuntimeError, match="crash"),
+        tg.CheckpointManager(
+            tmp_path / "ckpt",
+            state,
+            ram_tier=shm,
+            every_steps=1,
+            persist_every=5,
+            async_save=async_save,
+        ) as mgr,
+    ):
+        for step in range(1, 8):
+            state["w"].copy_(state_at(step)["w"])
+            mgr.step(step)
+        mgr.wait()
+        assert mgr.steps() == [5]  # the directory took step 5 alone
+        assert mgr.ram_tier_stats.stored[-3:] == [  # type: ignore[union-attr]
+            "step-000000005",
+            "step-000000006",
+            "step-000000007",
+        ]
+        raise RuntimeError("crash")
+    root = ram_root(tmp_path / "ckpt", str(shm))
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000000007"]
+    restored = state_at(0)
+    with (
+        pytest.raises(RuntimeError, match="crash"),
+        tg.CheckpointManager(
+            tmp_path / "ckpt", restored, ram_tier=shm, every_steps=1, persist_every=5
+        ) as mgr,
+    ):
+        assert mgr.restore() == 7 and mgr.restored_from == str(root / "step-000000007")
+        assert torch.equal(restored["w"], state_at(7)["w"])
+        assert mgr.restore(5) == 5  # back to the directory's step 5: step 7 is left behind
+        raise RuntimeError("crash")
+    again = state_at(0)
+    with tg.CheckpointManager(tmp_path / "ckpt", again, ram_tier=shm, persist_every=5) as mgr:
+        assert mgr.restore() == 5
+    assert torch.equal(again["w"], state_at(5)["w"])
+
+
+def test_persist_every_needs_a_ram_tier(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="persist_every=5 saves the steps between"):
+        tg.CheckpointManager(tmp_path / "a", {"w": 1}, persist_every=5)
+    with pytest.raises(InvalidArgumentError, match="persist_every must be a positive int"):
+        tg.CheckpointManager(tmp_path / "b", {"w": 1}, ram_tier=True, persist_every=0)

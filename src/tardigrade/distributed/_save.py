@@ -224,8 +224,10 @@ class _Save:
         and rank 0's are recorded.
         """
         assert self.storage is not None
+        # Where every rank commits in its own storage, the paths differ by design.
+        own = self.options.each_rank_commits
         return {
-            "path": self.storage.url(self.name),
+            "path": self.name if own else self.storage.url(self.name),
             "overwrite": self.options.overwrite,
             "step": self.header["step"],
             "epoch": self.header["epoch"],
@@ -322,10 +324,17 @@ class _Save:
             self.storage, self.name, self.flat, c.plan, self.header, self.options.overwrite,
             self.started, c.gplan,
         )  # fmt: skip
-        staging = verdict["staging"]
+        own = self.options.each_rank_commits
+        staging: str | None = verdict["staging"]
+        if own and not ranks.coordinator:
+            staging = None  # begun here, inside the exchange: a failure reaches every rank
 
         def write() -> bytes:
+            nonlocal staging
             try:
+                if staging is None:
+                    check_target(job.storage, job.name, job.overwrite)
+                    staging = job.commit.begin(job.name, job.header["save_id"])
                 written = write_files(job, staging, self.make_streams(job))
             except Exception as e:  # reaches every rank as the SaveError a save raises
                 raise_save_error(job, e)
@@ -361,17 +370,24 @@ class _Save:
                 stored_name=job.stored_name,
             )
             manifest = seal_checked(doc, job.storage.url(job.name))
+            assert staging is not None
             commit_staging(job, staging, manifest)
-            return _json({"nbytes": sum(w.size for w in written.values()) + len(manifest),
+            done = _json({"nbytes": sum(w.size for w in written.values()) + len(manifest),
                           "files": len(written)})  # fmt: skip
+            return done + b"\0" + manifest if own else done
 
         try:
-            done = json.loads(ranks.reduce("tg.save (write and commit)", write, commit))
+            raw = ranks.reduce("tg.save (write and commit)", write, commit)
+            done = json.loads(raw.split(b"\0", 1)[0])
+            if own and not ranks.coordinator:
+                # Every rank commits its own copy, with the manifest rank 0 built and committed.
+                assert staging is not None
+                commit_staging(job, staging, raw.split(b"\0", 1)[1])
         except BaseException as e:
             # The outcome first: past the commit point, aborting would delete the data of a
             # committed checkpoint (an object store's data objects are not in a staging dir).
             committed = _outcome(job, ranks, e)
-            if ranks.coordinator:
+            if staging is not None and (ranks.coordinator or own):
                 end_staging(job, staging, committed)
             raise_save_error(job, e, committed)
         return save_result(job, done["nbytes"], done["files"])

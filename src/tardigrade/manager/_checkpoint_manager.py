@@ -35,7 +35,6 @@ from ._options import (
     Uploads,
     check_directory,
     check_flag,
-    check_non_negative,
     check_one_of,
     check_policy,
     check_retention,
@@ -184,6 +183,8 @@ class CheckpointManager:
         ``peer_replicas``: with ``ram_tier`` in a distributed job, each rank's share is also
             kept in the memory of this many ranks on other nodes (``$TARDIGRADE_NODE`` or the
             host name): a node's loss restores from memory. See docs/failures.md.
+        ``persist_every``: with ``ram_tier``, the directory takes only the saves of steps that
+            are multiples of it; the others go to the RAM and peer tiers alone (None: all).
         ``run_id``: the id of this job across its restarts (default: ``TORCHELASTIC_RUN_ID``
             or ``SLURM_JOB_ID`` where set, else the directory alone): a RAM copy is restored
             only in the run that made it; another run's, left on this node, is removed.
@@ -242,6 +243,7 @@ class CheckpointManager:
         upload_storage_options: Mapping[str, Any] | None = None,
         ram_tier: bool | str | os.PathLike[str] = False,
         peer_replicas: int = 0,
+        persist_every: int | None = None,
         run_id: str | None = None,
     ) -> None:
         # Every byte, listing and delete goes through the catalog over the storage contract.
@@ -262,24 +264,23 @@ class CheckpointManager:
         signals, run = check_signals(save_on_signals), check_run_id(run_id)
         # In a single process, the null agreement: nothing talks to other ranks.
         self._ranks = agreement(f"CheckpointManager({self.directory!r})", process_group, timeout)
-        lock_timeout = check_non_negative("lock_timeout", lock_timeout)
         self._run_lock = RunLock(
             self._catalog, self.directory, lease_seconds=lock_lease_seconds, timeout=lock_timeout
         )
-        self._wire(retention, on_error)
+        self._wire(retention, on_error, persist_every)
         self._open()
         self._start(async_save, max_staging_bytes, signals)
         if upload_to is not None:
             self._open_tier(lambda: self._remote_tier(upload_to, upload_storage_options))
-        tiers = functools.partial(open_memory_tiers, ram_tier, peer_replicas, root=self._catalog)
-        self._open_tier(lambda: tiers(ranks=self._ranks, run=run, state=state))
+        tiers = functools.partial(open_memory_tiers, ram_tier, peer_replicas, self._tiers)
+        self._open_tier(lambda: tiers(root=self._catalog, ranks=self._ranks, run=run, state=state))
 
-    def _wire(self, retention: Retention, on_save_error: str) -> None:
+    def _wire(self, retention: Retention, on_save_error: str, persist_every: Any) -> None:
         """Make the collaborators, each given what it needs (none reaches back in here)."""
         catalog, ranks, lock = self._catalog, self._ranks, self._run_lock
         self._preemption = Preemption()
         self._staging: StagingReservation | None = None  # with async saves
-        self._tiers = Tiers(RootTier(catalog, self._collective))
+        self._tiers = Tiers(RootTier(catalog, self._collective, persist_every))
         self._timeline = Timeline.of(catalog, lock)
         self._loading: set[int] = set()
         pending = PendingSaves()
@@ -472,11 +473,7 @@ class CheckpointManager:
 
     def _agreed(self, what: str, here: Callable[[], Any]) -> Any:
         """``here()`` (a JSON value), computed by rank 0 and sent to every rank in a distributed
-        job; its error, if it raises there, is raised on every rank.
-
-        Ranks reading a shared directory can see it at different moments (a network file
-        system's attribute cache): a decision taken from what each rank sees would differ.
-        """
+        job (ranks may see a shared directory at different moments); its error everywhere."""
         return self._ranks.shared(what, here)
 
     def latest(self) -> int | None:

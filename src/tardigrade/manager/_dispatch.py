@@ -9,6 +9,7 @@ the caller's thread. ``Outcomes`` records how it ended.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -125,12 +126,14 @@ class SaveDispatch:
     def _start(self, step: int, options: SaveOptions, *, sync: bool) -> None:
         """Start the save: in the background, feeding every tier's sinks from one staged
         copy, or here (waiting for the saves in flight first)."""
-        path = self.catalog.path(step_name(step))
+        path, persisted = self.tiers.target(step_name(step))
+        # A step the root does not take is saved into the RAM tier alone: in a distributed
+        # job every rank commits it (its files and the manifest) in its own; no sink copies it.
+        sinks = self.tiers.sinks() if persisted else []
+        options = dataclasses.replace(options, each_rank_commits=not persisted)
         if self.saver is not None and not sync:
             with self.tiers.held():  # training waits on the staging copy: uploads wait
-                fut = self.ranks.split.submit(
-                    self.saver, path, self.state, options, self.tiers.sinks()
-                )
+                fut = self.ranks.split.submit(self.saver, path, self.state, options, sinks)
             fut.observed = True  # the manager reports the outcome itself
             self.outcomes.pending.add(step, fut)
             return

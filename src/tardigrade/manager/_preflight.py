@@ -14,6 +14,7 @@ import time
 from .._catalog import Catalog
 from ..errors import CheckpointLockedError, SaveError
 from ..storage.lease import Lease
+from ._options import check_non_negative
 
 log = logging.getLogger("tardigrade")
 
@@ -32,6 +33,7 @@ class RunLock:
         self.lease_seconds = lease_seconds
         # How long opening waits for a holder that may be dead (default: one lease, by when a
         # dead holder's lease has expired).
+        timeout = check_non_negative("lock_timeout", timeout)
         self.timeout = lease_seconds * 1.1 if timeout is None else timeout
         self.error: OSError | None = None  # why the lease could not be taken, until it is
 

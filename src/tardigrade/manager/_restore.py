@@ -72,13 +72,17 @@ class Restorer:
 
     def restore(self, step: int | None) -> Restored | None:
         """Restore ``step`` (None: the newest that verifies); None when there is none."""
-        found = self.ranks.shared(f"{self.what}({step!r})", lambda: self._candidates(step))
+        memory = self.tiers.steps()  # saved to the faster tiers alone (persist_every)
+        found = self.ranks.shared(
+            f"{self.what}({step!r})", lambda: self._candidates(step, sorted(memory))
+        )
         committed, candidates = found["steps"], found["candidates"]
         trouble = _Trouble()
         for s in candidates:
-            restored = self._try(s, trouble, exact=step is not None)
+            restored = self._try(s, trouble, exact=step is not None, epoch=memory.get(s, ...))
             if restored is None:
                 continue
+            self.tiers.forget_after(s)  # later copies in memory: a timeline left behind
             # Checkpoints above an explicit restore(step) leave the listing, so that after a
             # crash this timeline's newest is restored, not theirs. Newer ones restore()
             # skipped stay in place as evidence (a crash skips them again) and are replaced
@@ -102,17 +106,18 @@ class Restorer:
         _give_up(self.catalog, committed, trouble)
         return None
 
-    def _candidates(self, step: int | None) -> dict[str, list[int]]:
-        """Clean up, then the committed steps and those ``restore(step)`` tries, newest first."""
+    def _candidates(self, step: int | None, memory: list[int]) -> dict[str, list[int]]:
+        """Clean up, then the committed steps and those ``restore(step)`` tries, newest first
+        (``memory``: the steps held whole in the faster tiers alone)."""
         self.tidy()
         committed, uncommitted, recorded, fenced = self.catalog.scan()
         if fenced and self.lock.may_delete("removing commits of a zombie"):
             self.catalog.retire_fenced(fenced)  # passed over by the scan in any case
         if step is not None:
-            if step not in committed:
+            if step not in committed and step not in memory:
                 raise CheckpointNotFoundError(
                     f"{self.catalog.path(step_name(step))}: no committed checkpoint for step "
-                    f"{step}; available: {committed}"
+                    f"{step}; available: {sorted({*committed, *memory})}"
                 )
             return {"steps": committed, "candidates": [step]}
         for n in uncommitted:
@@ -123,27 +128,32 @@ class Restorer:
                 self.catalog.path(n),
             )
         skip = self.timeline.passed_over(committed) if recorded else set()
-        return {"steps": committed, "candidates": [s for s in committed[::-1] if s not in skip]}
+        steps = sorted({*committed, *memory}, reverse=True)
+        return {"steps": committed, "candidates": [s for s in steps if s not in skip]}
 
     def tidy(self) -> None:
         """Remove what dead writers left (fencing: only while the lock is still ours)."""
         if self.lock.may_delete("cleaning up leftovers"):
             self.catalog.tidy(fenced=False)  # fenced ones: from the listing that follows
 
-    def _try(self, s: int, trouble: _Trouble, *, exact: bool) -> Restored | None:
-        """Restore candidate ``s``; None when it failed and an older one may be tried."""
+    def _try(self, s: int, trouble: _Trouble, *, exact: bool, epoch: Any) -> Restored | None:
+        """Restore candidate ``s``; None when it failed and an older one may be tried.
+        ``epoch``: its epoch when the faster tiers alone hold it, else ``...`` (the root's
+        manifest says)."""
         path = self.catalog.path(step_name(s))
         self.loading.add(s)
         loading = False
         try:
-            epoch = self.ranks.shared(
-                f"{self.what}(): manifest of step {s}",
-                lambda: self.catalog.manifest(step_name(s)).epoch,
-            )
+            in_root = epoch is ...
+            if in_root:
+                epoch = self.ranks.shared(
+                    f"{self.what}(): manifest of step {s}",
+                    lambda: self.catalog.manifest(step_name(s)).epoch,
+                )
             loading = True
             # One pass: each byte is read once, into the live state, and every byte of the
             # checkpoint (unread tensors and headers included) is checked on the way.
-            return Restored(s, epoch, *self._load(step_name(s)))
+            return Restored(s, epoch, *self._load(step_name(s), in_root))
         except StateMismatchError:
             raise  # the live state does not fit: an older checkpoint would not fit either
         except Exception as e:
@@ -170,9 +180,10 @@ class Restorer:
         finally:
             self.loading.discard(s)
 
-    def _load(self, name: str) -> tuple[str, Tier]:
+    def _load(self, name: str, in_root: bool) -> tuple[str, Tier]:
         """Read ``name`` into the live state from the fastest tier that holds this very save
-        on every rank (each rank its own share), falling back to the next. Returns where."""
+        on every rank (each rank its own share), falling back to the next; the root last
+        (``in_root``: it holds ``name``). Returns where."""
         sources = self.tiers.sources()
         touched = False  # whether a failed faster tier left bytes in the live state
         for tier in sources[:-1]:
@@ -193,6 +204,10 @@ class Restorer:
                     e,
                 )
         try:
+            if not in_root:
+                raise CheckpointNotFoundError(
+                    f"{name} was saved to the faster tiers alone, and none could restore it"
+                )
             return sources[-1].restore(name, self.state), sources[-1]
         except TardigradeError as e:
             if touched:

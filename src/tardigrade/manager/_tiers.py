@@ -37,7 +37,7 @@ from ..errors import InvalidArgumentError, TardigradeError
 from ..storage import open_root
 from ..storage.lease import Lease
 from ._agreement import Agreement
-from ._options import check_count
+from ._options import check_count, check_positive
 
 log = logging.getLogger("tardigrade")
 
@@ -67,6 +67,11 @@ class Tier:
         """Whether this tier keeps checkpoint ``name`` (its own cadence; every one here)."""
         return True
 
+    def target(self, name: str) -> str | None:
+        """Where a save of ``name`` writes when this tier is the slowest that takes it (None:
+        this tier copies from another, never a save's target)."""
+        return None
+
     def committed(self, name: str, *, teed: bool) -> None:
         """Checkpoint ``name``, which this tier ``takes``, committed in the run's root
         (``teed``: an async save, whose sinks copied it already); on every rank."""
@@ -78,9 +83,19 @@ class Tier:
     def fetch_newer(self) -> None:
         """Before ``restore()`` picks a checkpoint: bring a newer one into the root."""
 
+    def steps(self) -> dict[int, Any]:
+        """The steps whose checkpoints this tier holds whole, with their epochs, the same on
+        every rank (a collective): ``restore()`` takes those the root does not hold (saved
+        to faster tiers alone) as candidates too."""
+        return {}
+
     def holds(self, name: str) -> bool:
         """Whether this rank holds its share of the root's very save ``name`` here."""
         return False
+
+    def forget_after(self, step: int) -> None:
+        """``restore()`` went back to ``step``: drop what this tier holds of later steps (a
+        timeline the run abandoned)."""
 
     def restore(self, name: str, state: Any) -> str:
         """Read ``name`` into ``state``, every byte verified; return where it was read."""
@@ -91,15 +106,26 @@ class Tier:
 
 
 class RootTier(Tier):
-    """The run's directory or store prefix: every save commits here first."""
+    """The run's directory or store prefix: the saves of the steps it takes (``every``: the
+    multiples of it; None: all) commit here, and the slower tiers copy from it."""
 
     speed = 50
     where = "the directory"
     restores = True
 
-    def __init__(self, catalog: Catalog, collective: Mapping[str, Any]) -> None:
+    def __init__(
+        self, catalog: Catalog, collective: Mapping[str, Any], every: int | None = None
+    ) -> None:
         self.catalog = catalog
         self.collective = dict(collective)
+        self.every = check_positive("persist_every", every)
+
+    def takes(self, name: str) -> bool:
+        step = STEP_NAMES.step(name)
+        return self.every is None or step is None or step % self.every == 0
+
+    def target(self, name: str) -> str | None:
+        return self.catalog.path(name)
 
     def holds(self, name: str) -> bool:
         return True  # restore() picks among the committed checkpoints of the root
@@ -142,6 +168,23 @@ class MemoryTier(Tier):
         # Every rank records the save here, once committed: each keeps its own files.
         self.ram.saved(self.root, name, files=self.ranks.share, teed=teed)
 
+    def target(self, name: str) -> str | None:
+        return self.ram.storage.url(name)
+
+    def steps(self) -> dict[int, Any]:
+        if self.shares is not None:
+            return self.shares.steps()
+        found = {}
+        for name in self.ram.catalog.names():
+            step = STEP_NAMES.step(name)
+            if step is not None:
+                with contextlib.suppress(Exception):  # an unreadable copy is no candidate
+                    found[step] = self.ram.catalog.manifest(name).epoch
+        return found
+
+    def forget_after(self, step: int) -> None:
+        self.ram.forget_after(step)
+
     def holds(self, name: str) -> bool:
         if self.shares is not None:
             return self.shares.holds(name)
@@ -172,6 +215,7 @@ class PeerTier(Tier):
         self.shares = MemoryShares(
             memory.ram, ranks.ranks, memory.root, memory.run, replicas=True, where=self.where
         )
+        self.shares.kept = replicator.kept
 
     def held(self) -> AbstractContextManager[None]:
         return self.replicator.held()
@@ -182,9 +226,16 @@ class PeerTier(Tier):
     def committed(self, name: str, *, teed: bool) -> None:
         self.replicator.submit(name)
 
+    def steps(self) -> dict[int, Any]:
+        self.replicator.wait()
+        return self.shares.steps()
+
     def holds(self, name: str) -> bool:
         self.replicator.wait()
         return self.shares.holds(name)
+
+    def forget_after(self, step: int) -> None:
+        self.shares.forget_after(step)
 
     def restore(self, name: str, state: Any) -> str:
         return self.shares.restore(name, state, self.ranks.collective)
@@ -374,11 +425,25 @@ def open_remote_tier(
 
 
 def open_memory_tiers(
-    ram_tier: Any, peers: int, *, root: Catalog, ranks: Agreement, run: str | None, state: Any
+    ram_tier: Any,
+    peers: int,
+    tiers: Tiers,
+    *,
+    root: Catalog,
+    ranks: Agreement,
+    run: str | None,
+    state: Any,
 ) -> list[Tier]:
     """The RAM tier of ``ram_tier=`` and the peer tier of ``peer_replicas=peers`` (none when
-    off), each open on every rank or raising on all."""
+    off), each open on every rank or raising on all; ``tiers``: the manager's so far (a
+    directory that takes only some steps needs a RAM tier for the others)."""
     peers = check_count("peer_replicas", peers)
+    every = tiers.root.every
+    if every is not None and (ram_tier is None or ram_tier is False):
+        raise InvalidArgumentError(
+            f"persist_every={every} saves the steps between its multiples to the RAM tier "
+            "alone: pass ram_tier=True (or a directory on a memory filesystem) with it"
+        )
     memory = open_memory_tier(ram_tier, root=root, ranks=ranks, run=run)
     try:
         peer = open_peer_tier(peers, memory, state, ranks)
@@ -433,6 +498,24 @@ class Tiers:
             self._tiers.append(t)
             self._tiers.sort(key=lambda t: t.speed)
 
+    @property
+    def root(self) -> RootTier:
+        """The run's root (every manager has one)."""
+        root = self.first(RootTier)
+        assert root is not None
+        return root
+
+    def target(self, name: str) -> tuple[str, bool]:
+        """Where a save of ``name`` writes, and whether that is the root: the root when it
+        takes the step, else the fastest tier that can be a save's target (the RAM tier)."""
+        if self.root.takes(name):
+            return self.root.catalog.path(name), True
+        for tier in self._tiers:
+            path = tier.target(name)
+            if path is not None and tier.takes(name):
+                return path, False
+        return self.root.catalog.path(name), True
+
     def first(self, kind: type[_T]) -> _T | None:
         """The tier of class ``kind``, or None (for its figures)."""
         return next((t for t in self._tiers if isinstance(t, kind)), None)
@@ -452,9 +535,16 @@ class Tiers:
             yield
 
     def committed(self, name: str, *, teed: bool) -> None:
+        """Checkpoint ``name`` committed: where the root took it, every tier that takes it
+        goes on from there; else (a save into the RAM tier alone) the faster tiers only, each
+        told the copy is there already (``teed``)."""
+        root = self.root
+        persisted = root.takes(name)
         for tier in self._tiers:
+            if not persisted and tier.speed >= root.speed:
+                continue
             if tier.takes(name):
-                tier.committed(name, teed=teed)
+                tier.committed(name, teed=teed or not persisted)
 
     def pinned(self) -> set[str]:
         return {n for t in self._tiers for n in t.pinned()}
@@ -462,6 +552,19 @@ class Tiers:
     def fetch_newer(self) -> None:
         for tier in self._tiers:
             tier.fetch_newer()
+
+    def steps(self) -> dict[int, Any]:
+        """The steps the faster tiers hold whole (``Tier.steps``), on every rank alike."""
+        found: dict[int, Any] = {}
+        for tier in self._tiers:
+            found.update(tier.steps())
+        # Only steps the root does not take are held by the faster tiers alone: a copy of one
+        # it takes but does not hold (an emptied directory) is not restored.
+        return {s: e for s, e in found.items() if not self.root.takes(step_name(s))}
+
+    def forget_after(self, step: int) -> None:
+        for tier in self._tiers:
+            tier.forget_after(step)
 
     def closers(self, *, clean: Callable[[], bool]) -> list[Callable[[], None]]:
         """One call per tier, slowest first (uploads finish before the RAM copy goes)."""

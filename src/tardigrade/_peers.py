@@ -40,7 +40,7 @@ from ._catalog import STEP_NAMES
 from ._commit import committed
 from ._load import load_from
 from ._open import save_id_at
-from ._ramtier import RamTier, family_of, source_of
+from ._ramtier import RamTier, family_of, saved_alone, source_of
 from ._tree import flatten
 from ._verify import verify_files
 from .distributed._collectives import Ranks
@@ -251,6 +251,7 @@ class Replicator:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
+        self.sent: list[str] = []  # the checkpoints whose share every target received
         self._thread = threading.Thread(target=self._run, name="tardigrade-peers", daemon=True)
         self._thread.start()
 
@@ -304,6 +305,8 @@ class Replicator:
             self.own._failed(f"the replica of {name} for the peers", e)
             payload = b""
         targets = self.placement.targets(self.ranks.rank)
+        if payload and targets:
+            self.sent = self.sent[-7:]  # the latest ones only are asked about
         for j, target in enumerate(targets):
             sources = self.placement.sources(self.ranks.rank, j)
             got = self.ranks.exchange(
@@ -321,6 +324,8 @@ class Replicator:
                         source,
                         name,
                     )
+        if payload and targets:
+            self.sent.append(name)
 
     def _keep(self, source: int, data: bytes) -> None:
         try:
@@ -427,11 +432,11 @@ class MemoryShares:
         self._copies: dict[int, Storage] = {}
         self.kept: dict[int, RamTier] | None = None  # the replicas this rank keeps (peer tier)
 
-    def _scan(self, name: str | None) -> dict[str, dict[int, tuple[Storage, str, int, Any]]]:
+    def _scan(self, name: str | None) -> dict[str, dict[int, tuple[Storage, str, int, Any, bool]]]:
         """What this node's memory holds: checkpoint name -> share -> (where, save id, world
         size, epoch); of checkpoint ``name`` only, or of every one (None)."""
         self.own.wait()
-        found: dict[str, dict[int, tuple[Storage, str, int, Any]]] = {}
+        found: dict[str, dict[int, tuple[Storage, str, int, Any, bool]]] = {}
         for k, storage in local_copies(
             self.own.base, self.own.job_directory, self.run, replicas=self.replicas
         ):
@@ -449,7 +454,13 @@ class MemoryShares:
                     raw = storage.read_bytes(f"{n}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
                     m = parse(raw, where)
                     sid = str(loads_strict(raw, where).get("save_id"))
-                    found.setdefault(n, {})[k] = (storage, sid, m.world_size, m.epoch)
+                    found.setdefault(n, {})[k] = (
+                        storage,
+                        sid,
+                        m.world_size,
+                        m.epoch,
+                        saved_alone(m),
+                    )
                 except Exception as e:  # an unreadable copy is not held
                     log.warning("tardigrade: not restoring from %s: %s", storage.url(n), e)
         return found
@@ -462,7 +473,11 @@ class MemoryShares:
 
         def mine() -> bytes:
             held = {
-                n: {str(k): [sid, world, epoch] for k, (_, sid, world, epoch) in shares.items()}
+                n: {
+                    str(k): [sid, world, epoch]
+                    for k, (_, sid, world, epoch, alone) in shares.items()
+                    if alone
+                }
                 for n, shares in found.items()
             }
             return _json(held)
@@ -495,7 +510,7 @@ class MemoryShares:
                 with contextlib.suppress(Exception):  # unreadable: nothing restores from memory
                     if committed(self.root, name):
                         expect = save_id_at(self.root, name)
-            held = {str(k): [sid, world] for k, (_, sid, world, _) in copies.items()}
+            held = {str(k): [sid, world] for k, (_, sid, world, _, _) in copies.items()}
             return _json({"node": node_name(), "expect": expect, "held": held})
 
         seen = [json.loads(b) for b in self.ranks.all_gather(f"{self.where}: {name}", mine)]

@@ -57,7 +57,7 @@ from ._tiers import CopyPlan
 from ._write import ABORT, END, Segment
 from .errors import CorruptCheckpointError, InvalidArgumentError, SaveError, StorageError
 from .format import limits
-from .format.manifest import MANIFEST, parse
+from .format.manifest import MANIFEST, Manifest, parse
 from .storage import LocalStorage, PreconditionFailed, Storage
 from .storage.local import free_bytes, private_directory
 
@@ -96,6 +96,17 @@ def namespace(directory: str, run: str | None = None) -> str:
     if run is None:
         return stem
     return f"{stem}-run-{hashlib.sha256(run.encode()).hexdigest()[:12]}"
+
+
+# In the manifest's metadata of a save written into the RAM tier alone (``persist_every``, a
+# preemption's first save): only such a copy restores without the directory holding the step.
+SAVED_ALONE = "tardigrade.saved_to_memory_alone"
+
+
+def saved_alone(m: Manifest) -> bool:
+    """Whether checkpoint manifest ``m`` is of a save into the RAM tier alone."""
+    metadata = m.raw.get("metadata")
+    return isinstance(metadata, dict) and metadata.get(SAVED_ALONE) is True
 
 
 def family_of(directory: str, rank: int | None = None, replica_of: int | None = None) -> str:
@@ -342,11 +353,15 @@ class RamTier:
         self._stored(name)
 
     def _stored(self, name: str) -> None:
-        """``name`` is committed here: the older checkpoints go (newest only)."""
+        """``name`` is committed here: the older checkpoints go (newest only). Only older
+        ones: an async save's outcome is recorded after the next saves may have committed
+        here already (saved into this tier alone, ``persist_every``)."""
         with self._lock:
             self.stats.stored.append(name)
+        step = STEP_NAMES.step(name)
         for n in self.catalog.names():
-            if STEP_NAMES.step(n) is not None and n != name:
+            older = STEP_NAMES.step(n)
+            if older is not None and n != name and (step is None or older < step):
                 try:
                     self.catalog.retire(n)
                 except OSError as e:

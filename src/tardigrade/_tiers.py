@@ -216,7 +216,8 @@ def copy_on_ranks(
     (rank 0's ``gone()`` said ``src`` no longer holds it). An error on any rank is raised on
     every rank, and nothing is committed: rank 0 removes what every rank wrote.
     """
-    what = f"copy of {src.url(name)} to {dst.url(name)}"
+    # Not naming ``src``: each rank may copy from a storage of its own (its RAM tier's).
+    what = f"copy of {name} to {dst.url(name)}"
     plan: list[CopyPlan | None] = [None]
     made: list[str] = []  # on rank 0: the staging it began
 

@@ -235,3 +235,66 @@ def test_steps_saved_to_memory_alone_restore_after_a_node_loss_reading_nothing_o
         assert r["reads"] == [], out  # not one object of the root was read
         assert r["root_steps"] == [4] and r["root_after"] == [4, 8], out
     assert out[2]["from"].startswith("the peer tier"), out
+
+
+def preempted_rank(
+    rank: int, world: int, shm: str, local: str, nodes: list[str], budget: float
+) -> dict[str, Any]:
+    """Train until SIGTERM reaches rank 1 (before step 7): every rank stops at the same
+    boundary, the step saved into RAM + peers first, then the directory within ``budget``."""
+    os.environ["TARDIGRADE_NODE"] = nodes[rank]
+    lines = _Lines()
+    logging.getLogger("tardigrade").addHandler(lines)
+    state = make_state(rank, world, 0.0)
+    mgr = tg.CheckpointManager(
+        local,
+        state,
+        every_steps=1000,  # only the preemption saves
+        ram_tier=os.path.join(shm, nodes[rank]),
+        peer_replicas=1,
+        preemption_budget=budget,
+    )
+    start = mgr.restore()
+    report: dict[str, Any] = {"restored": start, "value": state_value(state, rank)}
+    report["from"] = mgr.restored_from
+    step = start or 0
+    while start is None:
+        step += 1
+        set_state(state, rank, float(step))
+        if rank == 1 and step == 7:
+            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, mid-step
+        mgr.step(step)
+        if mgr.should_stop:
+            break
+    report.update(
+        stopped=step,
+        exit=mgr.exit_code,
+        root=mgr.steps(),
+        held=[x for x in lines.lines if "preemption:" in x],
+    )
+    mgr.close()  # after a preemption the RAM and peer tiers stay for the requeued job
+    return report
+
+
+@pytest.mark.parametrize("budget", [25.0, 1e-6])
+def test_a_preempted_job_stops_everywhere_holding_its_step_in_memory_and_resumes_it(
+    tmp_path: Path, shm: Path, budget: float
+) -> None:
+    local, nodes = str(tmp_path / "run"), ["A", "B"]
+    boot(shm, "A", "B")
+    out = run_ranks(preempted_rank, 2, str(shm), local, nodes, budget, timeout=120)
+    for r in out:
+        assert r["restored"] is None and r["stopped"] == 7, out  # the same boundary
+        assert r["exit"] == 128 + signal.SIGTERM, out
+    log = " ".join(out[0]["held"])
+    if budget > 1:
+        assert out[0]["root"] == [7], out
+        assert "step-000000007 is held in the RAM tier, the peer tier, the directory" in log, log
+    else:  # too short for the directory: the fast tiers hold it, and the log says so
+        assert out[0]["root"] == [], out
+        assert "is not in" in log and "held in the RAM tier, the peer tier," in log, log
+    # The requeued job resumes step 7 exactly, from memory.
+    again = run_ranks(preempted_rank, 2, str(shm), local, nodes, budget, timeout=120)
+    for r in again:
+        assert r["restored"] == 7 and r["value"] == 7.0, again
+        assert r["from"].startswith("the RAM tier"), again  # each node's own shares

@@ -136,8 +136,10 @@ def test_group_sigterm_killing_the_workers_still_frees_the_directory(tmp_path: P
     # nothing committed is damaged.
     rc, out, d = run_preempted_by_group(tmp_path, "plain")
     if rc != 0:
-        assert "DataLoader worker" in out, out
-        assert "RuntimeError" in out, out
+        # PyTorch's "DataLoader worker (pid N) is killed by signal", or, when a worker died
+        # while the main process was receiving a batch from it, the lost connection.
+        died = ("DataLoader worker", "ConnectionResetError", "ConnectionRefusedError", "EOFError")
+        assert any(s in out for s in died), out
     else:
         assert "STOPPED" in out and "CLOSED" in out, out
     steps = assert_directory_free_and_sound(d)

@@ -583,3 +583,58 @@ def test_persist_every_needs_a_ram_tier(tmp_path: Path) -> None:
         tg.CheckpointManager(tmp_path / "a", {"w": 1}, persist_every=5)
     with pytest.raises(InvalidArgumentError, match="persist_every must be a positive int"):
         tg.CheckpointManager(tmp_path / "b", {"w": 1}, ram_tier=True, persist_every=0)
+
+
+@pytest.mark.parametrize("budget", [25.0, 1e-6])
+def test_a_preemption_saves_to_the_ram_tier_first_then_the_directory_within_its_budget(
+    tmp_path: Path, shm: Path, budget: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = state_at(0)
+    with tg.CheckpointManager(
+        tmp_path / "ckpt", state, ram_tier=shm, every_steps=100, preemption_budget=budget
+    ) as mgr:
+        for step in range(1, 10):
+            state["w"].copy_(state_at(step)["w"])
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice
+            mgr.step(step)
+            if mgr.should_stop:
+                break
+        assert step == 4 and mgr.exit_code == 128 + signal.SIGTERM
+        assert mgr.steps() == ([4] if budget > 1 else [])
+    # The preempted job's close() keeps the RAM tier for the requeued one.
+    root = ram_root(tmp_path / "ckpt", str(shm))
+    assert (root / "step-000000004" / "manifest.json").is_file()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    if budget > 1:
+        # The directory's copy is the RAM tier's very save (copied, not saved again).
+        ours = tg.Checkpoint.open(root / "step-000000004").manifest.raw["save_id"]
+        theirs = tg.Checkpoint.open(tmp_path / "ckpt" / "step-000000004").manifest.raw
+        assert theirs["save_id"] == ours
+        assert "step-000000004 is held in the RAM tier, the directory" in said, said
+    else:
+        assert "is not in" in said and "held in the RAM tier, 0." in said, said
+    again = state_at(0)
+    with tg.CheckpointManager(tmp_path / "ckpt", again, ram_tier=shm) as mgr:
+        assert mgr.restore() == 4 and mgr.restored_from == str(root / "step-000000004")
+        assert mgr.exit_code is None
+    assert torch.equal(again["w"], state_at(4)["w"])
+
+
+def test_a_bad_preemption_budget_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="preemption_budget must be a positive"):
+        tg.CheckpointManager(tmp_path / "a", {"w": 1}, preemption_budget=0)
+
+
+def test_recording_a_save_keeps_the_newer_ones_already_there(tmp_path: Path, shm: Path) -> None:
+    """An async save's outcome is recorded after the next saves (into the RAM tier alone) may
+    have committed there: recording step 6 must not remove step 7 (newest only means older
+    ones go). On the old rule, step 7 went, and with it the newest step in memory."""
+    tier = RamTier(str(tmp_path / "ckpt"), shm)
+    for step in (6, 7):
+        tg.save(tier.storage.url(f"step-{step:09d}"), state_at(step))
+    tier.saved(tier.storage, "step-000000006", files=None, teed=True)
+    tier.saved(tier.storage, "step-000000007", files=None, teed=True)
+    assert tier.stats.stored == ["step-000000006", "step-000000007"]
+    assert tier.catalog.steps() == [7]  # 6 went once 7 was recorded, not before
+    tier.close(clean=True)

@@ -37,6 +37,7 @@ from ._options import (
     check_flag,
     check_one_of,
     check_policy,
+    check_positive,
     check_retention,
     check_run_directory,
     check_run_id,
@@ -145,6 +146,9 @@ class CheckpointManager:
             ``"raise"`` raises it.
         ``save_on_signals``: signals that request a final save at the next step boundary and
             set ``should_stop`` (default SIGTERM, what schedulers send before a kill).
+        ``preemption_budget``: seconds from such a signal to the stop: the final save goes to
+            the RAM and peer tiers first, then into the directory while they last (default
+            25, inside Kubernetes' 30 s grace); then ``exit_code`` is 128 + the signal.
         ``max_staging_bytes``: cap on host memory used to stage async saves (None: enough
             for the whole state, kept for reuse).
         ``lock_lease_seconds``: how long a lock whose holder runs on another machine stays
@@ -230,6 +234,7 @@ class CheckpointManager:
         async_save: bool = True,
         on_save_error: str = "warn",
         save_on_signals: Iterable[int] = (signal.SIGTERM,),
+        preemption_budget: float = 25.0,
         max_staging_bytes: int | None = None,
         lock_lease_seconds: float = 30.0,
         lock_timeout: float | None = None,
@@ -258,7 +263,6 @@ class CheckpointManager:
         self.should_stop = self._closed = self._ram_keep = False  # _ram_keep: see __exit__
         self._last_step: int | None = None
         self._last_epoch: int | None = None
-        self._last_save_time = time.monotonic()
         self.restored_from: str | None = None  # where restore() read its checkpoint
         self._uploads = Uploads.check(upload_to, keep_last_remote, upload_timeout, upload_every)
         signals, run = check_signals(save_on_signals), check_run_id(run_id)
@@ -269,7 +273,7 @@ class CheckpointManager:
         )
         self._wire(retention, on_error, persist_every)
         self._open()
-        self._start(async_save, max_staging_bytes, signals)
+        self._start(async_save, max_staging_bytes, signals, preemption_budget)
         if upload_to is not None:
             self._open_tier(lambda: self._remote_tier(upload_to, upload_storage_options))
         tiers = functools.partial(open_memory_tiers, ram_tier, peer_replicas, self._tiers)
@@ -326,6 +330,7 @@ class CheckpointManager:
             outcomes=self._outcomes,
             retainer=self._retainer,
             storage_options=self._storage_options,
+            preemption=self._preemption,
         )
 
     def _open(self) -> None:
@@ -342,10 +347,14 @@ class CheckpointManager:
             self._lock.release()  # perhaps taken here, but another rank failed: not ours to keep
             raise
 
-    def _start(self, async_save: bool, max_staging_bytes: int | None, signals: Any) -> None:
+    def _start(
+        self, async_save: bool, max_staging_bytes: int | None, signals: Any, budget: Any
+    ) -> None:
         """Listen for the preemption signals; start the background saver."""
         async_save = self._ranks.split.async_saves(async_save, max_staging_bytes)
+        self._last_save_time = time.monotonic()
         try:
+            self._preemption.budget = check_positive("preemption_budget", budget, float)
             self._preemption.listen(signals)
             if async_save:
                 self._dispatch.saver = AsyncCheckpointer(max_staging_bytes=max_staging_bytes)
@@ -402,6 +411,12 @@ class CheckpointManager:
         return None if tier is None else tier.stats
 
     @property
+    def exit_code(self) -> int | None:
+        """What the process should exit with once stopped by a preemption signal (128 + the
+        signal, as a requeue reads it: ``sys.exit(mgr.exit_code)``); None otherwise."""
+        return self._preemption.exit_code
+
+    @property
     def uploads(self) -> UploadStats | None:
         """What the uploads to ``upload_to`` did so far: ``uploaded`` (the checkpoints'
         names, in order), ``failed`` attempts, ``last_error``, ``pending``; after ``close()``
@@ -413,13 +428,9 @@ class CheckpointManager:
         """Wait for in-flight saves, apply retention, release the lock and signal handlers.
 
         Idempotent; also called on ``with`` exit. Every step runs even when an earlier one
-        raises (a failed save in "raise" mode, or an exception delivered asynchronously, such
-        as PyTorch's "DataLoader worker killed" from its SIGCHLD handler): the directory lock
-        is always released. The first error is raised at the end.
-
-        In a distributed job every rank calls it: rank 0 releases the lock only once every rank
-        has reached ``close()``, so no rank is still saving into a directory no job holds.
-        """
+        raises (say, an exception a signal handler delivered): the lock is always released,
+        the first error raised at the end. In a distributed job every rank calls it; rank 0
+        releases the lock once every rank is here."""
         self._close(meet=True)
 
     def _close(self, *, meet: bool) -> None:
@@ -438,7 +449,7 @@ class CheckpointManager:
                 errors.append(e)
         for part in (
             self._close_async,
-            *self._tiers.closers(clean=lambda: not self._ram_keep),
+            *self._tiers.closers(clean=lambda: not (self._ram_keep or self.exit_code)),
             self._preemption.stop_listening,
             self._lock.release,
         ):
@@ -522,21 +533,14 @@ class CheckpointManager:
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest committed checkpoint that verifies into ``state``; return its step.
 
-        Each candidate is read once, from the fastest tier that holds that very save (the RAM
-        tier, else the directory): its bytes go into the live state and every byte of it is
-        checked against its checksums in the same pass. A corrupt, incomplete or unreadable
-        newer checkpoint is skipped with a warning (and kept on disk as evidence). Damage
-        found before any byte lands (manifest, structure, file sizes) leaves the live state
-        untouched; damaged tensor bytes are found as they are read, after which the next
-        older checkpoint is restored over everything (it rewrites every live tensor and calls
-        each ``load_state_dict()``: exact when it covers the same tensors, as checkpoints of
-        one run of this state do). If none is left to restore over damaged bytes, this raises
-        CorruptCheckpointError instead of returning None. Saves of this manager still in
-        flight are waited for first (a failure among them is reported as ``step`` would).
-        With ``step`` given, restore exactly that one; later checkpoints then belong to an
-        abandoned timeline: each is moved aside to ``step-N.abandoned-<time>``, so that a crash
-        before this run saves again resumes from this timeline, and is deleted once this run
-        commits step N or later. Returns None when the directory holds no checkpoint.
+        Each candidate (the directory's, and those held whole in memory alone) is read once,
+        from the fastest tier that holds that very save, every byte checked on the way. A
+        corrupt, incomplete or unreadable newer one is skipped with a warning (and kept as
+        evidence); damage found after bytes landed is overwritten by the next older one, or
+        raises CorruptCheckpointError when none is left. Saves in flight are waited for first.
+        With ``step`` given, restore exactly that one; later checkpoints are moved aside to
+        ``step-N.abandoned-<time>`` (deleted once this run commits step N or later) and later
+        memory copies dropped. Returns None when no tier holds a checkpoint.
         """
         self._check_open("restore")
         # Our own async save still in flight has a .tmp-* staging directory that the cleanup
@@ -560,13 +564,10 @@ class CheckpointManager:
     def _agree(self, call: str, doing: str, mine: int = 0) -> int:
         """Consume a pending preemption signal; the level agreed for this call on every rank.
 
-        ``call`` names the public call (``".step(5)"``) in the error of a rank left waiting;
-        ``mine`` is this rank's other reason (``DUE``). One tiny all-reduce in a distributed
-        job, whatever the level: every rank calls it at the same point. It also tells whether
-        any rank's background save is still running; when none is and nothing else happens
-        here, every rank records its finished saves now (a rank cannot go by its own saves'
-        state: the ranks finish a collective save moments apart).
-        """
+        ``call`` names the public call (``".step(5)"``) in a waiting rank's error; ``mine``
+        is this rank's other reason (``DUE``). One tiny all-reduce in a distributed job, which
+        also tells whether any rank's background save still runs; when none does, every rank
+        records its finished saves now (the ranks finish a collective save moments apart)."""
         if self._preemption.taken(doing):
             mine = PREEMPTED
         level, settled = self._ranks.level(mine, self._outcomes.pending.running, call)
@@ -602,7 +603,7 @@ class CheckpointManager:
         level = self._agree(f".step({step})", f"saving step {step}", DUE if timed else NOTHING)
         if level == PREEMPTED:
             try:
-                saved = self._save(step, epoch, metrics, sync=True, from_step=True)
+                saved = self._save(step, epoch, metrics, sync=True, from_step=True, preempted=True)
             finally:
                 self.should_stop = True  # even if the save raised: the signal is consumed
             self._advance(step, epoch)
@@ -668,7 +669,7 @@ class CheckpointManager:
         self._ranks.record_finished(self._drain)
         preempted = self._agree(f".save({step})", f"saving step {step}") == PREEMPTED
         try:
-            ok = self._save(step, epoch, metrics, sync=preempted, force=force)
+            ok = self._save(step, epoch, metrics, sync=preempted, force=force, preempted=preempted)
         finally:
             if preempted:
                 self.should_stop = True  # even if the save raised: the signal is consumed

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from .._async import AsyncCheckpointer
 from .._catalog import Catalog, step_name
+from .._ramtier import SAVED_ALONE
 from .._save import save_with
 from .._save_job import SaveOptions, SaveResult
 from ..errors import (
@@ -33,10 +35,25 @@ from ._agreement import Agreement
 from ._pending import Outcomes
 from ._preflight import RunLock
 from ._retainer import Retainer
+from ._signals import Preemption
 from ._tiers import Tiers
 from ._timeline import Timeline
 
 log = logging.getLogger("tardigrade")
+
+
+class _Until(threading.Event):
+    """A copy's ``go`` that lets it on for ``seconds``, then stops it (TimeoutError)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.end = time.monotonic() + seconds
+        self.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if time.monotonic() > self.end:
+            raise TimeoutError("the preemption budget ran out")
+        return True
 
 
 class SaveDispatch:
@@ -57,8 +74,10 @@ class SaveDispatch:
         outcomes: Outcomes,
         retainer: Retainer,
         storage_options: Mapping[str, Any] | None,
+        preemption: Preemption | None = None,
     ) -> None:
         self.state = state
+        self.preemption = preemption or Preemption()
         self.catalog = catalog
         self.ranks = ranks
         self.lock = lock
@@ -82,10 +101,12 @@ class SaveDispatch:
         sync: bool,
         force: bool = False,
         from_step: bool = False,
+        preempted: bool = False,
     ) -> bool:
         """Save ``step``; False when it failed to start (reported as ``on_save_error`` says).
         ``sync``: in the caller's thread; ``force``: replace a committed checkpoint of the
-        step; ``from_step``: asked by ``step()`` (a repeated step is then a failed save)."""
+        step; ``from_step``: asked by ``step()`` (a repeated step is then a failed save);
+        ``preempted``: into the fastest tiers first, then the root within the budget."""
         # Outside the try below: the failure of a save in flight is not this one's.
         self.ranks.before_save(self.drain)
         started = time.perf_counter()
@@ -103,7 +124,7 @@ class SaveDispatch:
                 storage_options=self.storage_options,
                 lease_generation=self.lock.lease.generation,
             )
-            self._start(step, options, sync=sync)
+            self._start(step, options, sync=sync, fastest=preempted)
         except (InvalidArgumentError, UnsupportedTypeError):
             raise  # a programming error, not a storage failure: never swallowed
         except Exception as e:
@@ -121,16 +142,57 @@ class SaveDispatch:
                 return False
             else:
                 raise
+        if preempted:
+            self._hold_on(step_name(step))
         return True
 
-    def _start(self, step: int, options: SaveOptions, *, sync: bool) -> None:
+    def _hold_on(self, name: str) -> None:
+        """After a preemption's save of ``name`` into the fastest tiers: wait for the peers'
+        replicas (whatever the budget: they are what a node's loss needs; each transfer is
+        bounded by the timeout), then copy it into the root while the budget lasts (rank 0's
+        clock decides, for every rank); the log says which tiers hold it."""
+        what = f"CheckpointManager({self.catalog.root!r}): preemption of {name}"
+        self.preemption.joined()
+        held = self.tiers.holding(name)
+        src = self.tiers.memory_copy()
+        if src is not None and self.tiers.root.where not in held:
+            left = float(self.ranks.shared(what, self.preemption.left))
+            try:
+                if left <= 0:
+                    raise TimeoutError("no time was left")
+                self.ranks.split.copy(src, name, self.catalog.storage, go=_Until(left))
+                self.tiers.persisted(name)
+                held.append(self.tiers.root.where)
+                self.retainer.retain()
+            except Exception as e:
+                if self.ranks.coordinator:
+                    log.warning(
+                        "tardigrade: preemption: %s is not in %s: %s (preemption_budget=%g s)",
+                        name,
+                        self.catalog.root,
+                        e,
+                        self.preemption.budget,
+                    )
+        if self.ranks.coordinator:
+            log.warning(
+                "tardigrade: preemption: %s is held in %s, %.1f s after the signal; stopping",
+                name,
+                ", ".join(held) or "no tier",
+                self.preemption.budget - self.preemption.left(),
+            )
+
+    def _start(self, step: int, options: SaveOptions, *, sync: bool, fastest: bool) -> None:
         """Start the save: in the background, feeding every tier's sinks from one staged
-        copy, or here (waiting for the saves in flight first)."""
-        path, persisted = self.tiers.target(step_name(step))
+        copy, or here (waiting for the saves in flight first); ``fastest``: into the fastest
+        tier a save can target."""
+        path, persisted = self.tiers.target(step_name(step), fastest=fastest)
         # A step the root does not take is saved into the RAM tier alone: in a distributed
         # job every rank commits it (its files and the manifest) in its own; no sink copies it.
         sinks = self.tiers.sinks() if persisted else []
-        options = dataclasses.replace(options, each_rank_commits=not persisted)
+        if not persisted:
+            options = dataclasses.replace(
+                options, each_rank_commits=True, metadata={SAVED_ALONE: True}
+            )
         if self.saver is not None and not sync:
             with self.tiers.held():  # training waits on the staging copy: uploads wait
                 fut = self.ranks.split.submit(self.saver, path, self.state, options, sinks)

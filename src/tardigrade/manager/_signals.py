@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from types import FrameType
@@ -31,8 +32,11 @@ class Preemption:
     it) stops listening, and the signal then goes to the handler from before.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, budget: float = 25.0) -> None:
         self.received: int | None = None
+        self.at: float | None = None  # when it was received (time.monotonic)
+        self.budget = budget  # seconds from the signal to the stop (preemption_budget=)
+        self.stopped: int | None = None  # the signal the manager stopped for
         self._signals: list[int] = []
 
     def listen(self, signals: Sequence[int]) -> None:
@@ -63,7 +67,30 @@ class Preemption:
     def take(self) -> int | None:
         """The signal received since the last call (consumed), or None."""
         signum, self.received = self.received, None
+        if signum is not None:
+            self.stopped = signum
         return signum
+
+    def joined(self) -> None:
+        """This rank stops for a signal another rank received (the same stop everywhere): its
+        budget counts from now, and its exit code is SIGTERM's unless it received one too."""
+        if self.at is None:
+            self.at = time.monotonic()
+        if self.stopped is None:
+            self.stopped = signal.SIGTERM
+
+    def left(self) -> float:
+        """Seconds of the budget left since the signal (or since now, on a rank that learned
+        of it from another)."""
+        if self.at is None:
+            self.at = time.monotonic()
+        return self.budget - (time.monotonic() - self.at)
+
+    @property
+    def exit_code(self) -> int | None:
+        """128 + the signal the manager stopped for (as a shell reports a process that the
+        signal ended: what schedulers and requeue policies read), else None."""
+        return None if self.stopped is None else 128 + self.stopped
 
     def taken(self, doing: str) -> bool:
         """Consume a pending signal, logging what the manager does about it (``doing``)."""
@@ -78,6 +105,8 @@ def _relay(signum: int, frame: FrameType | None) -> None:
     for p in live:
         # Only a flag: saving inside a signal handler could interrupt a half-mutated state.
         p.received = signum
+        if p.at is None:
+            p.at = time.monotonic()
     if live:
         return
     # Every listener was garbage-collected without close(), or left from another thread that

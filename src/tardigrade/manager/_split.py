@@ -36,9 +36,10 @@ class Split(abc.ABC):
     """The work of saves and copies, split between the job's processes."""
 
     @abc.abstractmethod
-    def copy(self, src: Storage, name: str, dst: Storage) -> str:
+    def copy(self, src: Storage, name: str, dst: Storage, go: Any = None) -> str:
         """Copy checkpoint ``name`` of ``src`` to ``dst`` (``copy_checkpoint``), each rank its
-        share of the data files; its error on every rank."""
+        share of the data files; its error on every rank. ``go``: waited on before each
+        piece (it raises to stop the copy, which then commits nothing)."""
 
     @abc.abstractmethod
     def fork(self) -> Ranks | None:
@@ -69,8 +70,8 @@ class Split(abc.ABC):
 class Whole(Split):
     """One process does all of it."""
 
-    def copy(self, src: Storage, name: str, dst: Storage) -> str:
-        return copy_checkpoint(src, name, dst)
+    def copy(self, src: Storage, name: str, dst: Storage, go: Any = None) -> str:
+        return copy_checkpoint(src, name, dst, go=go)
 
     def fork(self) -> Ranks | None:
         return None
@@ -100,8 +101,8 @@ class ByRank(Split):
     def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks
 
-    def copy(self, src: Storage, name: str, dst: Storage) -> str:
-        return copy_on_ranks(self.ranks, src, name, dst)
+    def copy(self, src: Storage, name: str, dst: Storage, go: Any = None) -> str:
+        return copy_on_ranks(self.ranks, src, name, dst, go=go)
 
     def fork(self) -> Ranks | None:
         return self.ranks.fork()

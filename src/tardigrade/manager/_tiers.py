@@ -30,11 +30,11 @@ from typing import Any, ClassVar, TypeVar
 from .._catalog import STEP_NAMES, Catalog, step_name
 from .._load import load
 from .._peers import MemoryShares, Placement, Replicator, check_room, node_name, share_bytes
-from .._ramtier import RamTier, RamTierStats, open_ram_tier
+from .._ramtier import RamTier, RamTierStats, open_ram_tier, saved_alone
 from .._sinks import Sink
 from .._tiers import Uploader, UploadStats, warn_of_another_run
 from ..errors import InvalidArgumentError, TardigradeError
-from ..storage import open_root
+from ..storage import Storage, open_root
 from ..storage.lease import Lease
 from ._agreement import Agreement
 from ._options import check_count, check_positive
@@ -96,6 +96,11 @@ class Tier:
     def forget_after(self, step: int) -> None:
         """``restore()`` went back to ``step``: drop what this tier holds of later steps (a
         timeline the run abandoned)."""
+
+    def settle(self, name: str) -> bool | None:
+        """After a preemption's save of ``name``: wait for this tier's copy of it; whether
+        this tier holds it (None: not this tier's to say)."""
+        return None
 
     def restore(self, name: str, state: Any) -> str:
         """Read ``name`` into ``state``, every byte verified; return where it was read."""
@@ -179,11 +184,17 @@ class MemoryTier(Tier):
             step = STEP_NAMES.step(name)
             if step is not None:
                 with contextlib.suppress(Exception):  # an unreadable copy is no candidate
-                    found[step] = self.ram.catalog.manifest(name).epoch
+                    m = self.ram.catalog.manifest(name)
+                    if saved_alone(m):
+                        found[step] = m.epoch
         return found
 
     def forget_after(self, step: int) -> None:
         self.ram.forget_after(step)
+
+    def settle(self, name: str) -> bool | None:
+        self.ram.wait()
+        return self.ram.catalog.committed(name)
 
     def holds(self, name: str) -> bool:
         if self.shares is not None:
@@ -236,6 +247,9 @@ class PeerTier(Tier):
 
     def forget_after(self, step: int) -> None:
         self.shares.forget_after(step)
+
+    def settle(self, name: str) -> bool | None:
+        return self.replicator.wait() and name in self.replicator.sent
 
     def restore(self, name: str, state: Any) -> str:
         return self.shares.restore(name, state, self.ranks.collective)
@@ -490,6 +504,7 @@ class Tiers:
 
     def __init__(self, *tiers: Tier) -> None:
         self._tiers: list[Tier] = []
+        self._memory_only: set[str] = set()  # saves that went to the faster tiers alone
         for tier in tiers:
             self.add(tier)
 
@@ -505,16 +520,37 @@ class Tiers:
         assert root is not None
         return root
 
-    def target(self, name: str) -> tuple[str, bool]:
+    def target(self, name: str, *, fastest: bool = False) -> tuple[str, bool]:
         """Where a save of ``name`` writes, and whether that is the root: the root when it
-        takes the step, else the fastest tier that can be a save's target (the RAM tier)."""
-        if self.root.takes(name):
-            return self.root.catalog.path(name), True
-        for tier in self._tiers:
-            path = tier.target(name)
-            if path is not None and tier.takes(name):
-                return path, False
+        takes the step (unless ``fastest``: a preemption's save), else the fastest tier that
+        can be a save's target (the RAM tier)."""
+        if fastest or not self.root.takes(name):
+            for tier in self._tiers:
+                path = tier.target(name)
+                if tier is not self.root and path is not None and tier.takes(name):
+                    self._memory_only.add(name)
+                    return path, False
         return self.root.catalog.path(name), True
+
+    def memory_copy(self) -> Storage | None:
+        """The storage of the fastest tier saves can target (the RAM tier's), if any."""
+        memory = self.first(MemoryTier)
+        return None if memory is None else memory.ram.storage
+
+    def holding(self, name: str) -> list[str]:
+        """The tiers that hold ``name``, once each finished its copy (``settle``)."""
+        held = [t.where for t in self._tiers if t.settle(name)]
+        if name not in self._memory_only:
+            held.append(self.root.where)
+        return held
+
+    def persisted(self, name: str) -> None:
+        """``name``, saved to the faster tiers alone, was copied into the root since: the
+        slower tiers go on from there."""
+        self._memory_only.discard(name)
+        for tier in self._tiers:
+            if tier.speed > self.root.speed and tier.takes(name):
+                tier.committed(name, teed=True)
 
     def first(self, kind: type[_T]) -> _T | None:
         """The tier of class ``kind``, or None (for its figures)."""
@@ -539,7 +575,9 @@ class Tiers:
         goes on from there; else (a save into the RAM tier alone) the faster tiers only, each
         told the copy is there already (``teed``)."""
         root = self.root
-        persisted = root.takes(name)
+        persisted = name not in self._memory_only
+        while len(self._memory_only) > 64:  # only the latest ones are asked about
+            self._memory_only.discard(min(self._memory_only))
         for tier in self._tiers:
             if not persisted and tier.speed >= root.speed:
                 continue
@@ -558,9 +596,7 @@ class Tiers:
         found: dict[int, Any] = {}
         for tier in self._tiers:
             found.update(tier.steps())
-        # Only steps the root does not take are held by the faster tiers alone: a copy of one
-        # it takes but does not hold (an emptied directory) is not restored.
-        return {s: e for s, e in found.items() if not self.root.takes(step_name(s))}
+        return found
 
     def forget_after(self, step: int) -> None:
         for tier in self._tiers:

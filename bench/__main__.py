@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import cli_start, distributed, loop, same_node, store
+from . import cli_start, distributed, loop, node_loss, same_node, store
 from .measure import freeze_imports
 from .report import Target, summarise, table, targets, targets_table
 from .run import Options, run
@@ -206,6 +206,18 @@ def main(argv: list[str] | None = None) -> int:
         summary["store"] = store.summarise(results["store"])
         goals += store.targets(summary["store"])
         sections.append(store.table(results["store"], summary["store"]))
+    if not args.distributed_only and not args.no_store:
+        loss_opts = node_loss.NodeLossOptions(
+            rank_bytes=round(
+                args.target_bytes / DEFAULT_STATE_BYTES * node_loss.DEFAULT_RANK_BYTES
+            ),
+            repeats=args.repeats,
+            settle_s=args.settle,
+        )
+        results["node_loss"] = node_loss.run(loss_opts, log)
+        summary["node_loss"] = node_loss.summarise(results["node_loss"])
+        goals += node_loss.targets(summary["node_loss"])
+        sections.append(node_loss.table(results["node_loss"], summary["node_loss"]))
     if not args.distributed_only:
         same_opts = same_node.SameNodeOptions(
             nbytes=args.target_bytes, repeats=args.repeats, settle_s=args.settle, dir=opts.dir

@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ._catalog import STEP_NAMES
 from ._commit import committed
 from ._load import load_from
@@ -163,59 +165,66 @@ def _json(doc: Any) -> bytes:
 
 @dataclass
 class Share:
-    """One rank's share of checkpoint ``name``: its manifest and the data files it holds."""
+    """One rank's share of checkpoint ``name``, as received: its manifest and the data files
+    it holds (views of the payload they came in)."""
 
     share: int
     name: str
     save_id: str
     manifest: bytes
-    files: dict[str, bytes] = field(default_factory=dict)
+    files: dict[str, memoryview] = field(default_factory=dict)
 
-    @classmethod
-    def read(cls, share: int, storage: Storage, name: str) -> Share:
-        """The share kept in ``storage`` (a RAM tier's, or a replica's)."""
+
+def pack(shares: Sequence[tuple[int, Storage]], name: str) -> torch.Tensor:
+    """The shares of checkpoint ``name`` kept in each storage (``(share, storage)``: a RAM
+    tier's, or a replica's) as one payload, ready to send: a JSON head, then each share's
+    manifest and data files, read straight into it (one copy)."""
+    head: list[dict[str, Any]] = []
+    parts: list[tuple[Storage, bytes, list[tuple[str, int]]]] = []
+    for k, storage in shares:
         raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
         m = parse(raw, storage.url(f"{name}/{MANIFEST}"))
         save_id = loads_strict(raw, storage.url(name)).get("save_id")
-        files = {}
-        for f, size in m.files.items():
-            if storage.exists(f"{name}/{f}"):
-                files[f] = storage.read_bytes(f"{name}/{f}", size)
-        return cls(share, name, str(save_id), raw, files)
-
-
-def pack(shares: Sequence[Share]) -> bytes:
-    """``shares`` as one payload: a JSON head, then the manifests and files' bytes."""
-    head = [
-        {
-            "share": s.share,
-            "name": s.name,
-            "save_id": s.save_id,
-            "manifest": len(s.manifest),
-            "files": [[f, len(b)] for f, b in s.files.items()],
-        }
-        for s in shares
-    ]
+        files: list[tuple[str, int]] = []
+        for f in m.files:
+            st = storage.stat(f"{name}/{f}")
+            if st is not None and not st.is_dir:
+                files.append((f, st.size))
+        head.append({"share": k, "name": name, "save_id": str(save_id),
+                     "manifest": len(raw), "files": files})  # fmt: skip
+        parts.append((storage, raw, files))
     body = _json(head)
-    parts = [len(body).to_bytes(8, "little"), body]
-    for s in shares:
-        parts.append(s.manifest)
-        parts.extend(s.files.values())
-    return b"".join(parts)
+    total = 8 + len(body) + sum(len(raw) + sum(n for _, n in files) for _, raw, files in parts)
+    out = torch.empty(total, dtype=torch.uint8)
+    view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
+    view[:8] = len(body).to_bytes(8, "little")
+    view[8 : 8 + len(body)] = body
+    at = 8 + len(body)
+    for storage, raw, files in parts:
+        view[at : at + len(raw)] = raw
+        at += len(raw)
+        for f, n in files:
+            with storage.open_reader(f"{name}/{f}") as reader:
+                if reader.size != n:
+                    raise CorruptCheckpointError(f"{reader.name}: changed while being sent")
+                reader.readinto(0, view[at : at + n])
+            at += n
+    return out
 
 
-def unpack(data: bytes, sender: int) -> list[Share]:
-    """The shares of a payload ``pack`` made (rank ``sender``'s); CorruptCheckpointError for
-    one that does not add up (a torn or foreign payload)."""
+def unpack(data: memoryview, sender: int) -> list[Share]:
+    """The shares of a payload ``pack`` made (rank ``sender``'s), as views of it;
+    CorruptCheckpointError for one that does not add up (a torn or foreign payload)."""
     what = f"the shares rank {sender} sent"
     try:
         n = int.from_bytes(data[:8], "little")
-        head = loads_strict(data[8 : 8 + n], what)
+        head = loads_strict(bytes(data[8 : 8 + n]), what)
         at = 8 + n
         out = []
         for h in head:
             size = int(h["manifest"])
-            share = Share(int(h["share"]), str(h["name"]), str(h["save_id"]), data[at : at + size])
+            manifest = bytes(data[at : at + size])
+            share = Share(int(h["share"]), str(h["name"]), str(h["save_id"]), manifest)
             at += size
             for f, size in h["files"]:
                 share.files[str(f)] = data[at : at + int(size)]
@@ -299,21 +308,22 @@ class Replicator:
 
     def _replicate(self, name: str) -> None:
         self.own.wait()  # a synchronous save's copy is made in the background
+        self._go.wait()  # not while training waits on a save
         try:
-            payload = pack([Share.read(self.ranks.rank, self.own.storage, name)])
+            payload = pack([(self.ranks.rank, self.own.storage)], name)
         except Exception as e:  # the peers still take part: they get an empty payload
             self.own._failed(f"the replica of {name} for the peers", e)
-            payload = b""
+            payload = torch.empty(0, dtype=torch.uint8)
         targets = self.placement.targets(self.ranks.rank)
-        if payload and targets:
+        if payload.numel() and targets:
             self.sent = self.sent[-7:]  # the latest ones only are asked about
         for j, target in enumerate(targets):
             sources = self.placement.sources(self.ranks.rank, j)
             got = self.ranks.exchange(
                 f"peer tier: replicating {name}", {target: payload}, sources, go=self._go.wait
             )
-            if payload:
-                self.own.count_sent(len(payload))
+            if payload.numel():
+                self.own.count_sent(payload.numel())
             for source, data in sorted(got.items()):
                 if data:
                     self._keep(source, data)
@@ -324,10 +334,10 @@ class Replicator:
                         source,
                         name,
                     )
-        if payload and targets:
+        if payload.numel() and targets:
             self.sent.append(name)
 
-    def _keep(self, source: int, data: bytes) -> None:
+    def _keep(self, source: int, data: memoryview) -> None:
         try:
             (share,) = unpack(data, source)
             tier = self.kept.get(source)
@@ -353,7 +363,8 @@ def keep_share(tier: RamTier, share: Share) -> None:
     for f in share.files:
         if f not in m.files:
             raise CorruptCheckpointError(f"{where}: {f} is not a data file of its manifest")
-    tier._make_room(len(share.manifest) + sum(map(len, share.files.values())), keep=share.name)
+    need = len(share.manifest) + sum(v.nbytes for v in share.files.values())
+    tier._make_room(need, keep=share.name)
     staging = tier.catalog.commit.begin(share.name, share.save_id)
     try:
         for f, data in share.files.items():
@@ -589,10 +600,10 @@ class MemoryShares:
         payloads = {}
         for r, ks in out.items():
             try:
-                payloads[r] = pack([Share.read(k, self._copies[k], name) for k in ks])
+                payloads[r] = pack([(k, self._copies[k]) for k in ks], name)
             except Exception as e:
                 log.warning("tardigrade: cannot send %s's shares %s to rank %d: %s", name, ks, r, e)
-                payloads[r] = b""
+                payloads[r] = torch.empty(0, dtype=torch.uint8)
         got = self.ranks.exchange(f"{self.where}: {name}", payloads, sorted(need_from))
         received: dict[int, Share] = {}
         for r, data in got.items():
@@ -664,9 +675,11 @@ class _SharesView(Storage):
     ) -> None:
         self.name = name
         self.root = f"memory of the job's nodes ({name})"
-        self._files: dict[str, tuple[Storage, str] | bytes] = {}
+        self._files: dict[str, tuple[Storage, str] | memoryview] = {}
         # Per share held: its manifest's file names, and where one of them is found here.
-        sources: list[tuple[list[str], Callable[[str], tuple[Storage, str] | bytes | None]]] = []
+        sources: list[
+            tuple[list[str], Callable[[str], tuple[Storage, str] | memoryview | None]]
+        ] = []
         manifests = []
         for k in sorted({*copies, *received}):
             if k in copies:
@@ -676,7 +689,7 @@ class _SharesView(Storage):
                 def local(f: str, s: Storage = storage) -> tuple[Storage, str] | None:
                     return (s, f"{name}/{f}") if s.exists(f"{name}/{f}") else None
 
-                find: Callable[[str], tuple[Storage, str] | bytes | None] = local
+                find: Callable[[str], tuple[Storage, str] | memoryview | None] = local
             else:
                 raw, find = received[k].manifest, received[k].files.get
             manifests.append(raw)
@@ -700,8 +713,8 @@ class _SharesView(Storage):
         found = self._files.get(name)
         if found is None:
             raise StorageError(errno.ENOENT, f"{self.url(name)}: not held in memory")
-        if isinstance(found, bytes):
-            return MemoryReader(self.url(name), found)
+        if isinstance(found, memoryview):
+            return MemoryReader(self.url(name), found)  # type: ignore[arg-type]  # a view will do
         storage, there = found
         return storage.open_reader(there)
 
@@ -711,8 +724,8 @@ class _SharesView(Storage):
         found = self._files.get(name)
         if found is None:
             return Stat(0, "0", is_dir=True) if name == self.name else None
-        if isinstance(found, bytes):
-            return Stat(len(found), "0")
+        if isinstance(found, memoryview):
+            return Stat(found.nbytes, "0")
         return found[0].stat(found[1])
 
     def list(self, name: str = "") -> list[str]:

@@ -401,8 +401,8 @@ class RamTier:
             self.stats.last_error = error
             failed = self.stats.failed
         log.error(
-            "tardigrade: RAM TIER COPY FAILED for %s in %s (%d failed so far); the checkpoint in "
-            "the directory is committed and training continues. Cause: %s",
+            "tardigrade: RAM TIER COPY FAILED for %s in %s (%d failed so far); the other tiers' "
+            "copies are not affected and training continues. Cause: %s",
             name,
             self.root,
             failed,

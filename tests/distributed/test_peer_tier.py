@@ -6,27 +6,31 @@ directory; a job restarted on fewer ranks loads the lost node's shares at the ne
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import shutil
 import signal
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import tardigrade as tg
+from tardigrade import _peers
 from tardigrade._peers import Placement
 from tardigrade.errors import InvalidArgumentError
 from tardigrade.manager._tiers import PeerTier
 from tardigrade.storage import open_root
 from tardigrade.testing import FaultyStorage
 
-from ._harness import run_ranks
+from ._harness import caught, run_ranks
 from .test_manager_distributed import make_state, set_state, state_value
 
 pytestmark = pytest.mark.distributed
@@ -298,3 +302,123 @@ def test_a_preempted_job_stops_everywhere_holding_its_step_in_memory_and_resumes
     for r in again:
         assert r["restored"] == 7 and r["value"] == 7.0, again
         assert r["from"].startswith("the RAM tier"), again  # each node's own shares
+
+
+def two_node_rank(
+    rank: int, world: int, shm: str, local: str, last: int, die_in: str
+) -> dict[str, Any]:
+    """Nodes A and B, one rank each: restore, save steps up to ``last`` (every step), then die
+    (SIGKILL). ``die_in="replication"``: rank 1 dies instead while sending its share of step
+    ``last`` to its peer (the replica on node A stays that of the step before)."""
+    node = "AB"[rank]
+    os.environ["TARDIGRADE_NODE"] = node
+    lines = _Lines()
+    logging.getLogger("tardigrade").addHandler(lines)
+    logging.getLogger("tardigrade").setLevel(logging.INFO)
+    state = make_state(rank, world, 0.0)
+    mgr = tg.CheckpointManager(
+        local, state, every_steps=1, ram_tier=os.path.join(shm, node), peer_replicas=1, timeout=20
+    )
+    start = mgr.restore()
+    report: dict[str, Any] = {"restored": start, "value": state_value(state, rank)}
+    report.update(source=mgr.restored_from, log=lines.lines[:])
+    if die_in == "replication" and rank == 1:
+        real = _peers.pack
+
+        def dying(shares: Any, name: str) -> Any:
+            if name == f"step-{last:09d}":
+                os.kill(os.getpid(), signal.SIGKILL)  # mid-replication
+            return real(shares, name)
+
+        _peers.pack = dying  # type: ignore[assignment]
+    for step in range((start or 0) + 1, last + 1):
+        set_state(state, rank, float(step))
+        mgr.step(step)
+    mgr.wait()
+    peer_of(mgr).replicator.wait(60)
+    (Path(shm) / f"two-{rank}-{last}.json").write_text(json.dumps(report))
+    os.kill(os.getpid(), signal.SIGKILL)
+    return report  # never reached
+
+
+def two_node_reports(shm: Path, last: int) -> list[dict[str, Any]]:
+    return [json.loads((shm / f"two-{r}-{last}.json").read_text()) for r in range(2)]
+
+
+def test_a_corrupt_replica_falls_back_to_the_directory_with_a_log_line(
+    tmp_path: Path, shm: Path
+) -> None:
+    local = str(tmp_path / "run")
+    boot(shm, "A", "B")
+    run_ranks(two_node_rank, 2, str(shm), local, 2, "", timeout=120)
+    shutil.rmtree(shm / "B")  # node B is lost
+    boot(shm, "B")
+    # Node A's replica of rank 1's share of step 2 is damaged: a byte of a data file flipped.
+    (replica,) = [p for p in (shm / "A").glob("tardigrade-*/step-000000002/data-r00001-*")]
+    raw = bytearray(replica.read_bytes())
+    raw[-1] ^= 0xFF
+    replica.write_bytes(bytes(raw))
+    run_ranks(two_node_rank, 2, str(shm), local, 3, "", timeout=120)
+    for r in two_node_reports(shm, 3):
+        # Every byte is verified: the damage is found, and the directory's copy restored.
+        assert r["restored"] == 2 and r["value"] == 2.0, r
+        assert r["source"] == str(tmp_path / "run" / "step-000000002"), r
+    log = " ".join(two_node_reports(shm, 3)[0]["log"])
+    assert "from the peer tier failed" in log and "reading it from the next tier" in log, log
+
+
+def test_a_rank_dying_mid_replication_restores_from_the_directory_never_a_mix(
+    tmp_path: Path, shm: Path
+) -> None:
+    local = str(tmp_path / "run")
+    boot(shm, "A", "B")
+    out = run_ranks(two_node_rank, 2, str(shm), local, 3, "replication", timeout=120)
+    assert out == [{"died": -signal.SIGKILL}] * 2, out
+    # Node A holds its own share of step 3 and rank 1's of step 2 (step 3's never arrived):
+    # no step is whole in memory once node B is lost.
+    shutil.rmtree(shm / "B")
+    boot(shm, "B")
+    run_ranks(two_node_rank, 2, str(shm), local, 4, "", timeout=120)
+    for r in two_node_reports(shm, 4):
+        assert r["restored"] == 3 and r["value"] == 3.0, r
+        assert r["source"] == str(tmp_path / "run" / "step-000000003"), r
+    log = " ".join(two_node_reports(shm, 4)[0]["log"])
+    assert "step-000000003 is not whole in the peer tier" in log, log
+    assert "share of rank(s) [1]" in log, log
+
+
+@pytest.fixture
+def small_node(tmp_path: Path) -> Iterator[Path]:
+    """A node whose memory filesystem is a 16 MiB tmpfs, unmounted at teardown (root needed)."""
+    mnt = tmp_path / "A"
+    mnt.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a filesystem needs root")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount here: {mounted.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def room_rank(rank: int, world: int, nodes: list[str], local: str) -> dict[str, Any]:
+    os.environ["TARDIGRADE_NODE"] = nodes[rank]
+    state = {"w": tg.Sharded(torch.zeros(1 << 20), (rank << 20,), (world << 20,))}  # 4 MB
+    return caught(lambda: tg.CheckpointManager(local, state, ram_tier=nodes[rank], peer_replicas=1))
+
+
+def test_too_little_memory_on_a_node_is_refused_at_start_on_every_rank(
+    tmp_path: Path, shm: Path, small_node: Path
+) -> None:
+    nodes = [str(small_node), str(shm)]
+    out = run_ranks(room_rank, 2, nodes, str(tmp_path / "run"), timeout=60)
+    for r in out:
+        assert r["type"] == "StorageError" and r["errno"] == errno.ENOSPC, out
+        # It names the node, what it needs and what it has, and what to do.
+        assert f"on node {str(small_node)!r}" in r["message"], out
+        assert "MB free" in r["message"] and "peer_replicas" in r["message"], out

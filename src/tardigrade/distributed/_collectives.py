@@ -259,6 +259,11 @@ def _to_tensor(data: bytes, size: int) -> torch.Tensor:
     return out
 
 
+def _view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a CPU uint8 tensor, without a copy."""
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
+
+
 def _to_bytes(tensor: torch.Tensor, size: int) -> bytes:
     return tensor[:size].numpy().tobytes()
 
@@ -513,22 +518,23 @@ class Ranks:
     def exchange(
         self,
         what: str,
-        out: dict[int, bytes],
+        out: dict[int, torch.Tensor],
         sources: list[int],
         *,
         chunk: int = 64 * 1024 * 1024,
         go: Callable[[], object] | None = None,
-    ) -> dict[int, bytes]:
-        """Point to point: send ``out[r]`` to each rank ``r`` and receive one payload from
-        each rank of ``sources``; returns them by source. Only the ranks of a pair take part
+    ) -> dict[int, memoryview]:
+        """Point to point: send ``out[r]`` (a uint8 tensor) to each rank ``r`` and receive one
+        payload from each rank of ``sources``; returns them by source (views of the received
+        tensors: no copy). Only the ranks of a pair take part
         (both must call it, each naming the other), in pieces of at most ``chunk`` bytes;
         ``go()`` is called before each piece (a background sender pausing for training).
         Every wait is bounded by the timeout; a peer gone raises DistributedError."""
         _probes.entering_phase(what)
         group = self._transport_group(what)
         peer = functools.partial(dist.get_global_rank, group)
-        sent = {r: _to_tensor(data, len(data)) for r, data in out.items()}
-        sizes = {r: torch.tensor([len(data)], dtype=torch.int64) for r, data in out.items()}
+        sent = {r: t.reshape(-1) for r, t in out.items()}
+        sizes = {r: torch.tensor([t.numel()], dtype=torch.int64) for r, t in sent.items()}
         lengths = {r: torch.empty(1, dtype=torch.int64) for r in sources}
         self._wait_all(
             what,
@@ -546,7 +552,7 @@ class Ranks:
                 dist.isend(t[start:end], peer(r), group) for r, t in sent.items() if start < len(t)
             ] + [dist.irecv(t[start:end], peer(r), group) for r, t in got.items() if start < len(t)]
             self._wait_all(what, "sending and receiving payloads", works)
-        return {r: _to_bytes(t, t.numel()) for r, t in got.items()}
+        return {r: _view(t) for r, t in got.items()}
 
     def _wait_all(self, what: str, step: str, works: list[Any]) -> None:
         start = time.monotonic()

@@ -132,6 +132,17 @@ def load_from(
     return _on_ranks(one, process_group, timeout)
 
 
+def files_to_read(storage: Storage, name: str, m: Manifest, *, into: Any, rank: int) -> set[str]:
+    """The data files a restore of checkpoint ``m`` into ``into`` reads on ``rank`` (the
+    chunks its tensors need, ``verify=True``); raises what that restore would raise before
+    reading a byte (a state that does not fit). Nothing is read or changed."""
+    out = load_opened(
+        storage, name, m, into=into, keys=None, strict=True, verify=True,
+        workers=DEFAULT_READ_THREADS, rank=rank, per_rank_fallback="rank0", plan_only=True,
+    )  # fmt: skip
+    return set(out)
+
+
 def _on_ranks(one: Callable[[int], Any], process_group: Any, timeout: float) -> Any:
     """``one(rank)`` on every rank of ``process_group`` (or once, as rank 0, without one)."""
     ranks = Ranks.current(process_group, timeout=timeout)
@@ -190,8 +201,11 @@ def load_opened(
     workers: int,
     rank: int,
     per_rank_fallback: str,
+    plan_only: bool = False,
 ) -> Any:
-    """``_load`` of a checkpoint already opened (``open_manifest``), its options checked."""
+    """``_load`` of a checkpoint already opened (``open_manifest``), its options checked.
+    ``plan_only``: check and plan alone, reading nothing; return the data files it would
+    read (``files_to_read``)."""
     where = storage.url(name)
     # Planning walks a tree of a node per value and a chunk object per tensor: the cycle
     # collector, left on, walks all of them again and again (a tenth of a load of many small
@@ -232,15 +246,16 @@ def load_opened(
                     more,
                 )
         checked = set(m.files) if verify == "all" else set()
-        _check_sizes(
-            storage, name, m, checked | {c.file for e in needed for c in m.tensors[e].chunks}
-        )
         dest = matcher.dest
         for e in needed:
             if e not in dest and e not in matcher.sharded:
                 info = m.tensors[e]
                 dest[e] = _empty(info.shape, TORCH_DTYPES[info.dtype], f"{where}: tensor #{e}")
         tasks = _plan_reads(m, needed, dest, _entry_paths(tree), matcher.sharded)
+        reading = checked | {t.chunk.file for t in tasks}
+        if plan_only:
+            return reading
+        _check_sizes(storage, name, m, reading)
         try:
             _read_chunks(storage, name, m, tasks, bool(verify), workers, verify == "all")
         except TardigradeError as e:

@@ -32,7 +32,7 @@ import queue
 import re
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +40,10 @@ import torch
 
 from ._catalog import STEP_NAMES
 from ._commit import committed
-from ._load import load_from
+from ._load import files_to_read, load_from
 from ._open import save_id_at
 from ._ramtier import RamTier, family_of, saved_alone, source_of
+from ._tiers import file_rank
 from ._tree import flatten
 from ._verify import verify_files
 from .distributed._collectives import Ranks
@@ -175,10 +176,13 @@ class Share:
     files: dict[str, memoryview] = field(default_factory=dict)
 
 
-def pack(shares: Sequence[tuple[int, Storage]], name: str) -> torch.Tensor:
+def pack(
+    shares: Sequence[tuple[int, Storage]], name: str, only: set[int] | None = None
+) -> torch.Tensor:
     """The shares of checkpoint ``name`` kept in each storage (``(share, storage)``: a RAM
     tier's, or a replica's) as one payload, ready to send: a JSON head, then each share's
-    manifest and data files, read straight into it (one copy)."""
+    manifest and data files (those of index ``only`` in its manifest, when given), read
+    straight into it (one copy)."""
     head: list[dict[str, Any]] = []
     parts: list[tuple[Storage, bytes, list[tuple[str, int]]]] = []
     for k, storage in shares:
@@ -186,7 +190,9 @@ def pack(shares: Sequence[tuple[int, Storage]], name: str) -> torch.Tensor:
         m = parse(raw, storage.url(f"{name}/{MANIFEST}"))
         save_id = loads_strict(raw, storage.url(name)).get("save_id")
         files: list[tuple[str, int]] = []
-        for f in m.files:
+        for i, f in enumerate(m.files):
+            if only is not None and i not in only:
+                continue
             st = storage.stat(f"{name}/{f}")
             if st is not None and not st.is_dir:
                 files.append((f, st.size))
@@ -568,48 +574,81 @@ class MemoryShares:
             tier.forget_after(step)
 
     def restore(self, name: str, state: Any, collective: dict[str, Any]) -> str:
+        """Restore ``name``: every rank learns the manifest and which data files it reads
+        (planned against its live state), receives those its node does not hold from the
+        ranks that send their shares, point to point; each sending rank verifies the whole
+        shares it sends from, and every rank the chunks it reads: every byte of the
+        checkpoint is checked, none read from a slower tier."""
         plan = self._plan
         assert plan is not None and plan["name"] == name
-        me = self.ranks.rank
+        me, where = self.ranks.rank, f"{self.where}: {name}"
+        raw = self.ranks.broadcast(
+            f"{where}: manifest",
+            lambda: self._copies[0].read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES),
+            src=plan["holder"][0],
+        )
+        m = parse(raw, where)
+        order = list(m.files)
+
+        def wanted() -> bytes:
+            files = files_to_read(self.own.storage, name, m, into=state, rank=me)
+            return _json(sorted(order.index(f) for f in files))
+
+        reads = [json.loads(b) for b in self.ranks.all_gather(f"{where}: files read", wanted)]
 
         def view() -> Storage:
-            received = self._gather(plan)
-            return _SharesView(name, self._copies, received, plan["world"])
+            received = self._gather(plan, order, reads)
+            self._verify_sent(plan)
+            return _SharesView(name, raw, order, self._copies, received)
 
-        load_from(view, name, into=state, verify="all", **collective)
+        load_from(view, name, into=state, verify=True, **collective)
         self._log(plan)
         self.own.restored()
-        if plan["held"][me] == set(range(plan["world"])) and me in self._copies:
+        local = all(self._sender(plan, order, i, me) is None for i in reads[me])
+        if local and me in self._copies:
             return self._copies[me].url(name)  # every byte read from this node's memory
         return f"{self.where}: {name} (rank {me} of {self.ranks.size})"
 
-    def _gather(self, plan: dict[str, Any]) -> dict[int, Share]:
-        """Send the shares this rank is the holder of to the ranks that lack them; receive
-        those this rank lacks (point to point, one payload per pair)."""
-        me, name, held = self.ranks.rank, plan["name"], plan["held"]
-        out: dict[int, list[int]] = {}
+    @staticmethod
+    def _sender(plan: dict[str, Any], order: list[str], i: int, r: int) -> int | None:
+        """The rank that sends data file ``i`` to rank ``r`` (None: ``r``'s node holds it)."""
+        k = file_rank(order[i]) % plan["world"]
+        return None if k in plan["held"][r] else int(plan["holder"][k])
+
+    def _gather(
+        self, plan: dict[str, Any], order: list[str], reads: list[list[int]]
+    ) -> dict[int, bytes | memoryview]:
+        """Send the files other ranks read from the shares this rank sends; receive those
+        this rank reads and its node does not hold (point to point, one payload per pair).
+        Returns the received files by their index in the manifest."""
+        me, name = self.ranks.rank, plan["name"]
+        out: dict[int, dict[int, list[int]]] = {}  # rank -> share -> file indexes
         need_from: set[int] = set()
-        for k, h in plan["holder"].items():
-            for r in range(self.ranks.size):
-                if k in held[r]:
-                    continue
-                if h == me:
-                    out.setdefault(r, []).append(k)
-                if r == me:
-                    need_from.add(h)
+        for r, files in enumerate(reads):
+            for i in files:
+                sender = self._sender(plan, order, i, r)
+                if sender == me:
+                    k = file_rank(order[i]) % plan["world"]
+                    out.setdefault(r, {}).setdefault(k, []).append(i)
+                if r == me and sender is not None:
+                    need_from.add(sender)
         payloads = {}
-        for r, ks in out.items():
+        for r, shares in out.items():
             try:
-                payloads[r] = pack([(k, self._copies[k]) for k in ks], name)
+                payloads[r] = pack(
+                    [(k, self._copies[k]) for k in shares],
+                    name,
+                    {i for v in shares.values() for i in v},
+                )
             except Exception as e:
-                log.warning("tardigrade: cannot send %s's shares %s to rank %d: %s", name, ks, r, e)
+                log.warning("tardigrade: cannot send %s's files to rank %d: %s", name, r, e)
                 payloads[r] = torch.empty(0, dtype=torch.uint8)
         got = self.ranks.exchange(f"{self.where}: {name}", payloads, sorted(need_from))
-        received: dict[int, Share] = {}
+        received: dict[int, bytes | memoryview] = {}
         for r, data in got.items():
             if not data:
                 raise CorruptCheckpointError(
-                    f"{name}: rank {r} could not send the shares it holds in memory (its log "
+                    f"{name}: rank {r} could not send the files it holds in memory (its log "
                     "says why)"
                 )
             for share in unpack(data, r):
@@ -618,8 +657,21 @@ class MemoryShares:
                         f"{name}: rank {r} sent share {share.share} of save {share.save_id!r}, "
                         f"not {plan_save_id(plan)!r}"
                     )
-                received[share.share] = share
+                theirs = list(parse(share.manifest, f"{name} (rank {r})").files)
+                for f, data_f in share.files.items():
+                    received[theirs.index(f)] = data_f
         return received
+
+    def _verify_sent(self, plan: dict[str, Any]) -> None:
+        """Check every byte of the shares this rank sends from (whoever reads them)."""
+        name = plan["name"]
+        for k, h in plan["holder"].items():
+            if h == self.ranks.rank:
+                storage = self._copies[k]
+                raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+                m = parse(raw, storage.url(name))
+                files = [f for f in m.files if storage.exists(f"{name}/{f}")]
+                verify_files(storage, name, m, files)
 
     def _log(self, plan: dict[str, Any]) -> None:
         if not self.ranks.coordinator:
@@ -665,55 +717,40 @@ def _missing(held: list[dict[int, int]]) -> list[int]:
 
 
 class _SharesView(Storage):
-    """A read-only view of checkpoint ``name`` assembled from shares: each data file from a
-    copy on this node that holds it, else from the shares received. The manifest is the
-    first copy's (every share's names the same files in the same order; only their names may
-    differ, by where each was copied from)."""
+    """A read-only view of checkpoint ``name`` (``manifest``; ``order``: its data files):
+    each data file from a copy on this node that holds it, else from the files received
+    (by index). A file held by neither is not read here: its size is the manifest's, and
+    opening it fails. Every copy's manifest names the same files in the same order; only
+    their names may differ, by where each was copied from."""
 
     def __init__(
-        self, name: str, copies: dict[int, Storage], received: dict[int, Share], world: int
+        self,
+        name: str,
+        manifest: bytes,
+        order: list[str],
+        copies: dict[int, Storage],
+        received: dict[int, bytes | memoryview],
     ) -> None:
         self.name = name
         self.root = f"memory of the job's nodes ({name})"
-        self._files: dict[str, tuple[Storage, str] | memoryview] = {}
-        # Per share held: its manifest's file names, and where one of them is found here.
-        sources: list[
-            tuple[list[str], Callable[[str], tuple[Storage, str] | memoryview | None]]
-        ] = []
-        manifests = []
-        for k in sorted({*copies, *received}):
-            if k in copies:
-                storage = copies[k]
-                raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
-
-                def local(f: str, s: Storage = storage) -> tuple[Storage, str] | None:
-                    return (s, f"{name}/{f}") if s.exists(f"{name}/{f}") else None
-
-                find: Callable[[str], tuple[Storage, str] | memoryview | None] = local
-            else:
-                raw, find = received[k].manifest, received[k].files.get
-            manifests.append(raw)
-            sources.append((list(parse(raw, self.root).files), find))
-        self.manifest = manifests[0]
-        for i, f in enumerate(sources[0][0]):
-            for files, look in sources:
-                found = look(files[i]) if i < len(files) else None
-                if found is not None:
-                    self._files[f"{name}/{f}"] = found
-                    break
-            else:
-                raise CorruptCheckpointError(
-                    f"{name}: no rank holds data file {f} in memory, though every share of "
-                    f"the {world} rank(s) that saved it is held"
-                )
+        self.manifest = manifest
+        self.sizes = parse(manifest, self.root).files
+        self._files: dict[str, tuple[Storage, str] | bytes | memoryview] = {}
+        for storage in copies.values():
+            raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+            for f, there in zip(order, parse(raw, storage.url(name)).files, strict=True):
+                if f"{name}/{f}" not in self._files and storage.exists(f"{name}/{there}"):
+                    self._files[f"{name}/{f}"] = (storage, f"{name}/{there}")
+        for i, data in received.items():
+            self._files.setdefault(f"{name}/{order[i]}", data)
 
     def open_reader(self, name: str) -> Reader:
         if name == f"{self.name}/{MANIFEST}":
             return MemoryReader(self.url(name), self.manifest)
         found = self._files.get(name)
         if found is None:
-            raise StorageError(errno.ENOENT, f"{self.url(name)}: not held in memory")
-        if isinstance(found, memoryview):
+            raise StorageError(errno.ENOENT, f"{self.url(name)}: not held in memory here")
+        if not isinstance(found, tuple):
             return MemoryReader(self.url(name), found)  # type: ignore[arg-type]  # a view will do
         storage, there = found
         return storage.open_reader(there)
@@ -721,16 +758,19 @@ class _SharesView(Storage):
     def stat(self, name: str) -> Stat | None:
         if name == f"{self.name}/{MANIFEST}":
             return Stat(len(self.manifest), "0")
+        if name == self.name:
+            return Stat(0, "0", is_dir=True)
         found = self._files.get(name)
         if found is None:
-            return Stat(0, "0", is_dir=True) if name == self.name else None
-        if isinstance(found, memoryview):
-            return Stat(found.nbytes, "0")
+            size = self.sizes.get(name.split("/", 1)[1]) if "/" in name else None
+            return None if size is None else Stat(size, "0")  # held elsewhere, not read here
+        if not isinstance(found, tuple):
+            return Stat(len(found), "0")
         return found[0].stat(found[1])
 
     def list(self, name: str = "") -> list[str]:
         if name == self.name:
-            return sorted([MANIFEST, *(n.split("/", 1)[1] for n in self._files)])
+            return sorted([MANIFEST, *self.sizes])
         return [self.name] if name == "" else []
 
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:

@@ -69,7 +69,11 @@ def node_job_rank(
         "restored": start,
         "value": state_value(state, rank),
         "from": mgr.restored_from,
-        "log": [x for x in lines.lines if "restored from" in x or "not whole" in x],
+        "log": [
+            x
+            for x in lines.lines
+            if "restored from" in x or "not whole" in x or "skipping" in x or "failed" in x
+        ],
     }
     for step in range((start or 0) + 1, last + 1):
         set_state(state, rank, float(step))
@@ -130,7 +134,7 @@ def test_a_lost_node_restores_from_its_peers_memory_and_then_on_fewer_ranks(
     assert out == [{"died": -signal.SIGKILL}] * 4, out
     second = reports(tmp_path, 4, 5)
     for r in second:
-        assert r["restored"] == 3 and r["value"] == 3.0, r
+        assert r["restored"] == 3 and r["value"] == 3.0, "\n".join(r["log"])
     assert second[2]["from"].startswith("the peer tier"), second[2]
     log = " ".join(second[0]["log"])
     assert "not whole in the RAM tier" in log, log  # node B's own copies are gone
@@ -301,7 +305,7 @@ def test_a_preempted_job_stops_everywhere_holding_its_step_in_memory_and_resumes
     again = run_ranks(preempted_rank, 2, str(shm), local, nodes, budget, timeout=120)
     for r in again:
         assert r["restored"] == 7 and r["value"] == 7.0, again
-        assert r["from"].startswith("the RAM tier"), again  # each node's own shares
+        assert r["from"].startswith(("the RAM tier", str(shm))), again  # from memory
 
 
 def two_node_rank(

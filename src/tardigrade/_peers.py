@@ -32,7 +32,7 @@ import queue
 import re
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,7 @@ from ._commit import committed
 from ._load import files_to_read, load_from
 from ._open import save_id_at
 from ._ramtier import RamTier, family_of, saved_alone, source_of
-from ._tiers import file_rank
+from ._tiers import Gate, file_rank
 from ._tree import flatten
 from ._verify import verify_files
 from .distributed._collectives import Ranks
@@ -222,19 +222,23 @@ def unpack(data: memoryview, sender: int) -> list[Share]:
     """The shares of a payload ``pack`` made (rank ``sender``'s), as views of it;
     CorruptCheckpointError for one that does not add up (a torn or foreign payload)."""
     what = f"the shares rank {sender} sent"
+    at = 0
+
+    def span(size: Any) -> memoryview:
+        nonlocal at
+        if type(size) is not int or not 0 <= size <= len(data) - at:
+            raise ValueError(f"a part of {size!r} bytes at byte {at} of {len(data)}")
+        at += size
+        return data[at - size : at]
+
     try:
-        n = int.from_bytes(data[:8], "little")
-        head = loads_strict(bytes(data[8 : 8 + n]), what)
-        at = 8 + n
+        head = loads_strict(bytes(span(int.from_bytes(span(8), "little"))), what)
         out = []
         for h in head:
-            size = int(h["manifest"])
-            manifest = bytes(data[at : at + size])
+            manifest = bytes(span(h["manifest"]))
             share = Share(int(h["share"]), str(h["name"]), str(h["save_id"]), manifest)
-            at += size
             for f, size in h["files"]:
-                share.files[str(f)] = data[at : at + int(size)]
-                at += int(size)
+                share.files[str(f)] = span(size)
             out.append(share)
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{what}: malformed ({e})") from e
@@ -260,9 +264,7 @@ class Replicator:
         self.directory = own.job_directory
         self.kept: dict[int, RamTier] = {}  # source rank -> its replica here
         self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        self._go = threading.Event()
-        self._go.set()
-        self._holds = 0
+        self._go = Gate()  # the transfer waits on it between pieces
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending = 0
@@ -275,19 +277,9 @@ class Replicator:
             self._pending += 1
         self._queue.put(name)
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self) -> contextlib.AbstractContextManager[None]:
         """Pause the transfer between pieces while training waits on a save."""
-        with self._lock:
-            self._holds += 1
-            self._go.clear()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._holds -= 1
-                if not self._holds:
-                    self._go.set()
+        return self._go.held()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every submitted replication ended; False on timeout."""
@@ -659,6 +651,10 @@ class MemoryShares:
                     )
                 theirs = list(parse(share.manifest, f"{name} (rank {r})").files)
                 for f, data_f in share.files.items():
+                    if f not in theirs:
+                        raise CorruptCheckpointError(
+                            f"{name}: rank {r} sent {f!r}, not a data file of its manifest"
+                        )
                     received[theirs.index(f)] = data_f
         return received
 

@@ -190,6 +190,30 @@ class CopyPlan:
         return holds_save(self.dst, self.name, self.save_id)
 
 
+class Gate(threading.Event):
+    """Set while no one holds it: a background copy waits on it between pieces, and
+    ``held()`` blocks close it while they run (the training thread waiting on a save)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._holds = 0
+        self._holding = threading.Lock()
+        self.set()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._holding:
+            self._holds += 1
+            self.clear()
+        try:
+            yield
+        finally:
+            with self._holding:
+                self._holds -= 1
+                if not self._holds:
+                    self.set()
+
+
 _RANK_FILE = re.compile(r"(?:^|\.)data-r(\d+)-")
 
 
@@ -388,9 +412,7 @@ class Uploader:
         self._idle = threading.Condition()
         self._busy = 0
         self._pinned: list[str] = []  # submitted, not finished: the fast tier must keep them
-        self._holds = 0  # ``held()`` blocks open now
-        self._go = threading.Event()  # set while no one holds the copies
-        self._go.set()
+        self._go = Gate()  # the copies wait on it between chunks
         self._thread = threading.Thread(target=self._run, name="tardigrade-upload", daemon=True)
         self._thread.start()
 
@@ -407,16 +429,8 @@ class Uploader:
         while the training thread waits on a save. On a few cores an upload's reads and
         writes (and a local store server) slow the staging copy: a tiered save blocked
         training ~1.6x as long as a local one with the upload running beside it."""
-        with self._idle:
-            self._holds += 1
-            self._go.clear()
-        try:
+        with self._go.held():
             yield
-        finally:
-            with self._idle:
-                self._holds -= 1
-                if not self._holds:
-                    self._go.set()
 
     def pinned(self) -> set[str]:
         """Checkpoints submitted and not uploaded (or given up) yet: not to be retired."""

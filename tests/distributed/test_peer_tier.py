@@ -25,7 +25,7 @@ import torch.distributed as dist
 import tardigrade as tg
 from tardigrade import _peers
 from tardigrade._peers import Placement
-from tardigrade.errors import InvalidArgumentError
+from tardigrade.errors import CorruptCheckpointError, InvalidArgumentError
 from tardigrade.manager._tiers import PeerTier
 from tardigrade.storage import open_root
 from tardigrade.testing import FaultyStorage
@@ -426,3 +426,19 @@ def test_too_little_memory_on_a_node_is_refused_at_start_on_every_rank(
         # It names the node, what it needs and what it has, and what to do.
         assert f"on node {str(small_node)!r}" in r["message"], out
         assert "MB free" in r["message"] and "peer_replicas" in r["message"], out
+
+
+def test_a_torn_or_foreign_payload_is_refused_by_name() -> None:
+    good = _peers.unpack  # a payload of one share: its head, its manifest, one file
+    head = json.dumps(
+        [{"share": 1, "name": "step-1", "save_id": "x", "manifest": 2, "files": [["f", 3]]}]
+    ).encode()
+    payload = len(head).to_bytes(8, "little") + head + b"{}" + b"abc"
+    (share,) = good(memoryview(payload), 1)
+    assert share.manifest == b"{}" and bytes(share.files["f"]) == b"abc"
+    for bad in (payload[:-1], payload + b"x", payload[:5], b"\xff" * 8 + payload[8:]):
+        with pytest.raises(CorruptCheckpointError, match="the shares rank 1 sent"):
+            good(memoryview(bad), 1)
+    negative = payload.replace(b'"manifest": 2', b'"manifest": -2')
+    with pytest.raises(CorruptCheckpointError, match="malformed"):
+        good(memoryview(negative), 1)

@@ -32,7 +32,7 @@ import queue
 import re
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -342,7 +342,7 @@ class Replicator:
             if tier is None:
                 tier = RamTier(self.directory, self.own.base, run=self.run, replica_of=source)
                 self.kept[source] = tier
-            keep_share(tier, share)
+            keep_share(tier, share, self._go.wait)
             self.own.count_replica(f"{share.name} of rank {source}")
         except Exception as e:
             self.own._failed(f"the replica of rank {source}'s share", e)
@@ -353,9 +353,10 @@ class Replicator:
             tier.close(clean=True)
 
 
-def keep_share(tier: RamTier, share: Share) -> None:
+def keep_share(tier: RamTier, share: Share, go: Callable[[], object] = lambda: None) -> None:
     """Commit ``share`` (received from a peer) in ``tier``: written into a staging directory,
-    every byte verified against its manifest, then renamed into place (the newest only)."""
+    every byte verified against its manifest, then renamed into place (the newest only).
+    ``go()`` is called before each file and the check (a pause while training waits)."""
     where = tier.storage.url(share.name)
     m = parse(share.manifest, f"{where}/{MANIFEST}")
     for f in share.files:
@@ -366,6 +367,7 @@ def keep_share(tier: RamTier, share: Share) -> None:
     staging = tier.catalog.commit.begin(share.name, share.save_id)
     try:
         for f, data in share.files.items():
+            go()
             writer = tier.storage.open_writer(f"{staging}/{f}")
             try:
                 writer.write(data)
@@ -373,6 +375,7 @@ def keep_share(tier: RamTier, share: Share) -> None:
                 writer.abort()
                 raise
             writer.close()
+        go()
         verify_files(tier.storage, staging, m, list(share.files))
         tier._commit(staging, share.name, share.manifest, share.save_id)
     except BaseException:

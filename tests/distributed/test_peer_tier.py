@@ -309,7 +309,7 @@ def test_a_preempted_job_stops_everywhere_holding_its_step_in_memory_and_resumes
 
 
 def two_node_rank(
-    rank: int, world: int, shm: str, local: str, last: int, die_in: str
+    rank: int, world: int, shm: str, local: str, last: int, die_in: str, run: str | None = None
 ) -> dict[str, Any]:
     """Nodes A and B, one rank each: restore, save steps up to ``last`` (every step), then die
     (SIGKILL). ``die_in="replication"``: rank 1 dies instead while sending its share of step
@@ -321,7 +321,13 @@ def two_node_rank(
     logging.getLogger("tardigrade").setLevel(logging.INFO)
     state = make_state(rank, world, 0.0)
     mgr = tg.CheckpointManager(
-        local, state, every_steps=1, ram_tier=os.path.join(shm, node), peer_replicas=1, timeout=20
+        local,
+        state,
+        every_steps=1,
+        ram_tier=os.path.join(shm, node),
+        peer_replicas=1,
+        timeout=20,
+        run_id=run,
     )
     start = mgr.restore()
     report: dict[str, Any] = {"restored": start, "value": state_value(state, rank)}
@@ -442,3 +448,69 @@ def test_a_torn_or_foreign_payload_is_refused_by_name() -> None:
     negative = payload.replace(b'"manifest": 2', b'"manifest": -2')
     with pytest.raises(CorruptCheckpointError, match="malformed"):
         good(memoryview(negative), 1)
+
+
+def overwrite_rank(rank: int, world: int, local: str, step: int, value: float) -> None:
+    """Save ``step`` again (``force=True``), all of it ``value``: another save of that step."""
+    state = make_state(rank, world, 0.0)
+    set_state(state, rank, value)
+    with tg.CheckpointManager(local, state) as mgr:
+        mgr.save(step, force=True)
+
+
+def test_another_run_s_copies_and_a_stale_copy_are_never_restored(
+    tmp_path: Path, shm: Path
+) -> None:
+    local = str(tmp_path / "run")
+    boot(shm, "A", "B")
+    run_ranks(two_node_rank, 2, str(shm), local, 2, "", "one", timeout=120)
+    shutil.rmtree(shm / "B")
+    boot(shm, "B")
+    # Another job (run "two") on the same directory: run "one"'s copies are never restored,
+    # though node A holds every share of step 2 (its own, and node B's replica).
+    run_ranks(two_node_rank, 2, str(shm), local, 3, "", "two", timeout=120)
+    for r in two_node_reports(shm, 3):
+        assert r["restored"] == 2 and r["source"] == str(tmp_path / "run" / "step-000000002"), r
+    # Step 3 is saved again meanwhile (all 7s): the memory's copies of step 3 are stale, and
+    # the directory's save is restored, not theirs.
+    run_ranks(overwrite_rank, 2, local, 3, 7.0, timeout=120)
+    run_ranks(two_node_rank, 2, str(shm), local, 4, "", "two", timeout=120)
+    for r in two_node_reports(shm, 4):
+        assert r["restored"] == 3 and r["value"] == 7.0, r
+        assert r["source"] == str(tmp_path / "run" / "step-000000003"), r
+    # The same run restarting finds its own copies of step 4, in memory.
+    run_ranks(two_node_rank, 2, str(shm), local, 5, "", "two", timeout=120)
+    for r in two_node_reports(shm, 5):
+        assert r["restored"] == 4 and r["value"] == 4.0, r
+        assert not r["source"].startswith(str(tmp_path)), r
+
+
+def restore_dying_rank(rank: int, world: int, shm: str, local: str) -> dict[str, Any]:
+    """Restore after node B's loss; rank 0, which sends rank 1's share, dies doing it."""
+    node = "AB"[rank]
+    os.environ["TARDIGRADE_NODE"] = node
+    state = make_state(rank, world, 0.0)
+    mgr = tg.CheckpointManager(
+        local, state, ram_tier=os.path.join(shm, node), peer_replicas=1, timeout=5
+    )
+    if rank == 0:
+
+        def dying(*args: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)  # the peer dies mid-restore
+
+        _peers.pack = dying  # type: ignore[assignment]
+    return caught(mgr.restore)
+
+
+def test_a_peer_dying_during_the_restore_fails_it_on_the_others_never_hangs(
+    tmp_path: Path, shm: Path
+) -> None:
+    local = str(tmp_path / "run")
+    boot(shm, "A", "B")
+    run_ranks(two_node_rank, 2, str(shm), local, 2, "", timeout=120)
+    shutil.rmtree(shm / "B")
+    boot(shm, "B")
+    out = run_ranks(restore_dying_rank, 2, str(shm), local, timeout=120)
+    assert out[0] == {"died": -signal.SIGKILL}, out
+    # Bounded by the manager's timeout: the survivor raises instead of waiting forever.
+    assert out[1]["type"] == "DistributedError", out

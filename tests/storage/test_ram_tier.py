@@ -25,6 +25,7 @@ from tardigrade._load import load_from
 from tardigrade._ramtier import RamTier, namespace
 from tardigrade.errors import InvalidArgumentError, StorageError
 from tardigrade.storage import open_root
+from tardigrade.testing import FaultyStorage
 
 SRC = Path(tg.__file__).resolve().parents[1]
 
@@ -638,3 +639,31 @@ def test_recording_a_save_keeps_the_newer_ones_already_there(tmp_path: Path, shm
     assert tier.stats.stored == ["step-000000006", "step-000000007"]
     assert tier.catalog.steps() == [7]  # 6 went once 7 was recorded, not before
     tier.close(clean=True)
+
+
+def test_a_step_in_memory_newer_than_the_remote_s_is_restored_without_a_download(
+    tmp_path: Path, shm: Path
+) -> None:
+    remote = FaultyStorage(str(tmp_path / "remote"))  # its reads logged
+    state = state_at(0)
+    kw: dict[str, Any] = {"ram_tier": shm, "persist_every": 4, "upload_to": remote.root}
+    with (
+        pytest.raises(RuntimeError, match="crash"),
+        tg.CheckpointManager(tmp_path / "ckpt", state, every_steps=1, **kw) as mgr,
+    ):
+        for step in range(1, 7):
+            state["w"].copy_(state_at(step)["w"])
+            mgr.step(step)
+        mgr.wait()
+        assert mgr.uploads is not None
+        raise RuntimeError("crash")
+    assert (tmp_path / "remote" / "step-000000004" / "manifest.json").is_file()
+    subprocess.run(["rm", "-rf", str(tmp_path / "ckpt" / "step-000000004")], check=True)
+    remote.log.clear()
+    restored = state_at(0)
+    with tg.CheckpointManager(tmp_path / "ckpt", restored, **kw) as mgr:
+        # Memory holds step 6, newer than the remote's 4: nothing is downloaded.
+        assert mgr.restore() == 6
+        assert not [w for op, w in remote.log if op == "open_reader" and "step-" in w]
+        assert mgr.steps() == []
+    assert torch.equal(restored["w"], state_at(6)["w"])

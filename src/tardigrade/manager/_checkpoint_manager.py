@@ -546,8 +546,6 @@ class CheckpointManager:
         # Our own async save still in flight has a .tmp-* staging directory that the cleanup
         # would take for a dead writer's leftover: let it commit (or fail) first.
         self._drain(wait=True)
-        if step is None:
-            self._tiers.fetch_newer()  # a fresh machine: the remote tier's newest, if newer
         restored = self._restorer.restore(step)
         if restored is None:
             return None

@@ -73,6 +73,9 @@ class Restorer:
     def restore(self, step: int | None) -> Restored | None:
         """Restore ``step`` (None: the newest that verifies); None when there is none."""
         memory = self.tiers.steps()  # saved to the faster tiers alone (persist_every)
+        if step is None:
+            # A fresh machine: the remote tier's newest, if newer than what memory holds too.
+            self.tiers.fetch_newer(above=max(memory, default=None))
         found = self.ranks.shared(
             f"{self.what}({step!r})", lambda: self._candidates(step, sorted(memory))
         )

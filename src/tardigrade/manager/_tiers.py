@@ -80,8 +80,9 @@ class Tier:
         """Checkpoints the root must not retire yet (this tier still copies them)."""
         return set()
 
-    def fetch_newer(self) -> None:
-        """Before ``restore()`` picks a checkpoint: bring a newer one into the root."""
+    def fetch_newer(self, above: int | None = None) -> None:
+        """Before ``restore()`` picks a checkpoint: bring a newer one into the root (newer
+        than ``above`` too: the newest step the faster tiers hold alone)."""
 
     def steps(self) -> dict[int, Any]:
         """The steps whose checkpoints this tier holds whole, with their epochs, the same on
@@ -334,9 +335,10 @@ class RemoteTier(Tier):
     def pinned(self) -> set[str]:
         return set() if self.uploader is None else self.uploader.pinned()
 
-    def fetch_newer(self) -> None:
+    def fetch_newer(self, above: int | None = None) -> None:
         """Copy the remote's newest checkpoint into the root when it is newer than the root's
-        (rank 0 decides; in a distributed job every rank downloads its share)."""
+        and than ``above`` (rank 0 decides; in a distributed job every rank downloads its
+        share)."""
         if self.uploader is None:
             return
         remote = Catalog(self.uploader.remote)
@@ -347,8 +349,8 @@ class RemoteTier(Tier):
             except TardigradeError as e:
                 log.warning("tardigrade: cannot list %s: %s", remote.root, e)
                 return None
-            ours = self.root.steps()
-            if not theirs or (ours and ours[-1] >= theirs[-1]):
+            ours = [*self.root.steps(), *([] if above is None else [above])]
+            if not theirs or (ours and max(ours) >= theirs[-1]):
                 return None
             return step_name(theirs[-1])
 
@@ -587,9 +589,9 @@ class Tiers:
     def pinned(self) -> set[str]:
         return {n for t in self._tiers for n in t.pinned()}
 
-    def fetch_newer(self) -> None:
+    def fetch_newer(self, above: int | None = None) -> None:
         for tier in self._tiers:
-            tier.fetch_newer()
+            tier.fetch_newer(above)
 
     def steps(self) -> dict[int, Any]:
         """The steps the faster tiers hold whole (``Tier.steps``), on every rank alike."""

@@ -13,7 +13,8 @@ started here on loopback), with ``ram_tier`` and ``peer_replicas=1``. Each round
 
 Every restore verifies every byte; its time is the slowest rank's. Also measured: the training
 thread's blocking in an async save with ``peer_replicas=1`` against the RAM tier alone (second
-save of a manager: staging reused), the bytes a rank sends per save against its share, and the
+save of a manager: staging reused; the first save's replicas kept by then, as saves many steps
+apart find them), the bytes a rank sends per save against its share, and the
 time from a preemption signal to the step held in RAM + peers (``preemption_budget`` too short
 for the store: that part is skipped).
 """
@@ -95,10 +96,15 @@ def _leave(mgr: tg.CheckpointManager) -> None:
 
 
 def _blocking(root: str, state: Any, shm: Path, peers: int) -> float:
+    """The training thread's blocking in the second async save of a manager, the first one's
+    replicas kept by then (as in training, where saves are many steps apart)."""
     with _manager(root, state, shm, peers=peers) as mgr:
         for step in (1, 2):
             mgr.save(step)
             mgr.wait()
+            tier = mgr._tiers.first(_peer_tier())
+            if tier is not None:
+                tier.replicator.wait()
         return _slowest(mgr.stats[-1].blocking_seconds)
 
 

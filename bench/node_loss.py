@@ -59,7 +59,9 @@ from .measure import freeze_imports, settle
 from .report import Target, _grid
 
 WORLD = 2
-DEFAULT_RANK_BYTES = 1_000_000_000
+# Per rank at the default --size: half the distributed part's (a rank holds its state, its
+# staging, and a received share at once; two ranks and their RAM tiers fit 24 GB then).
+DEFAULT_RANK_BYTES = 500_000_000
 
 
 @dataclass(frozen=True)

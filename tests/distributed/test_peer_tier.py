@@ -161,9 +161,9 @@ def test_the_placement_is_a_ring_of_nodes_and_never_the_own_node() -> None:
     assert Placement.of(["A", "B"], 3).replicas == 1
 
 
-def test_peer_replicas_needs_a_ram_tier_and_a_distributed_job(tmp_path: Path) -> None:
+def test_peer_replicas_needs_a_ram_tier_and_a_distributed_job(tmp_path: Path, shm: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="peer_replicas=1 needs a distributed job"):
-        tg.CheckpointManager(tmp_path / "a", {"w": 1}, ram_tier=True, peer_replicas=1)
+        tg.CheckpointManager(tmp_path / "a", {"w": 1}, ram_tier=shm, peer_replicas=1)
     with pytest.raises(InvalidArgumentError, match="pass ram_tier=True"):
         tg.CheckpointManager(tmp_path / "b", {"w": 1}, peer_replicas=1)
     with pytest.raises(InvalidArgumentError, match="peer_replicas must be an int >= 0"):

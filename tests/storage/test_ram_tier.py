@@ -579,11 +579,11 @@ def test_the_ram_tier_saves_more_often_than_the_directory(
     assert torch.equal(again["w"], state_at(5)["w"])
 
 
-def test_persist_every_needs_a_ram_tier(tmp_path: Path) -> None:
+def test_persist_every_needs_a_ram_tier(tmp_path: Path, shm: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="persist_every=5 saves the steps between"):
         tg.CheckpointManager(tmp_path / "a", {"w": 1}, persist_every=5)
     with pytest.raises(InvalidArgumentError, match="persist_every must be a positive int"):
-        tg.CheckpointManager(tmp_path / "b", {"w": 1}, ram_tier=True, persist_every=0)
+        tg.CheckpointManager(tmp_path / "b", {"w": 1}, ram_tier=shm, persist_every=0)
 
 
 @pytest.mark.parametrize("budget", [25.0, 1e-6])

@@ -172,11 +172,13 @@ def _rank_work(rank: int, layout: Layout, opts: NodeLossOptions, env: dict[str, 
             out["dcp_s"] = _slowest(time.perf_counter() - t0)
             _check(state, expected, "DCP fsspec load")
         # Replication while training: the blocking of an async save, with and without peers.
-        local = str(base / f"blocking-{rnd}")
+        # Their roots on disk, removed after: on /dev/shm they held memory round after round.
+        local = Path(env["NODE_LOSS_DISK"]) / f"blocking-{rnd}"
         pair = [("ram_only", 0), ("with_peers", 1)]
         for key, peers in pair if rnd % 2 else pair[::-1]:
             settle(opts.settle_s)
             out[f"blocking_{key}_s"] = _blocking(f"{local}-{key}", state, shm, peers)
+            shutil.rmtree(f"{local}-{key}", ignore_errors=True)
         rounds.append(out)
     # A preemption: signal to the step held in RAM + peers (no time left for the store).
     sig = (signal.SIGUSR1,)
@@ -240,6 +242,7 @@ def run(opts: NodeLossOptions, log: Any) -> dict[str, Any]:
         server.start()
         root = f"s3://{server.bucket}/node-loss-{uuid.uuid4().hex[:8]}"
         env = {**server.env(), "NODE_LOSS_ROOT": root, "NODE_LOSS_SHM": str(shm)}
+        env["NODE_LOSS_DISK"] = str(tmp)
         ctx = multiprocessing.get_context("spawn")
         with loopback_store(opts.timeout_s) as port:
             ranks = _results(

@@ -36,8 +36,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ._catalog import STEP_NAMES
 from ._commit import committed
 from ._load import files_to_read, load_from
@@ -176,46 +174,97 @@ class Share:
     files: dict[str, memoryview] = field(default_factory=dict)
 
 
-def pack(
-    shares: Sequence[tuple[int, Storage]], name: str, only: set[int] | None = None
-) -> torch.Tensor:
-    """The shares of checkpoint ``name`` kept in each storage (``(share, storage)``: a RAM
-    tier's, or a replica's) as one payload, ready to send: a JSON head, then each share's
-    manifest and data files (those of index ``only`` in its manifest, when given), read
-    straight into it (one copy)."""
-    head: list[dict[str, Any]] = []
-    parts: list[tuple[Storage, bytes, list[tuple[str, int]]]] = []
-    for k, storage in shares:
-        raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
-        m = parse(raw, storage.url(f"{name}/{MANIFEST}"))
-        save_id = loads_strict(raw, storage.url(name)).get("save_id")
-        files: list[tuple[str, int]] = []
-        for i, f in enumerate(m.files):
-            if only is not None and i not in only:
+class Payload:
+    """The shares of one checkpoint, ready to send (what :func:`pack` returns): ``nbytes``
+    long, read piece by piece by :meth:`read_into` as ``Ranks.exchange`` sends it (the sender
+    holds no copy of the whole). Every data file is opened when packed, so a file the RAM tier
+    replaces or retires meanwhile is still read as it was. A context manager: closing it
+    closes the files."""
+
+    def __init__(self, parts: list[tuple[int, bytes | Reader]]) -> None:
+        self._parts = parts  # (offset, what): in order, end to end
+        self.nbytes = sum(len(p) if isinstance(p, bytes) else p.size for _, p in parts)
+        self.error: Exception | None = None  # a file that could not be read while sent
+
+    def read_into(self, start: int, into: memoryview) -> None:
+        """Fill ``into`` with the payload's bytes from ``start``. A file that fails to read
+        is sent as zeros (the pair's exchange must go on): the receiver's check of every
+        byte rejects it, and ``error`` says why."""
+        try:
+            self._read_into(start, into)
+        except Exception as e:
+            into[:] = bytes(len(into))
+            self.error = self.error or e
+
+    def _read_into(self, start: int, into: memoryview) -> None:
+        end = start + len(into)
+        for at, part in self._parts:
+            size = len(part) if isinstance(part, bytes) else part.size
+            lo, hi = max(start, at), min(end, at + size)
+            if lo >= hi:
                 continue
-            st = storage.stat(f"{name}/{f}")
-            if st is not None and not st.is_dir:
-                files.append((f, st.size))
-        head.append({"share": k, "name": name, "save_id": str(save_id),
-                     "manifest": len(raw), "files": files})  # fmt: skip
-        parts.append((storage, raw, files))
+            dest = into[lo - start : hi - start]
+            if isinstance(part, bytes):
+                dest[:] = part[lo - at : hi - at]
+            else:
+                part.readinto(lo - at, dest)
+
+    def close(self) -> None:
+        for _, part in self._parts:
+            if not isinstance(part, bytes):
+                part.close()
+
+    def __enter__(self) -> Payload:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+EMPTY = Payload([])  # sent in place of shares that could not be read (the peer's log says why)
+
+
+def pack(shares: Sequence[tuple[int, Storage]], name: str, only: set[int] | None = None) -> Payload:
+    """The shares of checkpoint ``name`` kept in each storage (``(share, storage)``: a RAM
+    tier's, or a replica's) as one payload: a JSON head, then each share's manifest and data
+    files (those of index ``only`` in its manifest, when given), each file opened now and read
+    as it is sent."""
+    head: list[dict[str, Any]] = []
+    blobs: list[tuple[bytes, list[Reader]]] = []
+    readers: list[Reader] = []
+    try:
+        for k, storage in shares:
+            raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+            m = parse(raw, storage.url(f"{name}/{MANIFEST}"))
+            save_id = loads_strict(raw, storage.url(name)).get("save_id")
+            files: list[tuple[str, int]] = []
+            opened: list[Reader] = []
+            for i, f in enumerate(m.files):
+                if only is not None and i not in only:
+                    continue
+                st = storage.stat(f"{name}/{f}")
+                if st is None or st.is_dir:
+                    continue
+                reader = storage.open_reader(f"{name}/{f}")
+                readers.append(reader)
+                opened.append(reader)
+                files.append((f, reader.size))
+            head.append({"share": k, "name": name, "save_id": str(save_id),
+                         "manifest": len(raw), "files": files})  # fmt: skip
+            blobs.append((raw, opened))
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
     body = _json(head)
-    total = 8 + len(body) + sum(len(raw) + sum(n for _, n in files) for _, raw, files in parts)
-    out = torch.empty(total, dtype=torch.uint8)
-    view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
-    view[:8] = len(body).to_bytes(8, "little")
-    view[8 : 8 + len(body)] = body
-    at = 8 + len(body)
-    for storage, raw, files in parts:
-        view[at : at + len(raw)] = raw
-        at += len(raw)
-        for f, n in files:
-            with storage.open_reader(f"{name}/{f}") as reader:
-                if reader.size != n:
-                    raise CorruptCheckpointError(f"{reader.name}: changed while being sent")
-                reader.readinto(0, view[at : at + n])
-            at += n
-    return out
+    parts: list[bytes | Reader] = [len(body).to_bytes(8, "little"), body]
+    for raw, opened in blobs:
+        parts += [raw, *opened]
+    at, placed = 0, []
+    for part in parts:
+        placed.append((at, part))
+        at += len(part) if isinstance(part, bytes) else part.size
+    return Payload(placed)
 
 
 def unpack(data: memoryview, sender: int) -> list[Share]:
@@ -311,17 +360,23 @@ class Replicator:
             payload = pack([(self.ranks.rank, self.own.storage)], name)
         except Exception as e:  # the peers still take part: they get an empty payload
             self.own._failed(f"the replica of {name} for the peers", e)
-            payload = torch.empty(0, dtype=torch.uint8)
+            payload = EMPTY
+        with payload:
+            self._send(name, payload)
+        if payload.error is not None:
+            self.own._failed(f"the replica of {name} for the peers", payload.error)
+
+    def _send(self, name: str, payload: Payload) -> None:
         targets = self.placement.targets(self.ranks.rank)
-        if payload.numel() and targets:
+        if payload.nbytes and targets:
             self.sent = self.sent[-7:]  # the latest ones only are asked about
         for j, target in enumerate(targets):
             sources = self.placement.sources(self.ranks.rank, j)
             got = self.ranks.exchange(
                 f"peer tier: replicating {name}", {target: payload}, sources, go=self._go.wait
             )
-            if payload.numel():
-                self.own.count_sent(payload.numel())
+            if payload.nbytes:
+                self.own.count_sent(payload.nbytes)
             for source, data in sorted(got.items()):
                 if data:
                     self._keep(source, data)
@@ -332,7 +387,7 @@ class Replicator:
                         source,
                         name,
                     )
-        if payload.numel() and targets:
+        if payload.nbytes and targets:
             self.sent.append(name)
 
     def _keep(self, source: int, data: memoryview) -> None:
@@ -571,9 +626,9 @@ class MemoryShares:
     def restore(self, name: str, state: Any, collective: dict[str, Any]) -> str:
         """Restore ``name``: every rank learns the manifest and which data files it reads
         (planned against its live state), receives those its node does not hold from the
-        ranks that send their shares, point to point; each sending rank verifies the whole
-        shares it sends from, and every rank the chunks it reads: every byte of the
-        checkpoint is checked, none read from a slower tier."""
+        ranks that send their shares, point to point, and verifies every chunk it reads, as
+        a restore from the directory does (a damaged copy fails the restore from memory,
+        whichever rank reads it); nothing is read from a slower tier."""
         plan = self._plan
         assert plan is not None and plan["name"] == name
         me, where = self.ranks.rank, f"{self.where}: {name}"
@@ -593,7 +648,6 @@ class MemoryShares:
 
         def view() -> Storage:
             received = self._gather(plan, order, reads)
-            self._verify_sent(plan)
             return _SharesView(name, raw, order, self._copies, received)
 
         load_from(view, name, into=state, verify=True, **collective)
@@ -627,7 +681,7 @@ class MemoryShares:
                     out.setdefault(r, {}).setdefault(k, []).append(i)
                 if r == me and sender is not None:
                     need_from.add(sender)
-        payloads = {}
+        payloads: dict[int, Payload] = {}
         for r, shares in out.items():
             try:
                 payloads[r] = pack(
@@ -637,8 +691,16 @@ class MemoryShares:
                 )
             except Exception as e:
                 log.warning("tardigrade: cannot send %s's files to rank %d: %s", name, r, e)
-                payloads[r] = torch.empty(0, dtype=torch.uint8)
-        got = self.ranks.exchange(f"{self.where}: {name}", payloads, sorted(need_from))
+                payloads[r] = EMPTY
+        try:
+            got = self.ranks.exchange(f"{self.where}: {name}", payloads, sorted(need_from))
+        finally:
+            for r, payload in payloads.items():
+                payload.close()
+                if payload.error is not None:
+                    log.warning(
+                        "tardigrade: sending %s's files to rank %d: %s", name, r, payload.error
+                    )
         received: dict[int, bytes | memoryview] = {}
         for r, data in got.items():
             if not data:
@@ -660,17 +722,6 @@ class MemoryShares:
                         )
                     received[theirs.index(f)] = data_f
         return received
-
-    def _verify_sent(self, plan: dict[str, Any]) -> None:
-        """Check every byte of the shares this rank sends from (whoever reads them)."""
-        name = plan["name"]
-        for k, h in plan["holder"].items():
-            if h == self.ranks.rank:
-                storage = self._copies[k]
-                raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
-                m = parse(raw, storage.url(name))
-                files = [f for f in m.files if storage.exists(f"{name}/{f}")]
-                verify_files(storage, name, m, files)
 
     def _log(self, plan: dict[str, Any]) -> None:
         if not self.ranks.coordinator:

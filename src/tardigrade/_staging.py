@@ -10,8 +10,11 @@ memory stays bounded.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -304,3 +307,29 @@ def _allocate(nbytes: int, touch: str = "all") -> torch.Tensor:
     else:
         buf.zero_()
     return buf
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+@functools.cache
+def _madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+def populate(buf: torch.Tensor, start: int, end: int) -> bool:
+    """Fault in the pages of bytes ``start:end`` of CPU tensor ``buf`` (writable, contents
+    unchanged), so a later write into them, even one in flight meanwhile, runs at memcpy
+    speed: what a receive into fresh memory otherwise pays page by page. False where the
+    kernel cannot (then nothing changed)."""
+    madvise = _madvise()
+    if madvise is None:
+        return False
+    lo = -(-(buf.data_ptr() + start) // PAGE) * PAGE
+    hi = (buf.data_ptr() + end) // PAGE * PAGE
+    return hi <= lo or madvise(lo, hi - lo, _MADV_POPULATE_WRITE) == 0

@@ -312,8 +312,8 @@ def two_node_rank(
     rank: int, world: int, shm: str, local: str, last: int, die_in: str, run: str | None = None
 ) -> dict[str, Any]:
     """Nodes A and B, one rank each: restore, save steps up to ``last`` (every step), then die
-    (SIGKILL). ``die_in="replication"``: rank 1 dies instead while sending its share of step
-    ``last`` to its peer (the replica on node A stays that of the step before)."""
+    (SIGKILL). ``die_in`` kills a rank at a phase of step ``last``'s replication instead (see
+    ``die_replicating``)."""
     node = "AB"[rank]
     os.environ["TARDIGRADE_NODE"] = node
     lines = _Lines()
@@ -332,15 +332,7 @@ def two_node_rank(
     start = mgr.restore()
     report: dict[str, Any] = {"restored": start, "value": state_value(state, rank)}
     report.update(source=mgr.restored_from, log=lines.lines[:])
-    if die_in == "replication" and rank == 1:
-        real = _peers.pack
-
-        def dying(shares: Any, name: str) -> Any:
-            if name == f"step-{last:09d}":
-                os.kill(os.getpid(), signal.SIGKILL)  # mid-replication
-            return real(shares, name)
-
-        _peers.pack = dying  # type: ignore[assignment]
+    die_replicating(die_in, rank, f"step-{last:09d}")
     for step in range((start or 0) + 1, last + 1):
         set_state(state, rank, float(step))
         mgr.step(step)
@@ -349,6 +341,54 @@ def two_node_rank(
     (Path(shm) / f"two-{rank}-{last}.json").write_text(json.dumps(report))
     os.kill(os.getpid(), signal.SIGKILL)
     return report  # never reached
+
+
+def die_replicating(phase: str, rank: int, name: str) -> None:
+    """Kill this rank at ``phase`` of checkpoint ``name``'s replication: rank 1 while it
+    ``"packs"`` its share or mid-``"sending"`` it (after the pair agreed on its size), rank 0
+    (keeping rank 1's replica) ``"before-commit"`` (every byte arrived and written) or
+    ``"after-commit"`` (the replica renamed into place)."""
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if phase == "packing" and rank == 1:
+        real_pack = _peers.pack
+
+        def packing(shares: Any, n: str, *a: Any) -> Any:
+            if n == name:
+                die()
+            return real_pack(shares, n, *a)
+
+        _peers.pack = packing  # type: ignore[assignment]
+    elif phase == "sending" and rank == 1:
+        real_pack = _peers.pack
+
+        def sending(shares: Any, n: str, *a: Any) -> Any:
+            payload = real_pack(shares, n, *a)
+            if n == name:
+                payload.read_into = lambda start, into: die()  # type: ignore[method-assign]
+            return payload
+
+        _peers.pack = sending  # type: ignore[assignment]
+    elif phase == "before-commit" and rank == 0:
+        real_verify = _peers.verify_files
+
+        def verifying(storage: Any, staging: str, *a: Any) -> Any:
+            if name in staging:
+                die()
+            return real_verify(storage, staging, *a)
+
+        _peers.verify_files = verifying  # type: ignore[assignment]
+    elif phase == "after-commit" and rank == 0:
+        real_keep = _peers.keep_share
+
+        def keeping(tier: Any, share: Any, *a: Any) -> None:
+            real_keep(tier, share, *a)
+            if share.name == name:
+                die()
+
+        _peers.keep_share = keeping  # type: ignore[assignment]
 
 
 def two_node_reports(shm: Path, last: int) -> list[dict[str, Any]]:
@@ -377,24 +417,32 @@ def test_a_corrupt_replica_falls_back_to_the_directory_with_a_log_line(
     assert "from the peer tier failed" in log and "reading it from the next tier" in log, log
 
 
-def test_a_rank_dying_mid_replication_restores_from_the_directory_never_a_mix(
-    tmp_path: Path, shm: Path
+@pytest.mark.parametrize("phase", ["packing", "sending", "before-commit", "after-commit"])
+def test_a_rank_dying_at_any_phase_of_a_replication_restores_a_whole_step_never_a_mix(
+    tmp_path: Path, shm: Path, phase: str
 ) -> None:
     local = str(tmp_path / "run")
     boot(shm, "A", "B")
-    out = run_ranks(two_node_rank, 2, str(shm), local, 3, "replication", timeout=120)
+    out = run_ranks(two_node_rank, 2, str(shm), local, 3, phase, timeout=120)
     assert out == [{"died": -signal.SIGKILL}] * 2, out
-    # Node A holds its own share of step 3 and rank 1's of step 2 (step 3's never arrived):
-    # no step is whole in memory once node B is lost.
-    shutil.rmtree(shm / "B")
+    shutil.rmtree(shm / "B")  # node B is lost with its memory
     boot(shm, "B")
     run_ranks(two_node_rank, 2, str(shm), local, 4, "", timeout=120)
-    for r in two_node_reports(shm, 4):
+    reports = two_node_reports(shm, 4)
+    log = " ".join(reports[0]["log"])
+    for r in reports:
         assert r["restored"] == 3 and r["value"] == 3.0, r
-        assert r["source"] == str(tmp_path / "run" / "step-000000003"), r
-    log = " ".join(two_node_reports(shm, 4)[0]["log"])
-    assert "step-000000003 is not whole in the peer tier" in log, log
-    assert "share of rank(s) [1]" in log, log
+    if phase == "after-commit":
+        # Node A kept rank 1's share of step 3 whole before it died: memory serves the step.
+        assert reports[1]["source"].startswith("the peer tier"), reports
+        assert "rank 1's share from a replica on node 'A'" in log, log
+    else:
+        # Node A holds its own share of step 3 and rank 1's of step 2 (step 3's never
+        # committed there): no step is whole in memory; the directory serves step 3.
+        for r in reports:
+            assert r["source"] == str(tmp_path / "run" / "step-000000003"), r
+        assert "step-000000003 is not whole in the peer tier" in log, log
+        assert "share of rank(s) [1]" in log, log
 
 
 @pytest.fixture
@@ -514,3 +562,138 @@ def test_a_peer_dying_during_the_restore_fails_it_on_the_others_never_hangs(
     assert out[0] == {"died": -signal.SIGKILL}, out
     # Bounded by the manager's timeout: the survivor raises instead of waiting forever.
     assert out[1]["type"] == "DistributedError", out
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP2 + Adam + the data position, on 2 nodes of 2 ranks, the store on SeaweedFS
+
+FSDP_LEN, FSDP_BATCH = 48, 2  # 4 ranks x 2 samples a step: an epoch is 6 steps
+
+
+def fsdp_node_state(rank: int, world: int, seed: int) -> dict[str, Any]:
+    from .test_mesh_and_fsdp import fsdp_build
+
+    model, optim = fsdp_build(seed, world)
+    torch.manual_seed(seed + rank)  # each rank's own noise stream
+    sampler = tg.ResumableSampler(FSDP_LEN, seed=3, rank=rank, world_size=world)
+    return {"model": model, "optim": optim, "data": sampler, "rng": tg.PerRank(tg.RNGState()), "step": 0}  # fmt: skip
+
+
+def fsdp_node_train(state: dict[str, Any], last: int, mgr: Any = None) -> dict[int, float]:
+    """Steps from the state's step to ``last``, each on the sampler's next batch plus noise of
+    the rank's RNG; ``mgr.step`` after each. The loss of each step."""
+    data = torch.randn(FSDP_LEN, 8, generator=torch.Generator().manual_seed(7))
+    sampler = state["data"]
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(data),
+        batch_size=FSDP_BATCH,
+        sampler=sampler,
+        generator=sampler.generator,  # an iterator's seed not drawn from the noise stream
+    )
+    losses, it = {}, iter(loader)
+    while state["step"] < last:
+        try:
+            (x,) = next(it)
+        except StopIteration:  # the epoch ended; the sampler has moved to the next one
+            it = iter(loader)
+            (x,) = next(it)
+        loss = state["model"](x + 0.1 * torch.randn_like(x)).square().mean()
+        loss.backward()
+        state["optim"].step()
+        state["optim"].zero_grad()
+        state["step"] += 1
+        losses[state["step"]] = loss.item()
+        if mgr is not None:
+            mgr.step(state["step"])
+    return losses
+
+
+def fsdp_node_rank(
+    rank: int, world: int, shm: str, root: str, nodes: list[str], last: int, kill: bool
+) -> dict[str, Any]:
+    """Restore, train to ``last`` saving async every 2nd step to RAM + peers and every 6th to
+    the store, report (what the restore read of the store, the losses, the whole parameters
+    and moments, the data position), then (``kill``) die with SIGKILL once every replica is
+    kept. On a first run (nothing to restore), an uninterrupted run is reported beside it."""
+    from .test_mesh_and_fsdp import full_values
+
+    os.environ["TARDIGRADE_NODE"] = nodes[rank]
+    faulty = FaultyStorage(root)  # the store, its operations logged
+    state = fsdp_node_state(rank, world, seed=0)
+    mgr = tg.CheckpointManager(
+        faulty.root,
+        state,
+        every_steps=2,
+        persist_every=6,
+        ram_tier=os.path.join(shm, nodes[rank]),
+        peer_replicas=1,
+        timeout=60,
+    )
+    start = mgr.restore()
+    report: dict[str, Any] = {
+        "restored": start,
+        "from": mgr.restored_from,
+        "reads": [w for op, w in faulty.log if op == "open_reader" and "/step-" in w],
+    }
+    if start is None:
+        reference = fsdp_node_state(rank, world, seed=0)
+        ref_losses = fsdp_node_train(reference, 10)
+        report["reference"] = {
+            "losses": ref_losses,
+            "values": full_values(reference["model"], reference["optim"]),
+            "data": reference["data"].state_dict(),
+        }
+        torch.manual_seed(rank)  # the run's noise stream from its start, as the reference's
+    report["losses"] = fsdp_node_train(state, last, mgr)
+    mgr.wait()
+    assert peer_of(mgr).replicator.wait(60)
+    report.update(values=full_values(state["model"], state["optim"]), data=state["data"].state_dict())  # fmt: skip
+    report["root_steps"] = mgr.steps()
+    if not kill:
+        mgr.close()
+        return report
+    (Path(shm) / f"fsdp-{world}-{rank}-{last}.json").write_text(json.dumps(report))
+    dist.barrier()  # every replica is kept before any rank dies
+    os.kill(os.getpid(), signal.SIGKILL)
+    return report  # never reached
+
+
+@pytest.mark.s3
+def test_fsdp2_training_survives_a_node_loss_bit_exactly_reading_nothing_of_the_store(
+    shm: Path, s3_env: Any
+) -> None:
+    root = f"s3://{s3_env.bucket}/fsdp-node-{uuid.uuid4().hex[:12]}"
+    env = s3_env.env()
+    nodes = ["A", "A", "B", "B"]
+    boot(shm, "A", "B")
+    try:
+        out = run_ranks(fsdp_node_rank, 4, str(shm), root, nodes, 8, True, timeout=180, env=env)
+        assert out == [{"died": -signal.SIGKILL}] * 4, out
+        first = [json.loads((shm / f"fsdp-4-{r}-8.json").read_text()) for r in range(4)]
+        assert all(r["root_steps"] == [6] for r in first), first  # step 8: memory alone
+
+        # Node B is lost with its memory; a fresh machine replaces it, and the job restarts.
+        shutil.rmtree(shm / "B")
+        boot(shm, "B")
+        out = run_ranks(fsdp_node_rank, 4, str(shm), root, nodes, 10, True, timeout=180, env=env)
+        assert out == [{"died": -signal.SIGKILL}] * 4, out
+        second = [json.loads((shm / f"fsdp-4-{r}-10.json").read_text()) for r in range(4)]
+        for r, (before, after) in enumerate(zip(first, second, strict=True)):
+            assert after["restored"] == 8 and after["reads"] == [], after  # not one store read
+            ref = before["reference"]
+            # Losses, whole parameters and Adam moments, and the data position: as if the job
+            # had never stopped.
+            assert {**before["losses"], **after["losses"]} == ref["losses"], r
+            assert after["values"] == ref["values"] and after["data"] == ref["data"], r
+        assert second[2]["from"].startswith("the peer tier"), second[2]
+
+        # Node B is gone for good: 2 ranks on node A load step 10 (node B's shares from their
+        # replicas) at the new world size, again reading nothing of the store.
+        shutil.rmtree(shm / "B")
+        out = run_ranks(fsdp_node_rank, 2, str(shm), root, ["A", "A"], 10, False, timeout=180, env=env)  # fmt: skip
+        for r in out:
+            assert r["restored"] == 10 and r["reads"] == [], r
+            assert r["values"] == first[0]["reference"]["values"], r
+            assert r["data"] == first[0]["reference"]["data"], r
+    finally:
+        open_root(root).delete("")

@@ -33,15 +33,16 @@ import time
 import traceback
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .. import _probes, errors
+from .._staging import populate
 from ..errors import DistributedError, InvalidArgumentError, StorageError, TardigradeError
 
 __all__ = ["DEFAULT_TIMEOUT", "Ranks"]
@@ -257,6 +258,41 @@ def _to_tensor(data: bytes, size: int) -> torch.Tensor:
     view[: len(data)] = np.frombuffer(data, dtype=np.uint8)
     view[len(data) :] = 0
     return out
+
+
+class Outgoing(Protocol):
+    """A payload sent by ``Ranks.exchange`` that is read piece by piece as it goes (the
+    sender never holds the whole of it)."""
+
+    nbytes: int
+
+    def read_into(self, start: int, into: memoryview) -> None: ...
+
+
+class _Pieces:
+    """What ``exchange`` sends one rank: a tensor's slices, or an ``Outgoing`` read into two
+    piece buffers in turn (the next one is read while the previous one is on the wire)."""
+
+    def __init__(self, payload: torch.Tensor | Outgoing, chunk: int) -> None:
+        self.tensor = payload.reshape(-1) if isinstance(payload, torch.Tensor) else None
+        self.payload = payload
+        self.nbytes = self.tensor.numel() if self.tensor is not None else payload.nbytes
+        size = min(chunk, self.nbytes) if self.tensor is None else 0
+        self.buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
+
+    def piece(self, start: int, end: int, turn: int) -> torch.Tensor:
+        if self.tensor is not None:
+            return self.tensor[start:end]
+        buf = self.buffers[turn % 2][: min(end, self.nbytes) - start]
+        self.payload.read_into(start, _view(buf))  # type: ignore[union-attr]  # not a tensor
+        return buf
+
+
+def _populate(buffers: list[torch.Tensor], chunk: int) -> None:
+    for buf in buffers:
+        for start in range(0, buf.numel(), chunk):
+            if not populate(buf, start, min(start + chunk, buf.numel())):
+                return
 
 
 def _view(tensor: torch.Tensor) -> memoryview:
@@ -518,23 +554,24 @@ class Ranks:
     def exchange(
         self,
         what: str,
-        out: dict[int, torch.Tensor],
+        out: Mapping[int, torch.Tensor | Outgoing],
         sources: list[int],
         *,
         chunk: int = 64 * 1024 * 1024,
         go: Callable[[], object] | None = None,
     ) -> dict[int, memoryview]:
-        """Point to point: send ``out[r]`` (a uint8 tensor) to each rank ``r`` and receive one
-        payload from each rank of ``sources``; returns them by source (views of the received
-        tensors: no copy). Only the ranks of a pair take part
-        (both must call it, each naming the other), in pieces of at most ``chunk`` bytes;
-        ``go()`` is called before each piece (a background sender pausing for training).
-        Every wait is bounded by the timeout; a peer gone raises DistributedError."""
+        """Point to point: send ``out[r]`` (a uint8 tensor, or an ``Outgoing`` read as it is
+        sent) to each rank ``r`` and receive one payload from each rank of ``sources``;
+        returns them by source (views of the received tensors: no copy). Only the ranks of a
+        pair take part (both must call it, each naming the other), in pieces of at most
+        ``chunk`` bytes, the next piece read while the previous is in flight; ``go()`` is
+        called before each piece (a background sender pausing for training). Every wait is
+        bounded by the timeout; a peer gone raises DistributedError."""
         _probes.entering_phase(what)
         group = self._transport_group(what)
         peer = functools.partial(dist.get_global_rank, group)
-        sent = {r: t.reshape(-1) for r, t in out.items()}
-        sizes = {r: torch.tensor([t.numel()], dtype=torch.int64) for r, t in sent.items()}
+        sent = {r: _Pieces(p, chunk) for r, p in out.items()}
+        sizes = {r: torch.tensor([p.nbytes], dtype=torch.int64) for r, p in sent.items()}
         lengths = {r: torch.empty(1, dtype=torch.int64) for r in sources}
         self._wait_all(
             what,
@@ -543,15 +580,31 @@ class Ranks:
             + [dist.irecv(t, peer(r), group) for r, t in lengths.items()],
         )
         got = {r: torch.empty(int(t.item()), dtype=torch.uint8) for r, t in lengths.items()}
-        longest = max([t.numel() for t in [*sent.values(), *got.values()]], default=0)
-        for start in range(0, longest, chunk):
+        # Fresh memory: its pages are faulted in beside the receive, not by it, piece by piece.
+        faulting = threading.Thread(
+            target=_populate, args=(list(got.values()), chunk), name="tardigrade-receive"
+        )
+        faulting.start()
+        longest = max(
+            [p.nbytes for p in sent.values()] + [t.numel() for t in got.values()], default=0
+        )
+
+        def pieces(start: int, turn: int) -> dict[int, torch.Tensor]:
+            return {
+                r: p.piece(start, start + chunk, turn) for r, p in sent.items() if start < p.nbytes
+            }
+
+        ready = pieces(0, 0)
+        for turn, start in enumerate(range(0, longest, chunk)):
             if go is not None:
                 go()
             end = start + chunk
-            works = [
-                dist.isend(t[start:end], peer(r), group) for r, t in sent.items() if start < len(t)
-            ] + [dist.irecv(t[start:end], peer(r), group) for r, t in got.items() if start < len(t)]
+            works = [dist.isend(t, peer(r), group) for r, t in ready.items()] + [
+                dist.irecv(t[start:end], peer(r), group) for r, t in got.items() if start < len(t)
+            ]
+            ready = pieces(end, turn + 1) if end < longest else {}
             self._wait_all(what, "sending and receiving payloads", works)
+        faulting.join()
         return {r: _view(t) for r, t in got.items()}
 
     def _wait_all(self, what: str, step: str, works: list[Any]) -> None:

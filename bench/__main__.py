@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import cli_start, distributed, loop, node_loss, same_node, store
+from . import cli_start, distributed, loop, node_loss, same_node, shared, store
 from .measure import freeze_imports
 from .report import Target, summarise, table, targets, targets_table
 from .run import Options, run
@@ -52,6 +52,10 @@ Then restore right after a save on the same node (a --size state): a job killed 
 restarts and restores from the RAM tier (/dev/shm), from disk (cold: the O_DIRECT save left
 nothing in the page cache), and DCP's load from the page cache after its save; plus a manager's
 async-save blocking with and without the RAM tier.
+
+Then shared data (format 7): a LoRA-like state (a frozen base of 2/3 of the --size state and
+a ~2% adapter with AdamW) saved with and without sharing, uploaded, a dense state where
+everything changes (sharing must cost nothing there), and a load spread over 10 saves.
 
 A default run (3 GB, 3 repeats + 1 warm-up) takes about 7-9 minutes on a 2-core VM, plus a few
 minutes for the distributed part (1 GB per rank).
@@ -226,6 +230,17 @@ def main(argv: list[str] | None = None) -> int:
         summary["same_node"] = same_node.summarise(results["same_node"])
         goals += same_node.targets(summary["same_node"])
         sections.append(same_node.table(results["same_node"], summary["same_node"]))
+    if not args.distributed_only:
+        shared_opts = shared.SharedOptions(
+            nbytes=args.target_bytes * 2 // 3,  # the frozen base: ~2 GB at the default size
+            repeats=args.repeats,
+            settle_s=args.settle,
+            dir=opts.dir,
+        )
+        results["shared"] = shared.run(shared_opts, log)
+        summary["shared"] = shared.summarise(results["shared"])
+        goals += shared.targets(summary["shared"])
+        sections.append(shared.table(results["shared"], summary["shared"]))
     if not args.distributed_only:
         log("CLI start-up (commands that need no torch)")
         # A median of 5 runs per command by default (3 repeats), of 3 with --quick.

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import _sinks
-from ._plan import plan_files
+from ._plan import global_plan, local_plan
 from ._save_job import (
     SaveJob,
     SaveOptions,
@@ -389,13 +389,19 @@ def synchronize(devices: set[torch.device]) -> None:
         sync(d) if d.index is not None else sync()
 
 
-def image_sizes(state: Any) -> list[int]:
+class ImageSizes(list[int]):
+    """The bytes of each data file a save stages, as ``image_sizes`` gives them: what
+    ``AsyncCheckpointer.reserve`` reserves as it is."""
+
+
+def image_sizes(state: Any, *, share: bool = False) -> ImageSizes:
     """The bytes of each data file a save of ``state`` stages (header included), in order.
 
     Flattens the state and lays out its files as a save does (``state_dict()`` calls, no
-    tensor bytes copied).
+    tensor bytes copied); ``share``: as a save that shares data lays them out.
     """
-    return [len(file_header(fp)) + fp.nbytes for fp in plan_files(flatten(state)).files]
+    plan = global_plan([local_plan(flatten(state))], share=share).rank_plan(0)
+    return ImageSizes(len(file_header(fp)) + fp.nbytes for fp in plan.files)
 
 
 _live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
@@ -458,7 +464,9 @@ class AsyncCheckpointer:
         with self._lock:
             if self._closed:
                 raise InvalidArgumentError("this AsyncCheckpointer is closed; create a new one")
-        if isinstance(state_or_nbytes, int) and not isinstance(state_or_nbytes, bool):
+        if isinstance(state_or_nbytes, ImageSizes):
+            images: list[int] = state_or_nbytes
+        elif isinstance(state_or_nbytes, int) and not isinstance(state_or_nbytes, bool):
             if state_or_nbytes < 0:
                 raise InvalidArgumentError(
                     f"reserve() takes a state or a byte count >= 0, got {state_or_nbytes}"
@@ -547,6 +555,11 @@ class AsyncCheckpointer:
                     return None
                 last.exception()  # wait; its error, if any, is raised just below
             self._raise_unobserved()
+            if options.shared is not None and self.pool.max_bytes is not None:
+                # A writer holds a shared object's chunk whole before it writes: under a
+                # budget, a quarter of it at most, so staging always goes on beside it.
+                limit = min(options.share_chunk_bytes, self.pool.max_bytes // 4)
+                options = dataclasses.replace(options, share_chunk_bytes=limit)
             job = make_job(path, state, options)
             # The save's own clock starts after any wait for the previous save, so its
             # blocking and total times describe this save alone.

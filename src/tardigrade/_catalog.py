@@ -13,15 +13,17 @@ import logging
 import math
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, TypeAlias
 
 from ._commit import LOCK, TMP_PREFIX, commit_for, committed, due, size_of
 from ._open import manifest_at, save_id_at
+from ._shared import shared_root, sweeping
 from .errors import CorruptCheckpointError, InvalidArgumentError, TardigradeError
 from .format.jsonio import dumps, loads_strict
-from .format.manifest import LEASE_GENERATION, MANIFEST, Manifest
+from .format.manifest import LEASE_GENERATION, MANIFEST, SHARED_DIR, Manifest, data_path, is_shared
 from .storage import Storage, open_root, storage_for
 from .storage.base import Tidied, grace_cutoff
 
@@ -128,6 +130,21 @@ class Listed:
     created: str | None
     nbytes: int  # bytes of every file under it, as they are in storage
     error: str | None = None
+    # With shared data (format 7): the bytes of the shared objects it references, and of
+    # those no other checkpoint listed references (what deleting it alone would free).
+    shared_bytes: int = 0
+    unique_shared_bytes: int = 0
+    shared: tuple[tuple[str, int], ...] = ()  # the shared objects it references, and sizes
+
+    @property
+    def logical_bytes(self) -> int:
+        """Everything a load of it reads from storage: its own files and its shared data."""
+        return self.nbytes + self.shared_bytes
+
+    @property
+    def unique_bytes(self) -> int:
+        """What deleting it alone frees: its own files and the shared data only it holds."""
+        return self.nbytes + self.unique_shared_bytes
 
 
 class Scan(NamedTuple):
@@ -362,6 +379,7 @@ class Catalog:
         except TardigradeError as e:
             return Listed(name, path, UNREADABLE, step, None, None, size, str(e))
         created = m.get("created")
+        shared = {f["name"]: f["size"] for f in m["files"] if is_shared(f["name"])}
         status = COMMITTED
         try:
             if self.fenced(name):
@@ -377,6 +395,8 @@ class Catalog:
             m.get("epoch"),
             created if isinstance(created, str) else None,
             size,
+            shared_bytes=sum(shared.values()),
+            shared=tuple(sorted(shared.items())),
         )
 
     def listing(self) -> list[Listed]:
@@ -391,7 +411,13 @@ class Catalog:
                 continue
             out.append(self.describe(n))
         out.sort(key=lambda x: (math.inf if x.step is None else x.step, x.name))
-        return out
+        # The shared data each holds alone (an object referenced by no other listed one).
+        held = Counter(o for x in out for o, _ in x.shared)
+        return [
+            replace(x, unique_shared_bytes=sum(n for o, n in x.shared if held[o] == 1))
+            if x.shared else x
+            for x in out
+        ]  # fmt: skip
 
     def set_aside(self, name: str, why: str) -> str:
         """Rename ``name`` to a free ``name.<why>-<time>`` (which listings of steps ignore).
@@ -556,6 +582,64 @@ class Catalog:
                 progress(done[-1])
         return done
 
+    def sweep_shared(
+        self,
+        *,
+        dry_run: bool = False,
+        progress: Callable[[Tidied], None] | None = None,
+        grace: bool = True,
+    ) -> list[Tidied]:
+        """Delete each shared object (``.shared/``) no committed checkpoint here references,
+        never one a save of this process has in flight; with ``grace``, only those older
+        than the grace period (another process's save may have just written one). The
+        caller holds the lease; a manager sweeps without ``grace`` once retention removed
+        checkpoints (its own saves are the only ones in flight, and they pin theirs).
+
+        A manifest that does not read stops the sweep (what it references cannot be told):
+        nothing is deleted, and the log says which."""
+        storage = self.storage
+        objects = self._shared_objects()
+        if not objects:
+            return []
+        cutoff = grace_cutoff(storage.gc_grace_seconds)
+        with sweeping(shared_root(storage.url, "")) as pinned:
+            candidates = [n for n in objects if n not in pinned]
+            stats = {n: storage.stat(n) for n in candidates}
+            if grace:
+                candidates = [n for n in candidates if (st := stats[n]) is not None and due(st, cutoff, None)]  # fmt: skip
+            if not candidates:
+                return []
+            marks = self._mark([n for n in self.names() if self.committed(n)])
+            if marks.kept:
+                log.warning(
+                    "tardigrade: not removing unreferenced shared data under %s: the manifest "
+                    "of %s does not read, so what it references cannot be told",
+                    self.path(SHARED_DIR),
+                    ", ".join(sorted(marks.kept)),
+                )
+                return []
+            dead = [n for n in candidates if n not in marks.files]
+            if dead and not dry_run:
+                storage.delete_many(dead)
+        if not dead:
+            return []
+        nbytes = sum(st.size for n in dead if (st := stats[n]) is not None)
+        done = [Tidied(f"{SHARED_DIR} ({len(dead)} unreferenced objects)", "removed", nbytes)]
+        if progress is not None:
+            progress(done[0])
+        return done
+
+    def _shared_objects(self) -> list[str]:
+        """Every shared object here (``.shared/ab/<hash>.safetensors``)."""
+        storage = self.storage
+        out = []
+        for d in storage.list(SHARED_DIR):
+            for f in storage.list(f"{SHARED_DIR}/{d}"):
+                name = f"{SHARED_DIR}/{d}/{f}"
+                if is_shared(name):
+                    out.append(name)
+        return out
+
     def _mark(self, committed: list[str]) -> _Marks:
         """What the committed manifests at ``committed`` reference (the mark of ``collect``)."""
         marks = _Marks()
@@ -568,7 +652,7 @@ class Catalog:
                 log.warning("tardigrade: leaving %s as it is: %s", self.path(name), e)
                 marks.kept.add(name)
                 continue
-            marks.files.update(f"{name}/{f}" for f in m.files)
+            marks.files.update(data_path(name, f) for f in m.files)
             save_id = m.raw.get("save_id")
             if isinstance(save_id, str) and save_id:
                 marks.owners[name] = self.commit.data_name("", save_id)
@@ -588,6 +672,7 @@ class Catalog:
         ``progress`` is called with each leftover once it is dealt with. The caller holds the
         lease."""
         done = self.collect(dry_run=dry_run, progress=progress)
+        done += self.sweep_shared(dry_run=dry_run, progress=progress)
         done += self.commit.leftovers(dry_run=dry_run, progress=progress)
         done += self.storage.tidy(dry_run=dry_run, progress=progress)
         if fenced and self.fences():  # one stat, once per catalog

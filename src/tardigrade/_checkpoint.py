@@ -18,15 +18,16 @@ import torch
 
 from ._load import check_read_options, load_opened
 from ._match import Key, _plan_reads, _select
-from ._open import _check_refs, open_manifest
+from ._open import _check_refs, manifest_at, open_manifest
 from ._read import DEFAULT_READ_THREADS, _check_sizes, _read_chunks
+from ._tiers import copy_checkpoint
 from ._tree import SparseRef, TensorRef, decode, flatten, path_str, tensor_ref
 from ._verify import VerifyReport, verify_opened
 from .errors import InvalidArgumentError, TardigradeError
 from .format.dtypes import TORCH_DTYPES
 from .format.jsonio import gc_paused
-from .format.manifest import MANIFEST, Manifest, TensorInfo
-from .storage import Storage
+from .format.manifest import MANIFEST, Manifest, TensorInfo, is_shared
+from .storage import Storage, storage_for
 
 __all__ = ["Checkpoint", "DataFile"]
 
@@ -290,3 +291,28 @@ class Checkpoint:
     def verify(self, *, workers: int = DEFAULT_READ_THREADS) -> VerifyReport:
         """Check every byte against its checksums, as ``tg.verify`` does, in this process."""
         return verify_opened(self._storage, self._name, self._m, workers)
+
+    @property
+    def shared(self) -> tuple[DataFile, ...]:
+        """The shared objects it references (format 7: ``.shared/`` beside it), by name."""
+        return tuple(f for f in self.files if is_shared(f.name))
+
+    def copy_to(
+        self,
+        location: str | os.PathLike[str],
+        *,
+        standalone: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> Checkpoint:
+        """Copy this checkpoint to ``location`` (a new checkpoint: a path or URL) with the
+        shared objects it references: into the ``.shared/`` beside the copy (those there
+        already are not copied again), or with ``standalone`` into the copy itself, which then
+        depends on nothing else. Every file's size is checked as it is copied; returns the
+        copy, opened. ``CheckpointExistsError`` if another checkpoint is at ``location``.
+
+        >>> tg.Checkpoint.open("runs/lora/step-000000050").copy_to("/backup/lora-50",
+        ...                                                         standalone=True)  # doctest: +SKIP
+        """
+        dst, to = storage_for(location, storage_options)
+        copy_checkpoint(self._storage, self._name, dst, to=to, standalone=standalone)
+        return Checkpoint(dst, to, manifest_at(dst, to))

@@ -173,6 +173,17 @@ class Commit(abc.ABC):
         """The name a save stores its data file ``file`` under (in the manifest too)."""
         return file
 
+    def shared_target(self, staging: str, where: str) -> str:
+        """Where a save writes the shared object that goes to ``where`` (``publish_shared``
+        puts it there before the save commits): on a store, there at once (an object under
+        its content's name holds those bytes whoever wrote it)."""
+        return where
+
+    def publish_shared(self, written: str, where: str) -> None:
+        """Make the shared object written at ``written`` (``shared_target``) durable at
+        ``where``; the same bytes there already (an earlier save's) are kept."""
+        return None  # a store's writer made it durable there (``shared_target``)
+
     @abc.abstractmethod
     def commit(
         self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
@@ -333,6 +344,30 @@ class RenameCommit(Commit):
 
     def abandon(self, staging: str) -> None:
         self.storage.release(staging)
+
+    def shared_target(self, staging: str, where: str) -> str:
+        """In the save's staging directory (its lock covers it), moved into ``.shared/``
+        once written and fsynced."""
+        return f"{staging}/{where.rpartition('/')[2]}"
+
+    def publish_shared(self, written: str, where: str) -> None:
+        storage = self.storage
+        parent = where.rpartition("/")[0]
+        if storage.make_dir(parent):  # new (with .shared/, maybe): their entries made durable
+            above = parent
+            while above:
+                above = above.rpartition("/")[0]
+                storage.sync(above)
+        try:
+            storage.move(written, where)  # fsyncs the directory it lands in
+        except StorageError as e:
+            if e.errno != errno.EEXIST:
+                raise
+            # An earlier save's object, the same bytes: swapped in where the filesystem can
+            # (a fresh copy then, whose age restarts the grace period), else kept.
+            if storage.exchange(written, where):
+                storage.sync(parent)
+            storage.delete(written)
 
     def retire(self, name: str) -> None:
         """Out of view first (renamed to ``.tmp-deleting-*``), then deleted."""

@@ -24,10 +24,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ._sharding import Box
+from ._shared import SHARE_CHUNK_BYTES, SHARE_MIN_BYTES
 from ._tree import Entry, Flat
 from .errors import InvalidArgumentError
 from .format.dtypes import ITEMSIZE
 from .format.jsonio import gc_paused
+from .format.manifest import SHARED_KEY
 from .format.tiling import TilingError, check_exact_tiling
 
 # A file smaller than this is not worth a thread of its own.
@@ -40,6 +42,8 @@ DEFAULT_MAX_FILES = max(2, min(8, os.cpu_count() or 2))
 CHUNK_BYTES = 16 * 1024 * 1024
 
 REPLICATED, SHARDED, PER_RANK = "replicated", "sharded", "per_rank"
+# In the planned name of a file that holds one chunk a shared object may hold.
+CANDIDATE = "-shared-"
 
 
 class WriteItem(NamedTuple):
@@ -285,7 +289,12 @@ def _save_plan(
         for n, row in enumerate(rows.tolist()):
             e = entries[row[_ENTRY]]
             d = len(e.shape)
-            key = keys[k][n] if keys is not None else f"{e.name}@{row[_TENSOR]}.{row[_INDEX]}"
+            if is_candidate(name):
+                key = SHARED_KEY
+            elif keys is not None:
+                key = keys[k][n]
+            else:
+                key = f"{e.name}@{row[_TENSOR]}.{row[_INDEX]}"
             items.append(
                 WriteItem(
                     row[_ENTRY], key, row[_START], row[_STOP], row[_NBYTES], row[_TENSOR],
@@ -435,12 +444,16 @@ def global_plan(
     *,
     max_files: int = DEFAULT_MAX_FILES,
     chunk_bytes: int = CHUNK_BYTES,
+    share: bool = False,
+    share_chunk_bytes: int = SHARE_CHUNK_BYTES,
 ) -> GlobalPlan:
     """Merge every rank's local plan into the tensor table and each rank's files.
 
     Deterministic: the same local plans give the same global plan. Raises
     InvalidArgumentError when ranks disagree on the shared leaves or the pieces of a sharded
-    tensor do not tile it exactly once.
+    tensor do not tile it exactly once. ``share``: every chunk of ``SHARE_MIN_BYTES`` or
+    more is a file of its own (a candidate shared object: ``is_candidate``), tensors split
+    into chunks of at most ``share_chunk_bytes``.
     """
     return _merge(
         plans[0].shared,
@@ -450,6 +463,7 @@ def global_plan(
         max_files,
         chunk_bytes,
         [p.unstaged for p in plans],
+        share=share_chunk_bytes if share else 0,
     )
 
 
@@ -485,7 +499,10 @@ def _merge(
     max_files: int,
     chunk_bytes: int,
     unstaged: Sequence[tuple[int, ...]] = (),
+    *,
+    share: int = 0,
 ) -> GlobalPlan:
+    """``share``: the largest chunk of a candidate shared object (0: no sharing)."""
     world = len(metas)
     for r in range(1, world):
         if metas[r] != metas[0]:
@@ -495,7 +512,9 @@ def _merge(
                 "state tree; wrap what differs per rank in tg.PerRank."
             )
     table = np.stack(boxes) if world and len(boxes[0]) else np.zeros((world, 0), np.int64)
-    if world == 1:
+    if share:
+        chunk_bytes = min(chunk_bytes, share)
+    elif world == 1:
         # One process: files of similar size, tensors split only to balance them (the
         # layout of every single-process checkpoint so far).
         total = sum(math.prod(e.shape) * ITEMSIZE[e.dtype] for e in (*shared, *owns[0]))
@@ -531,7 +550,7 @@ def _merge(
     rows = _chunk_table(parts, whole, tensors, dims, chunk_bytes)
     rows[:, _OWNER] = _assign(rows[:, _OWNER], rows[:, _NBYTES], subsets, world)
     itemsize = np.array([ITEMSIZE[t.dtype] for t in tensors], dtype=np.int64)
-    names, owners, file_rows = _files(rows, itemsize[rows[:, _TENSOR]], world, max_files)
+    names, owners, file_rows = _files(rows, itemsize[rows[:, _TENSOR]], world, max_files, share)
     entries = tuple((*shared, *own) for own in owns)
     keys = _readable_keys(rows, tensors, entries[0]) if world == 1 else None
     return GlobalPlan(
@@ -644,13 +663,21 @@ def _assign(
 
 
 def _files(
-    rows: np.ndarray, itemsize: np.ndarray, world: int, max_files: int
+    rows: np.ndarray, itemsize: np.ndarray, world: int, max_files: int, share: int = 0
 ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[np.ndarray, ...]]:
-    """Spread each rank's chunks over files of similar size; fills the _FILE column.
+    """Spread each rank's chunks over files of similar size; fills the _FILE column. With
+    ``share`` (the largest chunk of a shared object), each chunk a shared object may hold
+    (from SHARE_MIN_BYTES to twice that: a tensor that cannot be split finer is not one) is a
+    file of its own, after the others.
 
     Returns the file names, their ranks, and each file's rows in file order.
     """
     owner, nbytes = rows[:, _OWNER], rows[:, _NBYTES]
+    alone = (
+        (nbytes >= SHARE_MIN_BYTES) & (nbytes <= 2 * share)
+        if share
+        else np.zeros(len(rows), dtype=bool)
+    )
     by_rank = np.argsort(owner, kind="stable")
     bounds = np.searchsorted(owner[by_rank], np.arange(world + 1))
     # In-file order: largest item size first keeps every tensor aligned to its dtype (as
@@ -660,8 +687,12 @@ def _files(
     file_rows: list[np.ndarray] = []
     for r in range(world):
         mine = by_rank[bounds[r] : bounds[r + 1]]
+        candidates = mine[alone[mine]]
+        mine = mine[~alone[mine]]
         total = int(nbytes[mine].sum())
         n_files = max(1, min(max_files, math.ceil(total / MIN_FILE_BYTES)))
+        if not len(mine) and len(candidates):
+            n_files = 0  # every chunk a shared object: no data file of its own
         bins = np.zeros(len(mine), dtype=np.int64)
         if n_files > 1:
             # Largest first into the least loaded file balances bytes across writer threads.
@@ -677,6 +708,11 @@ def _files(
             rows[sel, _FILE] = len(names)
             file_rows.append(sel)
             names.append(f"{prefix}-{b:05d}-of-{n_files:05d}.safetensors")
+            owners.append(r)
+        for k, row in enumerate(candidates.tolist()):
+            rows[row, _FILE] = len(names)
+            file_rows.append(np.array([row], dtype=np.int64))
+            names.append(f"{prefix}{CANDIDATE}{k:05d}.safetensors")
             owners.append(r)
     return tuple(names), tuple(owners), tuple(file_rows)
 
@@ -705,3 +741,9 @@ def _readable_keys(
 def plan_files(flat: Flat, *, max_files: int = DEFAULT_MAX_FILES) -> SavePlan:
     """The files of a single-process save of ``flat``."""
     return global_plan([local_plan(flat)], max_files=max_files).rank_plan(0)
+
+
+def is_candidate(file: str) -> bool:
+    """Whether planned data file ``file`` holds one chunk a shared object may hold (its name
+    in the checkpoint is decided by its bytes, or it is not written: ``_write``)."""
+    return CANDIDATE in file

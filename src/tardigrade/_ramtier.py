@@ -44,7 +44,7 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,10 +52,18 @@ from ._catalog import STEP_NAMES, Catalog
 from ._commit import committed
 from ._load import load, load_from
 from ._open import save_id_at
+from ._plan import is_candidate
 from ._save_job import SaveJob, SaveResult, file_header
+from ._shared import Held, SharedIndex
 from ._tiers import CopyPlan
-from ._write import ABORT, END, Segment
-from .errors import CorruptCheckpointError, InvalidArgumentError, SaveError, StorageError
+from ._write import ABORT, END, Segment, write_file
+from .errors import (
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    SaveError,
+    StorageError,
+    TardigradeError,
+)
 from .format import limits
 from .format.manifest import MANIFEST, Manifest, parse
 from .storage import LocalStorage, PreconditionFailed, Storage
@@ -366,6 +374,29 @@ class RamTier:
                     self.catalog.retire(n)
                 except OSError as e:
                     log.warning("tardigrade: removing %s from the RAM tier: %s", n, e)
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Remove the shared objects no checkpoint here references (the newest only is kept:
+        those of the ones it replaced go), never one a copy in flight pinned."""
+        try:
+            self.catalog.sweep_shared(grace=False)
+        except (OSError, TardigradeError) as e:
+            log.warning("tardigrade: removing unreferenced shared data from the RAM tier: %s", e)
+
+    def shared_index(self) -> SharedIndex:
+        """The shared objects the checkpoints here reference (a save need not write them),
+        read when a save first asks."""
+
+        def load() -> dict[str, Held]:
+            manifests = []
+            for n in self.catalog.names():
+                if STEP_NAMES.step(n) is not None and self.catalog.committed(n):
+                    with contextlib.suppress(OSError, TardigradeError):  # unreadable: rewritten
+                        manifests.append(self.catalog.manifest(n))
+            return SharedIndex.held_by(manifests)
+
+        return SharedIndex(load=load)
 
     def forget_after(self, step: int) -> None:
         """Remove the checkpoints here of steps after ``step`` (a timeline abandoned)."""
@@ -575,6 +606,8 @@ class RamMirror:
         self._job: SaveJob | None = None
         self._thread: threading.Thread | None = None
         self._out: list[Any] = [None, None]  # staging, failure
+        self._copy: SaveJob | None = None  # the job writing here (its pins: until committed)
+        self._aborted = False
 
     def tee(self, streams: list[queue.SimpleQueue[Any]]) -> list[Any]:
         queues: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in streams]
@@ -599,6 +632,16 @@ class RamMirror:
 
     def after(self, save: Callable[[], SaveResult]) -> SaveResult:
         """Run ``save`` (whose streams feed this mirror); then commit the RAM copy."""
+        try:
+            return self._after(save)
+        finally:
+            if self._copy is not None:
+                published = bool(self._copy.pins)
+                self._copy.unpin()
+                if published and self._aborted:
+                    self.tier.sweep()  # the shared objects it published for nothing
+
+    def _after(self, save: Callable[[], SaveResult]) -> SaveResult:
         try:
             result = save()
         except BaseException:
@@ -646,6 +689,7 @@ class RamMirror:
             self._thread.join()
 
     def _abort(self) -> None:
+        self._aborted = True
         staging = self._out[0]
         if self._job is not None and staging is not None:
             try:
@@ -659,13 +703,29 @@ class RamMirror:
         storage = self.tier.storage
         failure: BaseException | None = None
         staging = None
+        # A shared object: as the disk writer writes it, into this tier's own .shared/
+        # (which holds the ones its newest checkpoint references: those are not rewritten).
+        mine = replace(job, storage=storage, shared=SharedIndex(), pins=[])
+        self._copy = mine
         try:
             self.tier._make_room(_image_bytes(job), keep=job.name)
             staging = self.tier.catalog.commit.begin(job.name, job.header["save_id"])
+            if job.shared is not None:
+                mine.shared = self.tier.shared_index()
         except BaseException as e:
             failure = e
         for i, (fp, get) in enumerate(zip(job.plan.files, self.sources, strict=True)):
             self._reading = i
+            if job.shared is not None and is_candidate(fp.name):
+                if failure is None and staging is not None:
+                    try:
+                        write_file(mine, fp, staging, _blocks(get))  # drains it, whatever fails
+                    except BaseException as e:
+                        failure = e
+                else:
+                    _drain(get)
+                self._reading = i + 1
+                continue
             writer = None
             if failure is None:
                 try:
@@ -704,6 +764,17 @@ class RamMirror:
                 except BaseException as e:
                     failure = failure or e
         return staging, failure
+
+
+def _blocks(get: Callable[[], Any]) -> Iterator[Any]:
+    """A source's blocks up to its end (an ABORT too: the writer raises on it)."""
+    while True:
+        block = get()
+        if block is END:
+            return
+        yield block
+        if block is ABORT:
+            return
 
 
 def _drain(get: Callable[[], Any]) -> None:

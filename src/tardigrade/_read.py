@@ -22,7 +22,7 @@ from ._tree import as_bytes
 from .errors import ChecksumMismatchError, CorruptCheckpointError, InsufficientMemoryError
 from .format import safetensors as st
 from .format.checksum import Hasher
-from .format.manifest import Chunk, Manifest
+from .format.manifest import Chunk, Manifest, data_path
 from .storage import Storage
 
 # Data files read side by side by a load or a verify.
@@ -64,7 +64,7 @@ class _ReadTask:
 def _check_sizes(storage: Storage, name: str, m: Manifest, files: set[str]) -> None:
     """Data files must be as large as the manifest says before anything is allocated for them."""
     for file in sorted(files):
-        with storage.open_reader(f"{name}/{file}") as src:
+        with storage.open_reader(data_path(name, file)) as src:
             _check_size(src, m.files[file])
 
 
@@ -100,7 +100,7 @@ def _read_file(
     """Read ``tasks`` into their targets; with ``unread`` (verify="all"), also check what a full
     ``verify`` checks in this file: its header lists exactly the manifest's chunks, and the
     chunks not read here (``unread``) match their checksums. Each byte is read once."""
-    with storage.open_reader(f"{ckpt}/{file}") as src:
+    with storage.open_reader(data_path(ckpt, file)) as src:
         _check_size(src, size)
         header = st.read_header(
             src, m.header_checksums.get(file) if verify else None, unsealed=not m.sealed
@@ -168,7 +168,7 @@ def _verify_file(
     storage: Storage, ckpt: str, file: str, m: Manifest, chunks: list[tuple[int, Chunk]]
 ) -> int:
     """Check one data file entirely: size, header checksum and keys, every chunk's checksum."""
-    with storage.open_reader(f"{ckpt}/{file}") as src:
+    with storage.open_reader(data_path(ckpt, file)) as src:
         _check_size(src, m.files[file])
         header = st.read_header(src, m.header_checksums.get(file), unsealed=not m.sealed)
         _check_listed(src, header, [c for _, c in chunks])

@@ -13,11 +13,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._async import SaveFuture, default_checkpointer
+from ._open import manifest_at
 from ._save_job import SaveOptions, SaveResult, make_job
+from ._shared import SharedIndex
 from ._write import stream_borrowed, write_and_commit
 from .distributed._collectives import DEFAULT_TIMEOUT, Ranks
 from .distributed._save import save_collective, stage_collective
 from .errors import InvalidArgumentError
+from .storage import storage_for
 
 __all__ = ["SaveResult", "save"]
 
@@ -35,6 +38,7 @@ def save(
     process_group: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
     storage_options: Mapping[str, Any] | None = None,
+    base: str | os.PathLike[str] | None = None,
 ) -> SaveResult | SaveFuture | None:
     """Save ``state`` atomically to the directory ``path``.
 
@@ -77,6 +81,14 @@ def save(
             fsspec URL, its filesystem's arguments); the usual environment variables (AWS_*)
             fill what is not given. A local path takes none. In a collective save each rank
             passes its own (they may differ, e.g. per-rank credentials).
+        ``base``: a committed checkpoint in the same directory as ``path`` to share data
+            with: each chunk of 1 MiB or more is written once, as a shared object in
+            ``.shared/`` beside the checkpoints, and a chunk ``base`` already holds is
+            referenced rather than written (frozen weights, unchanged row blocks). A save
+            with a ``base`` that shares nothing (a plain checkpoint) writes its large chunks
+            as shared objects, for the next save to reference. Delete checkpoints that
+            share data with ``CheckpointManager`` retention or ``tardigrade gc`` (which
+            removes a shared object once no checkpoint references it), not by hand.
 
     >>> tg.save("ckpt/step-100", {"model": model, "optim": opt, "step": 100})  # doctest: +SKIP
     >>> tg.save("s3://bucket/run/step-100", state,
@@ -97,6 +109,7 @@ def save(
         epoch=epoch,
         metrics=metrics,
         storage_options=storage_options,
+        shared=None if base is None else base_index(path, base, storage_options),
     )
     return save_with(path, state, options, async_=async_, process_group=process_group,
                      timeout=timeout)  # fmt: skip
@@ -124,3 +137,22 @@ def save_with(
     # instead of copying them, awaited in the caller.
     job = make_job(path, state, options)
     return write_and_commit(job, stream_borrowed(job))
+
+
+def base_index(
+    path: str | os.PathLike[str], base: Any, storage_options: Mapping[str, Any] | None
+) -> SharedIndex:
+    """The shared objects checkpoint ``base`` references, for a save to ``path`` beside it."""
+    if not isinstance(base, (str, os.PathLike)):
+        raise InvalidArgumentError(
+            f"base must be the path of a committed checkpoint, got {type(base).__name__}"
+        )
+    storage, _ = storage_for(path, storage_options)
+    there, name = storage_for(base, storage_options)
+    if there.url("") != storage.url(""):
+        raise InvalidArgumentError(
+            f"base={there.url(name)} is not in the same directory as {os.fspath(path)!r}: "
+            "shared data lives beside the checkpoints (in .shared/), so a base must be a "
+            "checkpoint of the directory the save goes to"
+        )
+    return SharedIndex.of([manifest_at(there, name)])

@@ -10,10 +10,11 @@ from __future__ import annotations
 import numbers
 import os
 import platform
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -31,6 +32,7 @@ from ._plan import (
     global_plan,
     local_plan,
 )
+from ._shared import SHARE_CHUNK_BYTES, SharedIndex, pin, shared_root, unpin
 from ._tree import Entry, Flat, flatten
 from ._units import gbps
 from ._version import __version__
@@ -48,7 +50,8 @@ class SaveResult:
     """What a committed save did: where, how many bytes, how long the caller was blocked.
 
     Unlike :class:`~tardigrade.SaveStats` (one attempt of a ``CheckpointManager``, failed ones
-    included, without path or files), it describes one save that committed.
+    included, without path or files), it describes one save that committed. ``nbytes`` and
+    ``files``: what it wrote (a save sharing data counts no object it referenced).
     """
 
     path: str
@@ -86,6 +89,15 @@ class SaveOptions:
     # A collective save whose every rank commits the checkpoint (its own data files and the
     # manifest) in a storage of its own: the manager's saves into the RAM tiers alone.
     each_rank_commits: bool = False
+    # Share data (format 7): chunks of SHARE_MIN_BYTES or more as shared objects, those this
+    # index holds referenced rather than written. None: a plain save.
+    shared: SharedIndex | None = None
+    # The largest chunk of a shared object (a writer holds one whole before deciding; under a
+    # staging budget, a fraction of it: ``AsyncCheckpointer.submit``).
+    share_chunk_bytes: int = SHARE_CHUNK_BYTES
+
+
+_claiming = threading.Lock()
 
 
 @dataclass
@@ -102,6 +114,14 @@ class SaveJob:
     # The whole checkpoint's plan, where this process builds the manifest (the coordinator).
     gplan: GlobalPlan | None = None
     blocking_seconds: float | None = None  # set by an async save once staging is done
+    # Sharing data (format 7): the shared objects this save may reference (its base's);
+    # None: every chunk goes into the save's own data files.
+    shared: SharedIndex | None = None
+    pins: list[str] = field(default_factory=list)  # the shared objects this save pinned
+    # Shared object -> the planned file that holds it in this save: a chunk held twice is
+    # one object once, the other copies plain files of the save. One map for the save and
+    # its copies into other tiers (``dataclasses.replace`` keeps it), so all decide alike.
+    claims: dict[str, str] = field(default_factory=dict)
 
     @cached_property
     def commit(self) -> Commit:
@@ -111,6 +131,21 @@ class SaveJob:
     def stored_name(self, file: str) -> str:
         """The name data file ``file`` of the plan has in storage (and the manifest)."""
         return self.commit.data_name(file, self.header["save_id"])
+
+    def pin(self, name: str) -> None:
+        """Pin shared object ``name`` until the save ended (``unpin``): the sweep spares it."""
+        pin(shared_root(self.storage.url, self.name), name)
+        self.pins.append(name)
+
+    def claim(self, name: str, file: str) -> bool:
+        """Whether planned file ``file`` is the one that holds shared object ``name`` in this
+        save (the first to ask, for every tier's writer alike)."""
+        with _claiming:
+            return self.claims.setdefault(name, file) == file
+
+    def unpin(self) -> None:
+        unpin(shared_root(self.storage.url, self.name), self.pins)
+        self.pins.clear()
 
     @property
     def entries(self) -> list[Entry]:
@@ -184,8 +219,16 @@ def make_job(path: str | os.PathLike[str], state: Any, options: SaveOptions) -> 
         flat = flatten(state)
         lplan = local_plan(flat)
         check_manifest_estimate([*lplan.shared, *lplan.own], storage.url(name))
-        gplan = global_plan([lplan], max_files=options.max_files)
-    return SaveJob(storage, name, flat, gplan.rank_plan(0), header, overwrite, started, gplan)
+        gplan = global_plan(
+            [lplan],
+            max_files=options.max_files,
+            share=options.shared is not None,
+            share_chunk_bytes=options.share_chunk_bytes,
+        )
+    return SaveJob(
+        storage, name, flat, gplan.rank_plan(0), header, overwrite, started, gplan,
+        shared=options.shared,
+    )  # fmt: skip
 
 
 # The fewest bytes one tensor adds to a format-4 manifest, beyond its key: its record with one

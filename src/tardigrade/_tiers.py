@@ -35,10 +35,11 @@ from typing import Any
 from ._catalog import Catalog, step_name
 from ._commit import Commit, commit_for, committed
 from ._open import holds_save
+from ._shared import pin, shared_root, unpin
 from .errors import CheckpointExistsError, CorruptCheckpointError, TardigradeError
 from .format import limits
 from .format.jsonio import dumps, loads_strict
-from .format.manifest import MANIFEST, parse, seal
+from .format.manifest import MANIFEST, data_path, is_shared, parse, seal
 from .storage import Storage
 
 log = logging.getLogger("tardigrade")
@@ -71,8 +72,11 @@ def copy_checkpoint(
     replace: bool = False,
     files: Callable[[str], bool] | None = None,
     go: threading.Event | None = None,
+    to: str | None = None,
+    standalone: bool = False,
 ) -> str:
-    """Copy the committed checkpoint ``name`` of ``src`` to ``dst`` under the same name.
+    """Copy the committed checkpoint ``name`` of ``src`` to ``dst`` under the same name (or
+    ``to``).
 
     Returns ``"copied"``, or ``"present"`` when ``dst`` already holds this very save (same
     save id). A different checkpoint already committed there raises CheckpointExistsError
@@ -81,11 +85,13 @@ def copy_checkpoint(
     ``files``: copy only the data files it accepts (one rank's share), and commit the whole
     manifest all the same: a partial copy, for a tier that reads the rest elsewhere.
     ``go``: when given, the copy waits for it to be set before each chunk (``Uploader.held``).
+    The shared objects it references go to ``dst``'s own ``.shared/`` (those there already
+    are not copied); ``standalone``: into the copy itself, which then shares nothing.
     """
-    copy = CopyPlan.of(src, name, dst, replace=replace)
+    copy = CopyPlan.of(src, name, dst, replace=replace, to=to, standalone=standalone)
     if copy is None:
         return "present"
-    staging = copy.into.begin(name, copy.save_id)
+    staging = copy.into.begin(copy.to, copy.save_id)
     try:
         copy.copy_files(staging, files, go)
         copy.commit(staging)
@@ -94,11 +100,13 @@ def copy_checkpoint(
             log.warning(
                 "tardigrade: the copy of %s to %s was committed, though its commit failed: %s",
                 src.url(name),
-                dst.url(name),
+                dst.url(copy.to),
                 e,
             )
             return "copied"
         raise
+    finally:
+        copy.unpin()
     return "copied"
 
 
@@ -118,10 +126,20 @@ class CopyPlan:
     sizes: dict[str, int]
     names: dict[str, str]
     into: Commit  # how copies commit in ``dst``
+    to: str = ""  # the copy's name in ``dst`` (``name``: the same)
+    standalone: bool = False  # shared objects copied into the copy itself
+    pinned: list[str] = field(default_factory=list)  # shared objects pinned in ``dst``
+
+    def __post_init__(self) -> None:
+        self.to = self.to or self.name
 
     @classmethod
-    def of(cls, src: Storage, name: str, dst: Storage, *, replace: bool) -> CopyPlan | None:
-        """The copy of ``name``; None when ``dst`` already holds this very save."""
+    def of(
+        cls, src: Storage, name: str, dst: Storage, *, replace: bool, to: str | None = None,
+        standalone: bool = False,
+    ) -> CopyPlan | None:  # fmt: skip
+        """The copy of ``name`` (to ``to``); None when ``dst`` already holds this very save."""
+        to = to or name
         where = src.url(f"{name}/{MANIFEST}")
         raw = src.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
         manifest = parse(raw, where)
@@ -130,21 +148,29 @@ class CopyPlan:
         if not isinstance(save_id, str) or not save_id:
             raise CorruptCheckpointError(f"{where}: the manifest has no save_id; cannot copy it")
         into = commit_for(dst)
-        if committed(dst, name):
-            there_at = dst.url(f"{name}/{MANIFEST}")
+        if committed(dst, to):
+            there_at = dst.url(f"{to}/{MANIFEST}")
             there = loads_strict(
-                dst.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES), there_at
+                dst.read_bytes(f"{to}/{MANIFEST}", limits.MAX_MANIFEST_BYTES), there_at
             )
             if isinstance(there, dict) and there.get("save_id") == save_id:
                 return None
             if not replace:
                 raise CheckpointExistsError(
-                    f"{dst.url(name)}: another checkpoint (save {there.get('save_id')!r}) is "
+                    f"{dst.url(to)}: another checkpoint (save {there.get('save_id')!r}) is "
                     f"committed there; not replacing it with {src.url(name)}."
                 )
-        names = {file: into.data_name(file.split(".", 1)[1] if _stored(file, save_id) else file,
-                                      save_id) for file in manifest.files}  # fmt: skip
-        return cls(src, name, dst, replace, raw, doc, save_id, dict(manifest.files), names, into)
+        # A shared object keeps its name (its content's) on every tier, or (``standalone``)
+        # becomes a data file of the copy.
+        names = {}
+        for file in manifest.files:
+            if is_shared(file):
+                names[file] = f"shared-{file.rpartition('/')[2]}" if standalone else file
+            else:
+                plain = file.split(".", 1)[1] if _stored(file, save_id) else file
+                names[file] = into.data_name(plain, save_id)
+        return cls(src, name, dst, replace, raw, doc, save_id, dict(manifest.files), names, into,
+                   to, standalone)  # fmt: skip
 
     def copy_files(
         self,
@@ -153,11 +179,30 @@ class CopyPlan:
         go: threading.Event | None = None,
     ) -> None:
         """Copy the data files (those ``files`` accepts) into ``staging`` (``dst.begin``'s),
-        waiting for ``go`` before each chunk when given."""
+        waiting for ``go`` before each chunk when given. A shared object ``dst`` holds
+        already is not copied (it is pinned there until the copy ended: ``unpin``); one it
+        lacks is published under its ``.shared/`` before the commit."""
         for file, size in self.sizes.items():
-            if files is None or files(file):
-                src_name, dst_name = f"{self.name}/{file}", f"{staging}/{self.names[file]}"
+            if files is not None and not files(file):
+                continue
+            if not is_shared(file) or self.standalone:
+                src_name, dst_name = data_path(self.name, file), f"{staging}/{self.names[file]}"
                 _copy_file(self.src, src_name, self.dst, dst_name, size, go)
+                continue
+            where = data_path(self.to, file)
+            pin(shared_root(self.dst.url, self.to), file)
+            self.pinned.append(file)
+            there = self.dst.stat(where)
+            if there is not None and there.size == size:
+                continue
+            target = self.into.shared_target(staging, where)
+            _copy_file(self.src, data_path(self.name, file), self.dst, target, size, go)
+            self.into.publish_shared(target, where)
+
+    def unpin(self) -> None:
+        """The copy ended: ``dst``'s sweep may take the shared objects it pinned."""
+        unpin(shared_root(self.dst.url, self.to), self.pinned)
+        self.pinned.clear()
 
     def commit(self, staging: str) -> None:
         """Commit the manifest, its file names rewritten for ``dst`` and its checksum resealed."""
@@ -165,8 +210,8 @@ class CopyPlan:
         doc.pop("manifest_checksum", None)
         body = dumps(_renamed(doc, self.names))
         new = seal(body) if b'"manifest_checksum"' in self.raw[-200:] else body
-        parse(new, self.dst.url(f"{self.name}/{MANIFEST}"))  # what is committed loads
-        self.into.commit(staging, self.name, new, save_id=self.save_id, replace=self.replace)
+        parse(new, self.dst.url(f"{self.to}/{MANIFEST}"))  # what is committed loads
+        self.into.commit(staging, self.to, new, save_id=self.save_id, replace=self.replace)
 
     def end(self, staging: str) -> bool | None:
         """After a copy failed: whether it committed nonetheless (a commit whose reply was
@@ -176,18 +221,18 @@ class CopyPlan:
         committed = self.committed()
         if committed is False:
             try:
-                self.into.abort(staging, self.name, self.save_id)
+                self.into.abort(staging, self.to, self.save_id)
                 return False
             except Exception as e:
                 log.warning(
-                    "tardigrade: cleaning up a failed copy to %s: %s", self.dst.url(self.name), e
+                    "tardigrade: cleaning up a failed copy to %s: %s", self.dst.url(self.to), e
                 )
         self.into.abandon(staging)  # for tidy (gc, the next manager) to remove, if uncommitted
         return committed
 
     def committed(self) -> bool | None:
         """Whether ``dst`` holds this copy's manifest (None: it could not be read)."""
-        return holds_save(self.dst, self.name, self.save_id)
+        return holds_save(self.dst, self.to, self.save_id)
 
 
 class Gate(threading.Event):
@@ -286,6 +331,9 @@ def copy_on_ranks(
             assert plan[0] is not None
             plan[0].end(made[0])
         raise
+    finally:
+        if plan[0] is not None:
+            plan[0].unpin()
     return "copied"
 
 
@@ -538,6 +586,12 @@ class Uploader:
                 catalog.retire(step_name(step))
             except TardigradeError as e:
                 log.warning("tardigrade: retiring step %d on %s: %s", step, self.remote.root, e)
+        try:  # the shared data only the retired checkpoints referenced (its own reachability)
+            catalog.sweep_shared(grace=False)
+        except (OSError, TardigradeError) as e:
+            log.warning(
+                "tardigrade: removing unreferenced shared data on %s: %s", self.remote.root, e
+            )
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until nothing is pending; False if ``timeout`` passed first."""

@@ -8,6 +8,7 @@ fsyncs it, then writes the manifest last and makes the checkpoint visible atomic
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import logging
@@ -20,7 +21,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ._open import holds_save
-from ._plan import PER_RANK, REPLICATED, FilePlan, GlobalPlan
+from ._plan import DEFAULT_MAX_FILES, PER_RANK, REPLICATED, FilePlan, GlobalPlan, is_candidate
 from ._save_job import (
     SaveJob,
     SaveResult,
@@ -33,9 +34,19 @@ from ._tree import as_bytes
 from .errors import DistributedError, SaveError, StorageError, TardigradeError
 from .format import limits
 from .format import safetensors as st
-from .format.checksum import Hasher, checksum
+from .format.checksum import Hasher, Identity, checksum
 from .format.jsonio import check_parse_cost, dumps, gc_paused, parse_cost
-from .format.manifest import COLUMNAR_VERSION, MANIFEST, PACKED_VERSION, seal, validate
+from .format.manifest import (
+    COLUMNAR_VERSION,
+    MANIFEST,
+    PACKED_VERSION,
+    SHARED_KEY,
+    SHARED_VERSION,
+    data_path,
+    seal,
+    shared_name,
+    validate,
+)
 
 log = logging.getLogger("tardigrade")
 
@@ -103,6 +114,10 @@ class WrittenFile:
     size: int
     header_checksum: str
     checksums: str  # every item's checksum (16 hex digits), in file order, back to back
+    # A shared object's name (the file's name in the manifest), and whether this save wrote
+    # it (False: the target held it already, and the manifest references it).
+    shared: str | None = None
+    written: bool = True
 
 
 class _Layout:
@@ -165,8 +180,79 @@ class _Layout:
             )
 
 
-def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]) -> WrittenFile:
-    """Stream one data file: header, then each item's bytes, hashed on the way; then fsync.
+def write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]) -> WrittenFile:
+    """Write data file ``fp`` of the save from its stream (see ``_write_data``); a candidate
+    shared object (``is_candidate``) of a save that shares data is hashed first, and written
+    only where its target does not hold it yet (``_write_shared``)."""
+    if job.shared is not None and is_candidate(fp.name):
+        return _write_shared(job, fp, staging, segments)
+    stored = job.commit.data_name(fp.name, job.header["save_id"])
+    return _write_data(job, fp, f"{staging}/{stored}", segments)
+
+
+def _write_shared(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]) -> WrittenFile:
+    """One chunk as a shared object: its whole stream is taken (one chunk of at most
+    ``SHARE_CHUNK_BYTES`` x 2), its file hashed (``Identity``: the object's name), then
+    referenced when the save's index holds that object and it is there, else written under
+    staging and published under ``.shared/`` (``Commit.publish_shared``) before the commit."""
+    assert job.shared is not None
+    held: list[Any] = []
+    stream = iter(segments)
+    ended = False  # the stream's END or ABORT was taken: nothing more will come
+    try:
+        for seg in stream:
+            if seg is END or seg is ABORT:
+                ended = True
+                if seg is ABORT:
+                    raise SaveError(f"{job.storage.url(job.name)}: staging failed")
+                break
+            held.append(seg)
+        ended = True
+        identity = Identity()
+        if not held or not isinstance(held[0], Block):
+            identity.update(file_header(fp))
+        for seg in held:
+            identity.update(seg.data)
+        name = shared_name(identity.hexdigest())
+        mine = job.claim(name, fp.name)
+        if mine:
+            job.pin(name)
+        known = job.shared.get(name) if mine else None
+        where = data_path(job.name, name)
+        if known is not None:
+            there = job.storage.stat(where)
+            if there is not None and there.size == known.size:
+                _release(held)  # referenced, not written: the staged copy goes back
+                return WrittenFile(known.size, known.header_checksum, known.checksum, name, False)
+            log.warning(
+                "tardigrade: %s, which the previous checkpoint references, is %s; writing it again",
+                job.storage.url(where),
+                "missing" if there is None else f"{there.size} bytes, not {known.size}",
+            )
+    except BaseException:
+        _release(held)
+        if not ended:  # drained to its end: every staging buffer must come back
+            _discard(stream)
+        raise
+    if not mine:
+        # Another chunk of this save holds the same bytes: this copy is a plain data file.
+        stored = job.commit.data_name(fp.name, job.header["save_id"])
+        return _write_data(job, fp, f"{staging}/{stored}", [*held, END])
+    target = job.commit.shared_target(staging, name)
+    written = _write_data(job, fp, target, [*held, END])
+    job.commit.publish_shared(target, where)
+    return dataclasses.replace(written, shared=name)
+
+
+def _release(segments: list[Any]) -> None:
+    for seg in segments:
+        if seg.done is not None:
+            seg.done()
+
+
+def _write_data(job: SaveJob, fp: FilePlan, path: str, segments: Iterable[Any]) -> WrittenFile:
+    """Stream one data file to ``path``: header, then each item's bytes, hashed on the way;
+    then fsync.
 
     The stream holds Segments (one item's bytes; the header is written here) or, for an async
     save, Blocks (runs of the whole file image, header included). Which one is told by the
@@ -187,8 +273,7 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
     try:
         head = file_header(fp)
         layout = _Layout(job.storage.url(f"{job.name}/{fp.name}"), head, fp)
-        stored = job.commit.data_name(fp.name, job.header["save_id"])
-        writer = job.storage.open_writer(f"{staging}/{stored}", size_hint=len(head) + fp.nbytes)
+        writer = job.storage.open_writer(path, size_hint=len(head) + fp.nbytes)
     except BaseException as e:
         failure = e
     # Drain the whole stream even after a failure: every segment must release its staging
@@ -256,7 +341,7 @@ def _write_file(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any
     assert layout is not None
     # The storage says how many bytes it kept: a write that lost some without an error (a
     # faulty disk or store) is found here, before the manifest points at the file.
-    kept = job.storage.stat(f"{staging}/{stored}")
+    kept = job.storage.stat(path)
     if kept is None or kept.size != layout.pos:
         raise StorageError(
             errno.EIO,
@@ -361,6 +446,8 @@ def manifest_doc(
     holds a ``packed`` list or tuple (any rank's, ``packed``) makes it format 6, which older
     readers refuse by its version rather than misread.
     """
+    # Each file's name in the manifest: a shared object's, else its stored name.
+    names = [written[n].shared or stored_name(n) for n in gplan.files]
     # Each chunk's checksum, by table row: files report theirs in file order.
     sums = np.zeros(len(gplan.table), dtype="S16")
     for name, file_rows in zip(gplan.files, gplan.file_rows, strict=True):
@@ -389,26 +476,31 @@ def manifest_doc(
         else:
             assert gplan.keys is not None
             record["chunks"] = [
-                {"file": stored_name(gplan.files[f]), "key": gplan.keys[r], "offsets": o, "shape": n,
-                 "checksum": sums[r].decode()}
+                {"file": names[f],
+                 "key": SHARED_KEY if is_candidate(gplan.files[f]) else gplan.keys[r],
+                 "offsets": o, "shape": n, "checksum": sums[r].decode()}
                 for r, f, o, n in zip(range(bounds[i], bounds[i + 1]),
                                       files.tolist(), offsets.tolist(),
                                       shapes.tolist(), strict=True)
             ]  # fmt: skip
         tensors.append(record)
+    shares = any(w.shared is not None for w in written.values())
+    listed: dict[str, dict[str, Any]] = {}  # one entry per file: equal chunks, one object
+    for planned, name in zip(gplan.files, names, strict=True):
+        w = written[planned]
+        listed.setdefault(
+            name, {"name": name, "size": w.size, "header_checksum": w.header_checksum}
+        )
+    if shares:
+        version = SHARED_VERSION
+    elif packed:
+        version = PACKED_VERSION
+    else:
+        version = COLUMNAR_VERSION if columnar else header["format_version"]
     doc = {
         **header,
-        "format_version": (
-            PACKED_VERSION if packed else COLUMNAR_VERSION if columnar else header["format_version"]
-        ),
-        "files": [
-            {
-                "name": stored_name(n),
-                "size": written[n].size,
-                "header_checksum": written[n].header_checksum,
-            }
-            for n in gplan.files
-        ],
+        "format_version": version,
+        "files": list(listed.values()),
         "tensors": tensors,
         "tree": tree,
     }
@@ -476,14 +568,42 @@ def write_files(
 ) -> dict[str, WrittenFile]:
     """Write this process's data files into ``staging``, each from its stream, in parallel."""
     files = job.plan.files
-    results = in_threads(
-        [
-            functools.partial(_write_file, job, fp, staging, stream)
-            for fp, stream in zip(files, streams, strict=True)
-        ],
-        "tardigrade-write",
-    )
+    calls = [
+        functools.partial(write_file, job, fp, staging, stream)
+        for fp, stream in zip(files, streams, strict=True)
+    ]
+    results = in_workers(calls, DEFAULT_MAX_FILES, "tardigrade-write")
     return {fp.name: w for fp, w in zip(files, results, strict=True)}
+
+
+def in_workers(calls: Sequence[Callable[[], Any]], workers: int, name: str) -> list[Any]:
+    """``in_threads`` with at most ``workers`` threads, each taking the next call in order
+    (a save sharing data has a file per large chunk; streams are staged in file order, so
+    the files are written in that order too). After a failure the remaining calls still run:
+    each drains its stream, whose staging buffers must come back."""
+    if len(calls) <= workers:
+        return in_threads(calls, name)
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+    turn = iter(range(len(calls)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = next(turn, None)
+            if i is None:
+                return
+            try:
+                results[i] = calls[i]()
+            except BaseException as e:
+                with lock:
+                    errors.append(e)
+
+    in_threads([work] * workers, name)
+    if errors:
+        raise errors[0]
+    return results
 
 
 def commit_staging(job: SaveJob, staging: str, manifest: bytes) -> None:
@@ -630,4 +750,7 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
         if staging is not None:
             end_staging(job, staging, committed)
         raise_save_error(job, e, committed)
-    return save_result(job, sum(w.size for w in written.values()) + len(manifest), len(written))
+    finally:
+        job.unpin()
+    mine = [w for w in written.values() if w.written]
+    return save_result(job, sum(w.size for w in mine) + len(manifest), len(mine))

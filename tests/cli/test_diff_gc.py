@@ -100,7 +100,9 @@ def test_diff_reads_bytes_when_the_layouts_differ(
     from tardigrade import _save_job
 
     real_plan = _save_job.global_plan
-    monkeypatch.setattr(_save_job, "global_plan", lambda p, max_files: real_plan(p, max_files=4))
+    monkeypatch.setattr(
+        _save_job, "global_plan", lambda p, max_files, **kw: real_plan(p, max_files=4, **kw)
+    )
     tg.save(tmp_path / "split", big)  # split by rows across files
     assert len(list((tmp_path / "split").glob("data-*"))) > 1
     rc, out, _ = cli(capsys, "diff", tmp_path / "one", tmp_path / "split")

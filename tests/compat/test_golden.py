@@ -1,4 +1,4 @@
-"""The golden checkpoints of every format version keep loading (``v1/ckpt`` ... ``v6/ckpt``).
+"""The golden checkpoints of every format version keep loading (``v1/ckpt`` ... ``v7/root``).
 
 Each was made once by its ``vN/make_fixture.py`` from the same state and seeds, so every value
 is checked against the same literals or deterministic re-creation written out here (not
@@ -683,3 +683,34 @@ def test_v6_packed_lists_load_exactly(name: str) -> None:
         assert state["mine"] == list(range(70))  # one process is rank 0
         rank1 = decode(m["per_rank"][1][0], lambda n, p: None, "golden")
         assert rank1 == [1000 + i for i in range(70)]
+
+
+# Format v7: shared data. Two checkpoints of one root reference one shared object.
+V7_MANIFESTS = {
+    "step-1": "d2c4579331b01ca2927cf6fac7d7ac8228bc32db14dcd3646f59fde00301b4ab",
+    "step-2": "e07a53c961d72f37075b0af01654043ac10a96c1ad662f2fbcacd6c6de57ce63",
+}
+V7_OBJECT = ".shared/bf/bf833c5e65412dc18c9c22256741d800.safetensors"
+V7_OBJECT_SHA256 = "d532b4fa304e16a25d59b40d5d5896d21d67a9d76641fbd4b3cb2d7707860a94"
+
+
+@pytest.mark.parametrize("name", list(V7_MANIFESTS))
+def test_v7_checkpoints_sharing_an_object_load_exactly(name: str) -> None:
+    root = HERE / "v7" / "root"
+    ckpt = root / name
+    raw = (ckpt / "manifest.json").read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == V7_MANIFESTS[name]
+    assert hashlib.sha256((root / V7_OBJECT).read_bytes()).hexdigest() == V7_OBJECT_SHA256
+    m = tg.read_manifest(ckpt)
+    assert m["format_version"] == 7
+    assert V7_OBJECT in [f["name"] for f in m["files"]]
+    assert tg.verify(ckpt).nbytes > 1 << 20
+    step = int(name.removeprefix("step-"))
+    state = tg.load(ckpt)
+    assert state["step"] == step
+    assert_tensor(state["base"], torch.arange(262144, dtype=torch.float32).reshape(256, 1024) / 7)
+    assert_tensor(state["adapter"], torch.full((4, 8), float(step)))
+    # The shared object is a plain safetensors file of its one chunk.
+    with safe_open(str(root / V7_OBJECT), framework="pt") as f:
+        assert list(f.keys()) == ["t"]
+        assert torch.equal(f.get_tensor("t"), state["base"])

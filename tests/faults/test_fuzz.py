@@ -16,7 +16,7 @@ import pytest
 
 HARNESS = Path(__file__).resolve().parents[1] / "fuzz" / "fuzz.py"
 FIXTURES = Path(__file__).resolve().parent / "fuzz_fixtures"
-BOUNDED_CASES = 3000
+BOUNDED_CASES = 3750  # 750 a corpus
 
 
 def _harness() -> Any:
@@ -30,8 +30,9 @@ def _harness() -> Any:
 
 @pytest.mark.timeout(600)
 def test_bounded_fuzz_run_finds_nothing() -> None:
-    """>= 3,000 mutations of a fresh, the golden v1 and the golden distributed v5 and v6
-    checkpoints (chunk columns, per-rank parts, packed lists; resealed half the time): every
+    """>= 3,750 mutations of a fresh, the golden v1, the golden distributed v5 and v6
+    checkpoints (chunk columns, per-rank parts, packed lists) and the golden v7 one (a shared
+    object beside it), resealed half the time: every
     outcome is a correct load or a TardigradeError; nothing slow, hung, crashed, out of memory
     or silently different (except edits to the v1 manifest, which has no checksum: counted
     apart)."""
@@ -47,7 +48,7 @@ def test_bounded_fuzz_run_finds_nothing() -> None:
     tally = summary["tally"]
     assert summary["cases"] >= BOUNDED_CASES
     # The newer formats seal their manifest: no edit anywhere may load a different value.
-    for corpus in ("fresh", "v5", "v6"):
+    for corpus in ("fresh", "v5", "v6", "v7"):
         assert "silent-unchecksummed-manifest" not in tally[corpus], tally
     # The harness reaches deep: many cases load, many are refused, in every corpus.
     for corpus in fuzz.CORPORA:

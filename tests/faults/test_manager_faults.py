@@ -552,6 +552,7 @@ def test_full_disk_raise_mode(small_tmpfs: Path):
     state = {"w": torch.zeros(10 * 1024 * 1024 // 4)}  # 10 MiB: fits once only
     with tg.CheckpointManager(d, state, on_save_error="raise", async_save=False) as mgr:
         assert mgr.save(1) is True
+        state["w"].add_(1)  # new bytes (the same ones would be shared, taking no room)
         with pytest.raises(SaveError, match="No space left"):
             mgr.save(2)
         assert mgr.steps() == [1]

@@ -26,7 +26,9 @@ The oracle, per target:
 Corpora: "fresh" is saved by the Tardigrade under test (so it has the newest format), "v1" is
 the golden format-1 checkpoint in tests/compat/v1/ckpt, "v5" the golden distributed one (two
 ranks: chunks as columns, a row-sharded tensor, per-rank parts; tests/compat/v5/ckpt), "v6" the
-golden two-rank save with packed lists (tests/compat/v6/ckpt-2ranks). The distributed ones are
+golden two-rank save with packed lists (tests/compat/v6/ckpt-2ranks), "v7" the golden save
+that shares data (tests/compat/v7/root/step-2, its base a shared object beside it: the manifest
+edits reach its references). The distributed ones are
 read in one process, as rank 0, as a job restarted on one rank reads them.
 
 Cases run in a few long-lived worker processes (spawning python+torch per case would cost a
@@ -62,6 +64,7 @@ V1_CKPT = REPO / "tests" / "compat" / "v1" / "ckpt"
 GOLDEN = {
     "v5": REPO / "tests" / "compat" / "v5" / "ckpt",
     "v6": REPO / "tests" / "compat" / "v6" / "ckpt-2ranks",
+    "v7": REPO / "tests" / "compat" / "v7" / "root" / "step-2",  # its data: a shared object
 }
 CORPORA = ("fresh", "v1", *GOLDEN)
 FIXTURES = REPO / "tests" / "faults" / "fuzz_fixtures"
@@ -161,7 +164,14 @@ def v6_state(step: int) -> dict[str, Any]:
     return {"perm": [], "floats": (), "short": [], "w": torch.zeros(6), "mine": tg.PerRank([])}
 
 
-STATES = {"fresh": live_state, "v1": live_state, "v5": v5_state, "v6": v6_state}
+def v7_state(step: int) -> dict[str, Any]:
+    """A live state the golden v7 checkpoint (shared data) restores into."""
+    import torch
+
+    return {"base": torch.zeros(256, 1024), "adapter": torch.zeros(4, 8), "step": step}
+
+
+STATES = {"fresh": live_state, "v1": live_state, "v5": v5_state, "v6": v6_state, "v7": v7_state}
 
 
 def build_corpora(root: Path) -> dict[str, Path]:
@@ -181,6 +191,8 @@ def build_corpora(root: Path) -> dict[str, Path]:
     for name, golden in GOLDEN.items():
         shutil.copytree(golden, root / name / OLDER_DIR)
         shutil.copytree(golden, root / name / STEP_DIR)
+        if (golden.parent / ".shared").is_dir():  # the shared data both reference
+            shutil.copytree(golden.parent / ".shared", root / name / ".shared")
         out[name] = root / name
     return out
 
@@ -685,6 +697,11 @@ class Worker:
         # the run directory back before each case).
         self.expect_restore = {s: self._restored(self.run, s) for s in (7, 5)}
         self.pristine = {p.name: p.read_bytes() for p in (corpus / STEP_DIR).iterdir()}
+        # The shared objects beside the checkpoints (v7), which both reference: kept as is.
+        self.shared = {
+            p.relative_to(corpus).as_posix(): p.read_bytes()
+            for p in (corpus / ".shared").glob("*/*")
+        }
         self.dirty: set[str] = set()
         raw = self.pristine[MANIFEST]
         self.checksummed_manifest = b'"manifest_checksum"' in raw
@@ -716,8 +733,14 @@ class Worker:
                 p.write_bytes(data)
         self.dirty = set()
         for p in self.run.iterdir():  # whatever a manager left beside the checkpoints
-            if p.name not in (STEP_DIR, OLDER_DIR):
+            if p.name not in (STEP_DIR, OLDER_DIR, ".shared"):
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else os.unlink(p)
+        for name, data in self.shared.items():
+            p = self.run / name
+            if not p.is_file() or p.is_symlink() or p.stat().st_size != len(data):
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.unlink(missing_ok=True)
+                p.write_bytes(data)
         self.outside.unlink(missing_ok=True)
         return ckpt
 

@@ -10,6 +10,7 @@ examples, and is not searched.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -210,7 +211,9 @@ TOUR_MARKER = 'with tg.CheckpointManager("tour/run", state'
 OPTIONS_MARKER = "/runs/options/step-000000001"
 FSSPEC_MARKER = 'fsspec.register_implementation("scratch", Scratch)'
 CONFORMANCE_MARKER = "class TestStoreTidy(conformance.StoreTidyContract): ..."
+LORA_MARKER = 'with tg.CheckpointManager("runs/lora", state'
 OWN_TESTS = [
+    LORA_MARKER,
     "FaultyStorage(",
     "tg.Checkpoint.open(",
     "tg.SeededDataset(Jitter())",
@@ -227,6 +230,20 @@ OWN_TESTS = [
     FSSPEC_MARKER,
     CONFORMANCE_MARKER,
 ]
+
+
+def test_lora_example_writes_the_base_once_and_resumes(tmp_path: Path) -> None:
+    """The fine-tuning example: the first save writes the 8 MiB base, the later ones its
+    adapter and optimizer only; run again, it restores step 50 and saves nothing more."""
+    code = readme_block(LORA_MARKER)
+    run = run_example(code, tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    written = json.loads(run.stdout.splitlines()[-1])
+    assert len(written) == 5 and written[0] > 8 << 20, written
+    assert all(n < 300_000 for n in written[1:]), written  # adapter, moments, biases
+    assert len(list((tmp_path / "runs" / "lora" / ".shared").rglob("*.safetensors"))) == 2
+    again = run_example(code, tmp_path)
+    assert again.returncode == 0 and again.stdout.splitlines()[-1] == "[]", again.stdout
 
 
 def test_conformance_example_runs_the_suite_on_a_users_backend(tmp_path: Path) -> None:

@@ -53,6 +53,10 @@ from pathlib import Path
 from typing import Any
 
 N = 16384  # elements of w and m
+# Elements of "frozen" (never changes: one shared object every checkpoint references) and
+# "slow" (changes every 3rd step: objects written, referenced again, then swept): over 1 MiB
+# of float32 each, so a single process's saves share them (format 7).
+SHARED_N = 300_000
 ROWS, COLS = 48, 64  # the sharded table of the two-rank jobs
 STEP_NAME = re.compile(r"^step-(\d{9,})$")
 ABANDONED_NAME = re.compile(r"^step-(\d{9,})\.abandoned-[0-9T]+(-\d+)?$")
@@ -62,7 +66,7 @@ WEIGHTS = (25, 15, 10, 10, 10, 15, 8, 7)
 # Python functions whose lines the "gc" and "retention" moments count, with all they call (the
 # local cleanup removes directories with os calls, which the storage kill points do not see).
 TRACED = {
-    "gc": ["storage.local.LocalStorage.tidy"],
+    "gc": ["storage.local.LocalStorage.tidy", "_catalog.Catalog.sweep_shared"],
     "retention": ["manager._retainer.Retainer.retain"],
 }
 
@@ -81,6 +85,7 @@ def make_state(rank: int, world: int) -> dict[str, Any]:
 
     # "saved_by": the cycle whose job saved a checkpoint (set after each restore).
     state: dict[str, Any] = {"w": torch.zeros(N), "m": torch.zeros(N), "step": 0, "saved_by": 0}
+    state.update(frozen=torch.arange(SHARED_N, dtype=torch.float32), slow=torch.zeros(SHARED_N))
     if world == 1:
         state["rng"] = tg.RNGState()
     else:
@@ -100,6 +105,7 @@ def advance(state: dict[str, Any], step: int, rank: int, world: int, g0: Any = N
         noise += 1e-3 * (torch.randn(N, generator=g0) if g0 is not None else torch.randn(N))
     state["m"].mul_(0.9).add_(noise)
     state["w"].sub_(0.01 * state["m"])
+    state["slow"].fill_(float(step // 3))
     if world > 1:
         table = torch.randn(ROWS, COLS, generator=g)
         emb = state["emb"]
@@ -365,6 +371,9 @@ class Reference:
 
         if self.state is None:
             self.state = {"w": torch.zeros(N), "m": torch.zeros(N), "step": 0}
+            self.state.update(
+                frozen=torch.arange(SHARED_N, dtype=torch.float32), slow=torch.zeros(SHARED_N)
+            )
             if self.world > 1:
                 self.state["emb"] = torch.zeros(ROWS, COLS)
             self.g0 = torch.Generator().manual_seed(0)
@@ -377,7 +386,7 @@ class Reference:
 
 def state_digest(tree: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    for key in ("w", "m", "emb"):
+    for key in ("w", "m", "emb", "frozen", "slow"):
         if key in tree:
             h.update(key.encode())
             h.update(tree[key].contiguous().numpy().tobytes())
@@ -402,6 +411,8 @@ class Soak:
     max_abandoned: int = 0  # checkpoints of abandoned timelines set aside at once
     checkpoints_verified: int = 0
     max_leftovers: int = 0
+    max_unreferenced: int = 0  # shared objects no visible checkpoint references, at a check
+    shared_swept: int = 0  # such objects a final sweep removed (every checkpoint still whole)
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -413,7 +424,8 @@ class Soak:
             f"{dict(self.by_phase)}; {self.resumes_checked} resumes checked ({self.rewinds} "
             f"rewinds, at most {self.max_abandoned} abandoned set aside), "
             f"{self.checkpoints_verified} checkpoint verifications, at most "
-            f"{self.max_leftovers} leftovers; {len(self.problems)} problem(s)"
+            f"{self.max_leftovers} leftovers and {self.max_unreferenced} unreferenced shared "
+            f"objects ({self.shared_swept} swept at the end); {len(self.problems)} problem(s)"
         )
 
 
@@ -638,6 +650,8 @@ def run_soak(
     finally:
         zyg.close()
         soak.seconds = time.monotonic() - started
+    for world in (1, 2):
+        _final_sweep(soak, root / f"world{world}", tg)
     if workdir is None and not soak.problems:
         shutil.rmtree(root, ignore_errors=True)
     return soak
@@ -699,7 +713,7 @@ def _check_cycle(
             visible.append(int(m.group(1)))
         elif ABANDONED_NAME.match(name):
             set_aside += 1
-        elif name != ".lock":
+        elif name not in (".lock", ".shared"):
             soak.problems.append(f"{where}: unexpected {d / name} in the directory")
     soak.max_leftovers = max(soak.max_leftovers, leftovers)
     soak.max_abandoned = max(soak.max_abandoned, set_aside)
@@ -726,6 +740,10 @@ def _check_cycle(
                 f"{where}: {path} verifies but does not hold the state of step {s} "
                 f"(it says step {tree.get('step')})"
             )
+    unreferenced = _unreferenced(d, tg)
+    soak.max_unreferenced = max(soak.max_unreferenced, len(unreferenced))
+    if len(unreferenced) > 12:
+        soak.problems.append(f"{where}: {len(unreferenced)} unreferenced shared objects pile up")
     newest = max(visible, default=None)
     if known[world] is not None and (newest is None or newest < known[world]):
         soak.problems.append(
@@ -738,6 +756,41 @@ def _check_cycle(
     seen[world] = now
     if newest is not None:
         known[world] = max(newest, known[world] or 0)
+
+
+def _unreferenced(d: Path, tg: Any) -> list[str]:
+    """The shared objects under ``d`` that no checkpoint there (visible or set aside)
+    references."""
+    shared = d / ".shared"
+    if not shared.is_dir():
+        return []
+    held = {p.relative_to(d).as_posix() for p in shared.glob("*/*.safetensors")}
+    for ckpt in d.iterdir():
+        if (ckpt / "manifest.json").is_file():
+            try:
+                held -= {f["name"] for f in tg.read_manifest(ckpt)["files"]}
+            except Exception:
+                return []  # unreadable: its check reports it
+    return sorted(held)
+
+
+def _final_sweep(soak: Soak, d: Path, tg: Any) -> None:
+    """What a manager's sweep does after retention, on what the kills left: every shared
+    object no checkpoint references goes, and every checkpoint still verifies."""
+    if not d.is_dir():
+        return
+    before = len(_unreferenced(d, tg))
+    tg.Catalog(d).sweep_shared(grace=False)
+    soak.shared_swept += before
+    if _unreferenced(d, tg):
+        soak.problems.append(f"{d}: unreferenced shared objects are left after a sweep")
+    for ckpt in sorted(d.iterdir()):
+        named = STEP_NAME.match(ckpt.name) or ABANDONED_NAME.match(ckpt.name)
+        if named and (ckpt / "manifest.json").is_file():  # not a killed save's staging
+            try:
+                tg.verify(ckpt)
+            except Exception as e:
+                soak.problems.append(f"{ckpt} is broken after the final sweep: {e!r}")
 
 
 def _lines(path: Path) -> list[str]:

@@ -674,7 +674,7 @@ def test_manager_reserves_the_optimizer_state_created_after_it(tmp_path: Path) -
         # The first step() comes before any optimizer step (a gradient scaler skipped it).
         assert not mgr.step(1)
         _train_step(model, optim)  # the moments appear: the state is ~3x what was reserved
-        needed = ckpt.pool.plan(_async.image_sizes(state))
+        needed = ckpt.pool.plan(_async.image_sizes(state, share=True))  # as the manager saves
         assert sum(needed) > 2 * at_construction
         sized = model.sized
         assert not mgr.step(2)  # the 2nd call sizes the state again and reserves the moments

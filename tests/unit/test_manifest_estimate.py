@@ -47,7 +47,7 @@ def no_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*a: Any, **kw: Any) -> None:
         pytest.fail("a data file was written for a save refused by its estimate")
 
-    monkeypatch.setattr(_write, "_write_file", refuse)
+    monkeypatch.setattr(_write, "write_file", refuse)
 
 
 def test_too_many_tensors_are_refused_before_writing(

@@ -7,6 +7,7 @@
     tardigrade export CKPT OUT.safetensors  tensors as one safetensors file
     tardigrade convert SRC DEST             import a torch.save file, a DCP checkpoint or safetensors
     tardigrade diff A B                     what differs between two checkpoints
+    tardigrade copy CKPT DEST               a checkpoint with its shared data (--standalone)
     tardigrade gc DIR                       remove leftovers of interrupted saves
 
 Exit status: 0 success, 1 failure (corrupt checkpoint, missing path, ...), 2 bad usage.
@@ -39,6 +40,7 @@ COMMANDS = {
     "diff": "show what differs between two checkpoints",
     "export": "write a checkpoint's tensors (e.g. the model weights) to one .safetensors file",
     "convert": "import a torch.save file, a PyTorch DCP checkpoint or a safetensors folder",
+    "copy": "copy a checkpoint, with the shared data it references, to another place",
     "gc": "remove leftovers of interrupted saves from a checkpoint directory",
 }
 

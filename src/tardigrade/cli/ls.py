@@ -42,17 +42,28 @@ def run(args: argparse.Namespace) -> int:
     if not entries:
         print(f"no checkpoints in {args.dir}")
         return 0
+    sharing = any(e.shared for e in entries)
     rows = [
-        [e.name, _dash(e.step), _dash(e.epoch), human_bytes(e.nbytes), _dash(e.created), e.status]
+        [e.name, _dash(e.step), _dash(e.epoch), human_bytes(e.logical_bytes)]
+        + ([human_bytes(e.unique_bytes)] if sharing else [])
+        + [_dash(e.created), e.status]
         for e in entries
     ]
-    print(table(rows, ["NAME", "STEP", "EPOCH", "SIZE", "CREATED", "STATUS"]))
+    columns = ["NAME", "STEP", "EPOCH", "SIZE"] + (["UNIQUE"] if sharing else [])
+    print(table(rows, [*columns, "CREATED", "STATUS"]))
     committed = sum(e.status == "committed" for e in entries)
     tmp = sum(e.status == INCOMPLETE_TMP for e in entries)
     note = f"{committed} committed"
     if tmp:
         note += f", {tmp} incomplete (.tmp-*: a save that is running or was interrupted)"
     print(note)
+    if sharing:
+        objects = {o: n for e in entries for o, n in e.shared}
+        print(
+            f"shared data: {len(objects)} objects, {human_bytes(sum(objects.values()))} in "
+            ".shared/ (SIZE: what a load reads; UNIQUE: what deleting that checkpoint alone "
+            "frees)"
+        )
     for e in entries:
         if e.error:
             print(f"{e.name}: {e.error}")

@@ -38,13 +38,19 @@ __all__ = [
     "PACKED_VERSION",
     "PER_RANK_FALLBACKS",
     "READABLE_VERSIONS",
+    "SHARED_DIR",
+    "SHARED_KEY",
+    "SHARED_VERSION",
     "Chunk",
     "ChunkColumns",
     "Manifest",
     "TensorInfo",
     "check_name",
+    "data_path",
+    "is_shared",
     "parse",
     "seal",
+    "shared_name",
     "tree_for",
     "validate",
 ]
@@ -70,10 +76,22 @@ LEASE_GENERATION = "lease_generation"
 # v6: the state tree may hold ``packed`` lists and tuples (long runs of ints or floats as one
 # base64 string of their little-endian bytes). Written only when a tree holds one, by one
 # process (chunks as in v4) or several (chunks as columns, as in v5).
+# v7: shared data. A data file may be a *shared object* of the root (``.shared/ab/<32 hex>
+# .safetensors``, beside the checkpoints rather than inside one): one chunk under the key
+# ``t``, named by the xxh3-128 of its whole file (header and bytes), so the same bytes of the
+# same dtype and shape are one object, written once and referenced by every checkpoint that
+# holds them (a chunk held twice in one save is one object once: the other copy goes into the
+# save's own data file, so a manifest references each (file, key) once, as before). Written
+# only when a manifest references one; everything else is as in v6.
 FORMAT_VERSION = 4
 COLUMNAR_VERSION = 5
 PACKED_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+SHARED_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+# Shared objects live under this directory of the root (the checkpoints' parent).
+SHARED_DIR = ".shared"
+SHARED_KEY = "t"  # the one key of a shared object's safetensors header
+_SHARED_FILE = re.compile(r"\.shared/([0-9a-f]{2})/\1[0-9a-f]{30}\.safetensors\Z")
 LAYOUTS = ("replicated", "sharded", "per_rank")
 PER_RANK_FALLBACKS = ("rank0", "error")
 SEALED_SINCE = 2  # the first version whose manifests must carry a checksum
@@ -90,6 +108,25 @@ def seal(body: bytes) -> bytes:
     if not body.endswith(b"}") or body == b"{}":
         raise ValueError("seal() takes the compact JSON of a non-empty object")
     return body[:-1] + _SEAL_KEY + checksum(body).encode() + b'"}'
+
+
+def is_shared(file: str) -> bool:
+    """Whether data file name ``file`` (from a manifest) names a shared object of the root."""
+    return _SHARED_FILE.match(file) is not None
+
+
+def shared_name(digest: str) -> str:
+    """The name of the shared object whose whole file hashes to ``digest`` (32 hex digits)."""
+    return f"{SHARED_DIR}/{digest[:2]}/{digest}.safetensors"
+
+
+def data_path(name: str, file: str) -> str:
+    """Where data file ``file`` of checkpoint ``name`` is, relative to the storage root: in
+    the checkpoint, or (a shared object) in the ``.shared`` directory beside it."""
+    if is_shared(file):
+        parent = name.rpartition("/")[0]
+        return f"{parent}/{file}" if parent else file
+    return f"{name}/{file}"
 
 
 def _unseal(raw: bytes, where: str) -> bool:
@@ -141,10 +178,14 @@ class ChunkColumns(Sequence[Chunk]):
     def chunk(self, j: int) -> Chunk:
         if self._made is not None:
             return self._made[j]
+        name = self.names[int(self.files[j])]
         return Chunk(
-            self.names[int(self.files[j])], f"{self.prefix}{j}", tuple(self.offsets[j].tolist()),
+            name, self._key(name, j), tuple(self.offsets[j].tolist()),
             tuple(self.shapes[j].tolist()), self.sums[16 * j : 16 * j + 16],
         )  # fmt: skip
+
+    def _key(self, file: str, j: int) -> str:
+        return SHARED_KEY if is_shared(file) else f"{self.prefix}{j}"
 
     def meeting(self, lo: Sequence[int], hi: Sequence[int]) -> list[Chunk]:
         """The chunks that share an element with the box ``[lo, hi)`` (found as arrays: a
@@ -159,13 +200,19 @@ class ChunkColumns(Sequence[Chunk]):
 
     def _all(self) -> tuple[Chunk, ...]:
         if self._made is None:
-            names, prefix, sums = self.names, self.prefix, self.sums
+            names, sums = self.names, self.sums
             columns = zip(
                 self.files.tolist(), self.offsets.tolist(), self.shapes.tolist(), strict=True
             )
             self._made = tuple(
                 [
-                    Chunk(names[f], f"{prefix}{j}", tuple(o), tuple(n), sums[16 * j : 16 * j + 16])
+                    Chunk(
+                        names[f],
+                        self._key(names[f], j),
+                        tuple(o),
+                        tuple(n),
+                        sums[16 * j : 16 * j + 16],
+                    )
                     for j, (f, o, n) in enumerate(columns)
                 ]
             )
@@ -359,7 +406,9 @@ def validate(doc: Any, where: str, *, sealed: bool = True) -> Manifest:
     _check_written_as(doc, version, sealed, where)
     with gc_paused():  # a walk of a million nodes: see gc_paused
         _check_tree(doc["tree"], per_rank, where, _TAGS_UNTIL.get(version))
-    files, header_sums = _files(doc.get("files"), where, sealed=version >= SEALED_SINCE)
+    files, header_sums = _files(
+        doc.get("files"), where, sealed=version >= SEALED_SINCE, shared=version >= SHARED_VERSION
+    )
     columnar = version == COLUMNAR_VERSION or (version >= PACKED_VERSION and world > 1)
     tensors = _tensors(doc.get("tensors"), files, where, columnar=columnar)
     if not columnar:  # columns derive keys, unique by construction
@@ -565,7 +614,9 @@ def _check_keys_unique(tensors: tuple[TensorInfo, ...], where: str) -> None:
             seen.add((c.file, c.key))
 
 
-def _files(v: Any, where: str, *, sealed: bool) -> tuple[dict[str, int], dict[str, str]]:
+def _files(
+    v: Any, where: str, *, sealed: bool, shared: bool = False
+) -> tuple[dict[str, int], dict[str, str]]:
     if not isinstance(v, list) or len(v) > limits.MAX_FILES:
         raise _fail(where, f"'files' must be a list of at most {limits.MAX_FILES} entries")
     out: dict[str, int] = {}
@@ -579,7 +630,7 @@ def _files(v: Any, where: str, *, sealed: bool) -> tuple[dict[str, int], dict[st
             raise _fail(
                 where, f"file entry {f!r} must have a name and a size from 0 to 2**63-1 bytes"
             )
-        name = check_name(f.get("name"), where)
+        name = check_name(f.get("name"), where, shared=shared)
         if name in out:
             raise _fail(where, f"data file {name!r} is listed twice")
         out[name] = f["size"]
@@ -816,8 +867,9 @@ class _Columns:
         if nbytes > self.sizes[f] - self.used[f] or not _HEX.fullmatch(sums):
             return None
         self.used[f] += nbytes
+        key = SHARED_KEY if is_shared(self.names[f]) else f"{name}@{i}.0"
         return (
-            Chunk(self.names[f], f"{name}@{i}.0", tuple(o), tuple(shape), sums),  # type: ignore[arg-type]  # o, shape: int lists (checked above)
+            Chunk(self.names[f], key, tuple(o), tuple(shape), sums),  # type: ignore[arg-type]  # o, shape: int lists (checked above)
         )
 
 
@@ -858,8 +910,11 @@ def _check_tiling_columns(
         raise _fail(where, f"tensor #{i}: {e}") from None
 
 
-def check_name(name: object, where: str) -> str:
-    """A data file name from a manifest must be a plain file name inside the checkpoint."""
+def check_name(name: object, where: str, *, shared: bool = False) -> str:
+    """A data file name from a manifest must be a plain file name inside the checkpoint, or
+    (``shared``: format 7 on) exactly the name of a shared object of the root."""
+    if shared and isinstance(name, str) and is_shared(name):
+        return name
     if (
         not isinstance(name, str)
         or not name

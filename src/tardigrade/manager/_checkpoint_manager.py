@@ -192,6 +192,9 @@ class CheckpointManager:
         ``run_id``: the id of this job across its restarts (default: ``TORCHELASTIC_RUN_ID``
             or ``SLURM_JOB_ID`` where set, else the directory alone): a RAM copy is restored
             only in the run that made it; another run's, left on this node, is removed.
+        ``dedup``: write only what changed (default ``True``; one process): each chunk of 1
+            MiB or more is an object in ``directory/.shared/`` written once, referenced by
+            every checkpoint holding those bytes, deleted once none does. See docs/format.md.
 
     In a distributed job the constructor, ``step``, ``save``, ``stop_at_boundary``,
     ``restore``, ``steps``, ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are
@@ -250,6 +253,7 @@ class CheckpointManager:
         peer_replicas: int = 0,
         persist_every: int | None = None,
         run_id: str | None = None,
+        dedup: bool = True,
     ) -> None:
         # Every byte, listing and delete goes through the catalog over the storage contract.
         self._storage_options = storage_options
@@ -266,12 +270,11 @@ class CheckpointManager:
         self.restored_from: str | None = None  # where restore() read its checkpoint
         self._uploads = Uploads.check(upload_to, keep_last_remote, upload_timeout, upload_every)
         signals, run = check_signals(save_on_signals), check_run_id(run_id)
-        # In a single process, the null agreement: nothing talks to other ranks.
         self._ranks = agreement(f"CheckpointManager({self.directory!r})", process_group, timeout)
         self._run_lock = RunLock(
             self._catalog, self.directory, lease_seconds=lock_lease_seconds, timeout=lock_timeout
         )
-        self._wire(retention, on_error, persist_every)
+        self._wire(retention, on_error, persist_every, check_flag("dedup", dedup))
         self._open()
         self._start(async_save, max_staging_bytes, signals, preemption_budget)
         if upload_to is not None:
@@ -279,7 +282,9 @@ class CheckpointManager:
         tiers = functools.partial(open_memory_tiers, ram_tier, peer_replicas, self._tiers)
         self._open_tier(lambda: tiers(root=self._catalog, ranks=self._ranks, run=run, state=state))
 
-    def _wire(self, retention: Retention, on_save_error: str, persist_every: Any) -> None:
+    def _wire(
+        self, retention: Retention, on_save_error: str, persist_every: Any, dedup: bool
+    ) -> None:
         """Make the collaborators, each given what it needs (none reaches back in here)."""
         catalog, ranks, lock = self._catalog, self._ranks, self._run_lock
         self._preemption = Preemption()
@@ -331,6 +336,7 @@ class CheckpointManager:
             retainer=self._retainer,
             storage_options=self._storage_options,
             preemption=self._preemption,
+            dedup=dedup,
         )
 
     def _open(self) -> None:
@@ -364,9 +370,7 @@ class CheckpointManager:
             raise
         if self._async is not None:
             self._outcomes.teed = True  # each save's sinks copy it into the faster tiers
-            self._staging = StagingReservation(
-                self._async, self.state, self._ranks.split.staging_need
-            )
+            self._staging = StagingReservation(self._async, self.state, self._dispatch.staging_need)
             self._staging.restart()
 
     def _remote_tier(

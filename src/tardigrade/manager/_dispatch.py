@@ -10,17 +10,19 @@ the caller's thread. ``Outcomes`` records how it ended.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from .._async import AsyncCheckpointer
+from .._async import AsyncCheckpointer, image_sizes
 from .._catalog import Catalog, step_name
 from .._ramtier import SAVED_ALONE
 from .._save import save_with
 from .._save_job import SaveOptions, SaveResult
+from .._shared import Held, SharedIndex
 from ..errors import (
     CheckpointExistsError,
     CheckpointLockedError,
@@ -29,6 +31,7 @@ from ..errors import (
     InvalidArgumentError,
     SaveError,
     StorageError,
+    TardigradeError,
     UnsupportedTypeError,
 )
 from ._agreement import Agreement
@@ -75,8 +78,11 @@ class SaveDispatch:
         retainer: Retainer,
         storage_options: Mapping[str, Any] | None,
         preemption: Preemption | None = None,
+        dedup: bool = False,
     ) -> None:
         self.state = state
+        # Share data between checkpoints (one process: a collective save writes its own).
+        self.dedup = dedup and not ranks.collective
         self.preemption = preemption or Preemption()
         self.catalog = catalog
         self.ranks = ranks
@@ -87,6 +93,46 @@ class SaveDispatch:
         self.retainer = retainer
         self.storage_options = storage_options
         self.saver: AsyncCheckpointer | None = None
+
+    def _sweep_after_failure(self) -> None:
+        """After a failed save (a full disk: an operator may have deleted checkpoints by hand
+        since), the shared objects no checkpoint references go before the next save tries."""
+        stats = self.outcomes.stats
+        if not (self.dedup and self.ranks.coordinator and stats and not stats[-1].ok):
+            return
+        try:
+            self.catalog.sweep_shared(grace=False)
+        except (OSError, TardigradeError) as e:
+            log.warning("tardigrade: removing unreferenced shared data: %s", e)
+
+    def staging_need(self, state: Any) -> Any:
+        """What the async saver reserves for saving ``state`` (``AsyncCheckpointer.reserve``):
+        the files a save lays out, as it shares data or not."""
+        if self.dedup:
+            return image_sizes(state, share=True)
+        return self.ranks.split.staging_need(state)
+
+    def _base(self, step: int) -> SharedIndex:
+        """The shared objects a save of ``step`` may reference: those of the newest committed
+        checkpoint before it (each save references every unchanged object again, so the
+        newest holds all a save can find); none when it does not read. Read by the save's
+        first large chunk: a state without one costs no listing, no read."""
+        return SharedIndex(load=functools.partial(self._held_before, step))
+
+    def _held_before(self, step: int) -> dict[str, Held]:
+        try:
+            steps = [s for s in self.catalog.steps() if s < step]
+            if not steps:
+                return {}
+            return SharedIndex.held_by([self.catalog.manifest(step_name(steps[-1]))])
+        except (OSError, TardigradeError) as e:
+            log.warning(
+                "tardigrade: the save of step %d writes all of its data: the newest "
+                "checkpoint before it does not read (%s)",
+                step,
+                e,
+            )
+            return {}
 
     def drain(self, *, wait: bool, agree: bool = True) -> None:
         """Record the outcome of finished async saves (all of them when ``wait``)."""
@@ -109,6 +155,7 @@ class SaveDispatch:
         ``preempted``: into the fastest tiers first, then the root within the budget."""
         # Outside the try below: the failure of a save in flight is not this one's.
         self.ranks.before_save(self.drain)
+        self._sweep_after_failure()
         started = time.perf_counter()
         self._warn_unranked(step, metrics)
         replace = self._may_replace(step, started, force=force, from_step=from_step)
@@ -123,6 +170,7 @@ class SaveDispatch:
                 metrics=metrics,
                 storage_options=self.storage_options,
                 lease_generation=self.lock.lease.generation,
+                shared=self._base(step) if self.dedup else None,
             )
             self._start(step, options, sync=sync, fastest=preempted)
         except (InvalidArgumentError, UnsupportedTypeError):

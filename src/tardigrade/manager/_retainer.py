@@ -118,3 +118,7 @@ class Retainer:
         for s in doomed:
             if self.catalog.remove(step_name(s), "retention"):
                 self.forget(s)
+        try:  # the shared data only the removed checkpoints referenced
+            self.catalog.sweep_shared(grace=False)
+        except (OSError, TardigradeError) as e:
+            log.warning("tardigrade: removing unreferenced shared data: %s", e)

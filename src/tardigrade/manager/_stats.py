@@ -11,8 +11,9 @@ from .._units import gbps
 class SaveStats:
     """One save attempt: step, bytes, seconds blocked in the caller, total seconds, outcome.
 
-    ``error`` is a failed save's error, or that of a save that failed after it committed
-    (``ok`` True: it counts as saved; its bytes are not known, 0).
+    ``nbytes``: the bytes it wrote (with ``dedup``, shared data it referenced rather than
+    wrote is not counted). ``error`` is a failed save's error, or that of a save that failed
+    after it committed (``ok`` True: it counts as saved; its bytes are not known, 0).
 
     Unlike :class:`~tardigrade.SaveResult` (what one committed ``tg.save`` wrote: its path and
     files), it records every attempt a ``CheckpointManager`` made, failed ones included.

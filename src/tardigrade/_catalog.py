@@ -630,10 +630,22 @@ class Catalog:
         return done
 
     def _shared_objects(self) -> list[str]:
-        """Every shared object here (``.shared/ab/<hash>.safetensors``)."""
+        """Every shared object here (``.shared/ab/<hash>.safetensors``); a link in place of
+        ``.shared`` or of one of its directories is not followed (what it points at is not
+        this root's to delete)."""
         storage = self.storage
-        out = []
+        links = storage.can_move  # a POSIX directory (a store has no links, and a stat costs)
+
+        def linked(name: str) -> bool:
+            st = storage.stat(name) if links else None
+            return st is not None and (st.is_link or not st.is_dir)
+
+        out: list[str] = []
+        if linked(SHARED_DIR):
+            return out
         for d in storage.list(SHARED_DIR):
+            if linked(f"{SHARED_DIR}/{d}"):
+                continue
             for f in storage.list(f"{SHARED_DIR}/{d}"):
                 name = f"{SHARED_DIR}/{d}/{f}"
                 if is_shared(name):

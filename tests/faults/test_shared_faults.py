@@ -185,3 +185,22 @@ def test_a_sharing_save_failing_mid_way_hangs_nothing_and_leaks_no_slab(
         assert mgr.steps() == [1, 3]
     got = tg.load(tmp_path / "run" / "step-000000003")
     assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("where", [".shared", ".shared/ab"])
+def test_the_sweep_follows_no_link_out_of_the_root(tmp_path: Path, where: str) -> None:
+    root = tmp_path / "run"
+    tg.save(root / "a", {"w": torch.ones(3)})
+    outside = tmp_path / "outside" / "ab"
+    outside.mkdir(parents=True)
+    victim = outside / ("ab" + "0" * 30 + ".safetensors")  # named as an unreferenced object
+    victim.write_bytes(b"not the root's")
+    old = victim.stat().st_mtime - 7200
+    os.utime(victim, (old, old))
+    if where == ".shared":
+        os.symlink(outside.parent, root / ".shared")
+    else:
+        (root / ".shared").mkdir()
+        os.symlink(outside, root / ".shared" / "ab")
+    assert tg.Catalog(root).sweep_shared(grace=False) == []
+    assert victim.read_bytes() == b"not the root's"

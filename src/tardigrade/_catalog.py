@@ -604,7 +604,8 @@ class Catalog:
         cutoff = grace_cutoff(storage.gc_grace_seconds)
         with sweeping(shared_root(storage.url, "")) as pinned:
             candidates = [n for n in objects if n not in pinned]
-            stats = {n: storage.stat(n) for n in candidates}
+            # Ages only where the grace period asks (on a store, a stat is a request each).
+            stats = {n: storage.stat(n) for n in candidates} if grace else {}
             if grace:
                 candidates = [n for n in candidates if (st := stats[n]) is not None and due(st, cutoff, None)]  # fmt: skip
             if not candidates:
@@ -619,6 +620,7 @@ class Catalog:
                 )
                 return []
             dead = [n for n in candidates if n not in marks.files]
+            stats.update({n: storage.stat(n) for n in dead if n not in stats})  # their sizes
             if dead and not dry_run:
                 storage.delete_many(dead)
         if not dead:

@@ -68,3 +68,23 @@ def test_tidy_still_reads_the_manifest_where_two_saves_left_data() -> None:
     assert tg.load(f"{url}/step-000000001")["w"].tolist() == [1.0, 1.0]
     assert ("open_reader", faulty.url("step-000000001/manifest.json")) in faulty.log
     root.delete("")
+
+
+def test_the_sweep_after_retention_stats_only_the_objects_it_deletes() -> None:
+    # On a store each stat is a request: the manager's sweep (no grace period) reads the ages
+    # of no object, and the sizes of those it deletes only, however many objects stay.
+    url = f"memory://catalog-{uuid.uuid4().hex[:12]}/root"
+    faulty = FaultyStorage(url)
+    frozen = {f"f{i}": torch.full((512, 512), float(i)) for i in range(4)}  # 1 MiB each: shared
+    state = {**frozen, "w": torch.zeros(512, 512)}
+    with tg.CheckpointManager(faulty.url(""), state, every_steps=1, keep_last=1) as mgr:
+        for step in (1, 2, 3):
+            state["w"].fill_(float(step))  # each step a new object; the last one's goes
+            before = len(faulty.log)
+            mgr.step(step)
+            mgr.wait()
+            stats = [w for op, w in faulty.log[before:] if op == "stat" and "/.shared/" in w]
+            # The save itself stats the 4 frozen objects it references (are they there?); the
+            # sweep adds one stat, of the object it deletes.
+            assert len(stats) <= 4 + (step > 1), stats
+    open_root(url).delete("")

@@ -56,11 +56,16 @@ fuzz: $(STAMP)
 	$(BIN)/python tests/fuzz/fuzz.py --n $(FUZZ_N) --seed $(FUZZ_SEED)
 
 # Random SIGKILLs of checkpointing jobs (sync/async saves, retention, gc; 1 process and 2 gloo
-# ranks), checked after every kill: `make soak SOAK_KILLS=5000 SOAK_SEED=2`. `make test` runs 50.
+# ranks, sharing data), checked after every kill: `make soak SOAK_KILLS=5000 SOAK_SEED=2`;
+# then CRASH_KILLS kills of a job sharing data on S3 (a local SeaweedFS). `make test` runs 50
+# and 24.
 SOAK_KILLS ?= 1000
 SOAK_SEED ?= 1
+CRASH_KILLS ?= 200
 soak: $(STAMP)
 	$(BIN)/python tests/soak/soak.py --kills $(SOAK_KILLS) --seed $(SOAK_SEED)
+	TARDIGRADE_CRASH_KILLS=$(CRASH_KILLS) $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/faults/test_shared_crash_loop.py
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)

@@ -173,10 +173,12 @@ class Commit(abc.ABC):
         """The name a save stores its data file ``file`` under (in the manifest too)."""
         return file
 
-    def shared_target(self, staging: str, where: str) -> str:
+    def shared_target(self, staging: str, where: str, file: str) -> str:
         """Where a save writes the shared object that goes to ``where`` (``publish_shared``
-        puts it there before the save commits): on a store, there at once (an object under
-        its content's name holds those bytes whoever wrote it)."""
+        puts it there before the save commits); ``file``: a name for it unique among the
+        writers of ``staging`` (the ranks of a collective save may write equal objects). On a
+        store, at ``where`` at once (an object under its content's name holds those bytes
+        whoever wrote it)."""
         return where
 
     def publish_shared(self, written: str, where: str) -> None:
@@ -345,10 +347,10 @@ class RenameCommit(Commit):
     def abandon(self, staging: str) -> None:
         self.storage.release(staging)
 
-    def shared_target(self, staging: str, where: str) -> str:
+    def shared_target(self, staging: str, where: str, file: str) -> str:
         """In the save's staging directory (its lock covers it), moved into ``.shared/``
         once written and fsynced."""
-        return f"{staging}/{where.rpartition('/')[2]}"
+        return f"{staging}/{file}.object"
 
     def publish_shared(self, written: str, where: str) -> None:
         storage = self.storage

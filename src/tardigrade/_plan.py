@@ -29,7 +29,7 @@ from ._tree import Entry, Flat
 from .errors import InvalidArgumentError
 from .format.dtypes import ITEMSIZE
 from .format.jsonio import gc_paused
-from .format.manifest import SHARED_KEY
+from .format.manifest import CANDIDATE, SHARED_KEY
 from .format.tiling import TilingError, check_exact_tiling
 
 # A file smaller than this is not worth a thread of its own.
@@ -42,8 +42,6 @@ DEFAULT_MAX_FILES = max(2, min(8, os.cpu_count() or 2))
 CHUNK_BYTES = 16 * 1024 * 1024
 
 REPLICATED, SHARDED, PER_RANK = "replicated", "sharded", "per_rank"
-# In the planned name of a file that holds one chunk a shared object may hold.
-CANDIDATE = "-shared-"
 
 
 class WriteItem(NamedTuple):
@@ -472,8 +470,10 @@ def global_plan_from_wire(
     *,
     max_files: int = DEFAULT_MAX_FILES,
     chunk_bytes: int = CHUNK_BYTES,
+    share: int = 0,
 ) -> GlobalPlan:
-    """``global_plan`` of ``LocalPlan.to_bytes`` payloads, the first one ``full``."""
+    """``global_plan`` of ``LocalPlan.to_bytes`` payloads, the first one ``full``; ``share``:
+    the largest chunk of a candidate shared object (0: the save shares no data)."""
     metas, boxes, owns, unstaged = [], [], [], []
     shared: tuple[LocalEntry, ...] = ()
     for r, raw in enumerate(payloads):
@@ -485,7 +485,7 @@ def global_plan_from_wire(
         owns.append(tuple(LocalEntry.from_json(e) for e in doc["own"]))
         unstaged.append(tuple(doc.get("unstaged", ())))
         boxes.append(np.frombuffer(raw[cut + 1 :], dtype=np.int64))
-    return _merge(shared, metas, boxes, owns, max_files, chunk_bytes, unstaged)
+    return _merge(shared, metas, boxes, owns, max_files, chunk_bytes, unstaged, share=share)
 
 
 # Building a plan makes many small acyclic objects; a cycle collection started meanwhile would
@@ -513,7 +513,7 @@ def _merge(
             )
     table = np.stack(boxes) if world and len(boxes[0]) else np.zeros((world, 0), np.int64)
     if share:
-        chunk_bytes = min(chunk_bytes, share)
+        chunk_bytes = share  # a shared object is one chunk: of up to ``share`` bytes
     elif world == 1:
         # One process: files of similar size, tensors split only to balance them (the
         # layout of every single-process checkpoint so far).

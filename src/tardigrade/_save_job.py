@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import _shared
 from ._commit import Commit, commit_for, what_is_at
 from ._plan import (
     DEFAULT_MAX_FILES,
@@ -32,7 +33,7 @@ from ._plan import (
     global_plan,
     local_plan,
 )
-from ._shared import SHARE_CHUNK_BYTES, SharedIndex, pin, shared_root, unpin
+from ._shared import SharedIndex, pin, shared_root, unpin
 from ._tree import Entry, Flat, flatten
 from ._units import gbps
 from ._version import __version__
@@ -94,7 +95,7 @@ class SaveOptions:
     shared: SharedIndex | None = None
     # The largest chunk of a shared object (a writer holds one whole before deciding; under a
     # staging budget, a fraction of it: ``AsyncCheckpointer.submit``).
-    share_chunk_bytes: int = SHARE_CHUNK_BYTES
+    share_chunk_bytes: int = field(default_factory=lambda: _shared.SHARE_CHUNK_BYTES)
 
 
 _claiming = threading.Lock()

@@ -187,7 +187,7 @@ class CopyPlan:
                 continue
             if not is_shared(file) or self.standalone:
                 src_name, dst_name = data_path(self.name, file), f"{staging}/{self.names[file]}"
-                _copy_file(self.src, src_name, self.dst, dst_name, size, go)
+                copy_file(self.src, src_name, self.dst, dst_name, size, go)
                 continue
             where = data_path(self.to, file)
             pin(shared_root(self.dst.url, self.to), file)
@@ -195,8 +195,8 @@ class CopyPlan:
             there = self.dst.stat(where)
             if there is not None and there.size == size:
                 continue
-            target = self.into.shared_target(staging, where)
-            _copy_file(self.src, data_path(self.name, file), self.dst, target, size, go)
+            target = self.into.shared_target(staging, where, where.rpartition("/")[2])
+            copy_file(self.src, data_path(self.name, file), self.dst, target, size, go)
             self.into.publish_shared(target, where)
 
     def unpin(self) -> None:
@@ -263,7 +263,11 @@ _RANK_FILE = re.compile(r"(?:^|\.)data-r(\d+)-")
 
 
 def file_rank(file: str) -> int:
-    """The rank that wrote data file ``file`` of a collective save (0 for a single process's)."""
+    """The rank that wrote data file ``file`` of a collective save (0 for a single process's);
+    for a shared object, which any rank may have written, a number of its name (its hash),
+    so that the ranks copying a checkpoint split its shared objects evenly."""
+    if is_shared(file):
+        return int(file.rpartition("/")[2][:8], 16)
     m = _RANK_FILE.search(file)
     return int(m.group(1)) if m else 0
 
@@ -342,7 +346,7 @@ def _stored(file: str, save_id: str) -> bool:
     return file.startswith(f"{save_id[:16]}.")
 
 
-def _copy_file(
+def copy_file(
     src: Storage,
     src_name: str,
     dst: Storage,

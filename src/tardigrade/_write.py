@@ -238,7 +238,7 @@ def _write_shared(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[A
         # Another chunk of this save holds the same bytes: this copy is a plain data file.
         stored = job.commit.data_name(fp.name, job.header["save_id"])
         return _write_data(job, fp, f"{staging}/{stored}", [*held, END])
-    target = job.commit.shared_target(staging, name)
+    target = job.commit.shared_target(staging, where, fp.name)
     written = _write_data(job, fp, target, [*held, END])
     job.commit.publish_shared(target, where)
     return dataclasses.replace(written, shared=name)

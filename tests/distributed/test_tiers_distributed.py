@@ -165,7 +165,7 @@ def dying_upload_rank(rank: int, world: int, local: str, remote: str) -> dict[st
     mgr.save(1)
     assert uploader_of(mgr).wait(60)
     if rank == 1:
-        copy_file = _tiers._copy_file
+        copy_file = _tiers.copy_file
 
         def dies_mid_object(src: Any, src_name: str, dst: Any, dst_name: str, *a: Any) -> None:
             if not src_name.startswith("step-000000002/"):
@@ -174,7 +174,7 @@ def dying_upload_rank(rank: int, world: int, local: str, remote: str) -> dict[st
             w.write(b"\0" * 4096)  # a part of the object, never closed
             os.kill(os.getpid(), signal.SIGKILL)
 
-        _tiers._copy_file = dies_mid_object
+        _tiers.copy_file = dies_mid_object
     set_state(state, rank, 2.0)
     mgr.save(2)
     assert uploader_of(mgr).wait(120)  # given up on, not hung: rank 1 is gone

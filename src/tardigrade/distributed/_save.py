@@ -42,6 +42,7 @@ from .._plan import (
 from .._save_job import SaveJob, SaveOptions, SaveResult, check_target, make_header
 from .._sinks import Sink
 from .._staging import SlabPool
+from .._tiers import copy_file
 from .._tree import Flat, flatten, path_str
 from .._write import (
     WrittenFile,
@@ -58,6 +59,7 @@ from .._write import (
 )
 from ..errors import DistributedError, InvalidArgumentError
 from ..format.jsonio import dumps
+from ..format.manifest import data_path
 from ..storage import Storage, storage_for
 from ._collectives import Ranks
 
@@ -202,7 +204,7 @@ class _Save:
         self.header = make_header(self.options, world_size=self.ranks.size)
         self.flat = flatten(self.state)
         self.lp = local_plan(self.flat)
-        sig = self.lp.signature()
+        sig = self.signature()
         c = self.cached
         return _json(
             {
@@ -214,6 +216,17 @@ class _Save:
                 "plan": c.plan_id if c is not None and c.signature == sig else None,
             }
         )
+
+    def signature(self) -> str:
+        """What a cached plan is valid for: this rank's layout, and whether (and how finely)
+        the save shares data (a shared save plans a file per large chunk)."""
+        assert self.lp is not None
+        return f"{self.lp.signature()}/share={self.share}"
+
+    @property
+    def share(self) -> int:
+        """The largest chunk of a shared object; 0: the save shares no data."""
+        return self.options.share_chunk_bytes if self.options.shared is not None else 0
 
     def target(self) -> dict[str, Any]:
         """What decides what is committed, and where: every rank must pass the same.
@@ -233,6 +246,8 @@ class _Save:
             "epoch": self.header["epoch"],
             # A digest: metadata may be large, and only its equality matters here.
             "metadata": hashlib.blake2b(dumps(self.header["metadata"]), digest_size=16).hexdigest(),
+            # Sharing data (a base, or a manager's dedup) lays out other files: all or none.
+            "share": self.share,
         }
 
     def unstaged(self) -> tuple[int, ...]:
@@ -242,7 +257,7 @@ class _Save:
         plan (another rank's layout changed) gives their chunks only to ranks that have them.
         """
         c, lp = self.cached, self.lp
-        if c is None or lp is None or c.signature != lp.signature():
+        if c is None or lp is None or c.signature != self.signature():
             return ()
         mine = {it.entry for fp in c.plan.files for it in fp.items}
         skip = tuple(i for i, e in enumerate(lp.shared) if e.box is None and i not in mine)
@@ -280,11 +295,10 @@ class _Save:
 
     def plan(self, payloads: list[bytes]) -> bytes:
         """Coordinator: the global plan, cached, and every rank's own part of it."""
-        gplan = global_plan_from_wire(payloads, max_files=self.options.max_files)
+        gplan = global_plan_from_wire(payloads, max_files=self.options.max_files, share=self.share)
         plan_id = uuid.uuid4().hex
-        assert self.lp is not None
         _cache[_cache_key(self.ranks)] = _Cached(
-            plan_id, self.lp.signature(), gplan.rank_plan(0), gplan
+            plan_id, self.signature(), gplan.rank_plan(0), gplan
         )
         # Every rank cuts its own plan from the chunk table (packed integers, not JSON).
         return _json({"plan_id": plan_id, **self._begin()}) + b"\0" + gplan.to_wire()
@@ -314,7 +328,7 @@ class _Save:
             if not ranks.coordinator:
                 plan = plan_from_wire(raw[cut + 1 :], ranks.rank, self.lp)
                 _cache[_cache_key(ranks)] = _Cached(
-                    verdict["plan_id"], self.lp.signature(), plan, None
+                    verdict["plan_id"], self.signature(), plan, None
                 )
         c = _cache[_cache_key(ranks)]
         self.header["save_id"] = verdict["save_id"]
@@ -322,7 +336,7 @@ class _Save:
         assert flat is not None  # described before the ranks agreed on the plan
         job = SaveJob(
             self.storage, self.name, self.flat, c.plan, self.header, self.options.overwrite,
-            self.started, c.gplan,
+            self.started, c.gplan, shared=self.options.shared,
         )  # fmt: skip
         own = self.options.each_rank_commits
         staging: str | None = verdict["staging"]
@@ -341,7 +355,8 @@ class _Save:
             return _json(
                 {
                     "files": {
-                        n: [w.size, w.header_checksum, w.checksums] for n, w in written.items()
+                        n: [w.size, w.header_checksum, w.checksums, w.shared, w.written]
+                        for n, w in written.items()
                     },
                     "per_rank": [sub.tree for sub in flat.per_rank],
                     "own": [len(sub.entries) for sub in flat.per_rank],
@@ -357,9 +372,11 @@ class _Save:
             for r, p in enumerate(payloads):
                 d = json.loads(p)
                 packed = packed or d["packed"]
-                for n, (size, head, sums) in d["files"].items():
-                    written[n] = WrittenFile(size, head, sums)
+                for n, (size, head, sums, shared, wrote) in d["files"].items():
+                    written[n] = WrittenFile(size, head, sums, shared, wrote)
                 trees.append(per_rank_trees(d["per_rank"], d["own"], c.gplan.own_base[r]))
+            assert staging is not None
+            one_reference_each(job, staging, c.gplan.files, written)
             doc = manifest_doc(
                 self.header,
                 flat.tree,
@@ -370,10 +387,10 @@ class _Save:
                 stored_name=job.stored_name,
             )
             manifest = seal_checked(doc, job.storage.url(job.name))
-            assert staging is not None
             commit_staging(job, staging, manifest)
-            done = _json({"nbytes": sum(w.size for w in written.values()) + len(manifest),
-                          "files": len(written)})  # fmt: skip
+            mine = [w for w in written.values() if w.written]
+            done = _json({"nbytes": sum(w.size for w in mine) + len(manifest),
+                          "files": len(mine)})  # fmt: skip
             return done + b"\0" + manifest if own else done
 
         try:
@@ -390,7 +407,30 @@ class _Save:
             if staging is not None and (ranks.coordinator or own):
                 end_staging(job, staging, committed)
             raise_save_error(job, e, committed)
+        finally:
+            job.unpin()  # committed, or failed on every rank: no sweep need spare them now
         return save_result(job, done["nbytes"], done["files"])
+
+
+def one_reference_each(
+    job: SaveJob, staging: str, files: Sequence[str], written: dict[str, WrittenFile]
+) -> None:
+    """Coordinator: a shared object two ranks both hold in this save (equal chunks: rows of
+    zeros, say) stays the first file's; each later one becomes a plain data file of the save,
+    a copy of the object made here, so every (file, key) of the manifest is referenced once,
+    as in a single process (``SaveJob.claim``). Rare: ranks decide apart, each for its own
+    chunks, and compare only here."""
+    seen: set[str] = set()
+    for n in files:
+        w = written[n]
+        if w.shared is None:
+            continue
+        if w.shared not in seen:
+            seen.add(w.shared)
+            continue
+        copy_file(job.storage, data_path(job.name, w.shared), job.storage,
+                  f"{staging}/{job.stored_name(n)}", w.size)  # fmt: skip
+        written[n] = replace(w, shared=None, written=True)
 
 
 def save_collective(ranks: Ranks, path: Any, state: Any, options: SaveOptions) -> SaveResult:

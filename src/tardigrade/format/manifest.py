@@ -29,6 +29,7 @@ from .sizes import ITEMSIZE
 from .tiling import TilingError, check_exact_tiling
 
 __all__ = [
+    "CANDIDATE",
     "COLUMNAR_VERSION",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -48,6 +49,7 @@ __all__ = [
     "check_name",
     "data_path",
     "is_shared",
+    "one_chunk_file",
     "parse",
     "seal",
     "shared_name",
@@ -91,6 +93,9 @@ READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 # Shared objects live under this directory of the root (the checkpoints' parent).
 SHARED_DIR = ".shared"
 SHARED_KEY = "t"  # the one key of a shared object's safetensors header
+# In the name of a save's own data file that holds one chunk a shared object may hold (a copy
+# a save made a plain file: ``_plan.is_candidate``); its key is SHARED_KEY too.
+CANDIDATE = "-shared-"
 _SHARED_FILE = re.compile(r"\.shared/([0-9a-f]{2})/\1[0-9a-f]{30}\.safetensors\Z")
 LAYOUTS = ("replicated", "sharded", "per_rank")
 PER_RANK_FALLBACKS = ("rank0", "error")
@@ -113,6 +118,13 @@ def seal(body: bytes) -> bytes:
 def is_shared(file: str) -> bool:
     """Whether data file name ``file`` (from a manifest) names a shared object of the root."""
     return _SHARED_FILE.match(file) is not None
+
+
+def one_chunk_file(file: str) -> bool:
+    """Whether data file ``file`` holds one chunk under ``SHARED_KEY``: a shared object, or a
+    save's own copy of one (a chunk held twice in one save; a columnar manifest records no
+    keys, so its readers derive this one from the name)."""
+    return CANDIDATE in file or is_shared(file)
 
 
 def shared_name(digest: str) -> str:
@@ -185,7 +197,7 @@ class ChunkColumns(Sequence[Chunk]):
         )  # fmt: skip
 
     def _key(self, file: str, j: int) -> str:
-        return SHARED_KEY if is_shared(file) else f"{self.prefix}{j}"
+        return SHARED_KEY if one_chunk_file(file) else f"{self.prefix}{j}"
 
     def meeting(self, lo: Sequence[int], hi: Sequence[int]) -> list[Chunk]:
         """The chunks that share an element with the box ``[lo, hi)`` (found as arrays: a
@@ -867,7 +879,7 @@ class _Columns:
         if nbytes > self.sizes[f] - self.used[f] or not _HEX.fullmatch(sums):
             return None
         self.used[f] += nbytes
-        key = SHARED_KEY if is_shared(self.names[f]) else f"{name}@{i}.0"
+        key = SHARED_KEY if one_chunk_file(self.names[f]) else f"{name}@{i}.0"
         return (
             Chunk(self.names[f], key, tuple(o), tuple(shape), sums),  # type: ignore[arg-type]  # o, shape: int lists (checked above)
         )

@@ -81,8 +81,7 @@ class SaveDispatch:
         dedup: bool = False,
     ) -> None:
         self.state = state
-        # Share data between checkpoints (one process: a collective save writes its own).
-        self.dedup = dedup and not ranks.collective
+        self._dedup = dedup
         self.preemption = preemption or Preemption()
         self.catalog = catalog
         self.ranks = ranks
@@ -93,6 +92,12 @@ class SaveDispatch:
         self.retainer = retainer
         self.storage_options = storage_options
         self.saver: AsyncCheckpointer | None = None
+
+    @property
+    def dedup(self) -> bool:
+        """Whether saves share data between checkpoints: as asked, except in a distributed
+        job with memory tiers (whose per-rank copies and peer replicas hold whole files)."""
+        return self._dedup and (not self.ranks.collective or self.tiers.memory_copy() is None)
 
     def _sweep_after_failure(self) -> None:
         """After a failed save (a full disk: an operator may have deleted checkpoints by hand
@@ -108,7 +113,7 @@ class SaveDispatch:
     def staging_need(self, state: Any) -> Any:
         """What the async saver reserves for saving ``state`` (``AsyncCheckpointer.reserve``):
         the files a save lays out, as it shares data or not."""
-        if self.dedup:
+        if self.dedup and not self.ranks.collective:
             return image_sizes(state, share=True)
         return self.ranks.split.staging_need(state)
 

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,12 @@ DIRECT_IO_ENV = "TARDIGRADE_DIRECT_IO"
 DIRECT_BLOCK = 4096  # offsets, lengths and buffer addresses of direct I/O are multiples of this
 BOUNCE_BYTES = 8 * 1024 * 1024
 SCRATCH_BYTES = 1024 * 1024
+# Full-size bounce buffers of closed writers, kept for the next ones: a save sharing data
+# writes a file per large chunk, and faulting a fresh buffer in for each cost it ~1 ms per
+# 8 MiB. At most this many are kept (one per writer thread).
+SPARE_BOUNCES = 8
+_spares: list[np.ndarray[Any, Any]] = []
+_spares_lock = threading.Lock()
 
 
 class LocalWriter(Writer):
@@ -191,7 +198,9 @@ class LocalWriter(Writer):
         one_block = self._fill + nbytes <= DIRECT_BLOCK
         need = DIRECT_BLOCK if one_block else self._bounce_cap
         if self._bounce is None or len(self._bounce) < need:
-            grown = _aligned(need)
+            grown = _spare(need)
+            if grown is None:
+                grown = _aligned(need)
             if self._fill:
                 assert self._bounce is not None
                 grown[: self._fill] = self._bounce[: self._fill]
@@ -255,10 +264,23 @@ class LocalWriter(Writer):
 
     def _release(self) -> None:
         fd, self._fd = self._fd, -1
-        self._bounce = None
+        bounce, self._bounce = self._bounce, None
+        if bounce is not None and len(bounce) == BOUNCE_BYTES:
+            with _spares_lock:
+                if len(_spares) < SPARE_BOUNCES:
+                    _spares.append(bounce)
         self._scratch = None
         if fd >= 0:
             os.close(fd)
+
+
+def _spare(nbytes: int) -> np.ndarray[Any, Any] | None:
+    """A kept bounce buffer for a writer that needs ``nbytes`` (its contents are stale: a
+    writer fills what it writes and pads its last block itself), or None."""
+    if nbytes != BOUNCE_BYTES:
+        return None
+    with _spares_lock:
+        return _spares.pop() if _spares else None
 
 
 def _aligned(nbytes: int) -> np.ndarray[Any, Any]:

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._sharding import Box
-from ._shared import SHARE_CHUNK_BYTES, SHARE_MIN_BYTES
+from ._shared import SHARE_CHUNK_BYTES, SHARE_HEADER_BYTES, SHARE_MIN_BYTES
 from ._tree import Entry, Flat
 from .errors import InvalidArgumentError
 from .format.dtypes import ITEMSIZE
@@ -513,7 +513,8 @@ def _merge(
             )
     table = np.stack(boxes) if world and len(boxes[0]) else np.zeros((world, 0), np.int64)
     if share:
-        chunk_bytes = share  # a shared object is one chunk: of up to ``share`` bytes
+        # A shared object is one chunk; with its header, up to ``share`` bytes.
+        chunk_bytes = max(1, share - SHARE_HEADER_BYTES)
     elif world == 1:
         # One process: files of similar size, tensors split only to balance them (the
         # layout of every single-process checkpoint so far).

@@ -27,6 +27,7 @@ from .format.manifest import SHARED_DIR, Manifest, is_shared
 
 __all__ = [
     "SHARE_CHUNK_BYTES",
+    "SHARE_HEADER_BYTES",
     "SHARE_MIN_BYTES",
     "Held",
     "SharedIndex",
@@ -42,6 +43,10 @@ SHARE_MIN_BYTES = 1 << 20
 # A tensor is split into shared objects of at most this many bytes: a writer holds one whole
 # before deciding (its name is its hash), and a row block of a table changes alone.
 SHARE_CHUNK_BYTES = 64 << 20
+# Of those bytes, what an object's safetensors header may take: its chunk is at most the rest,
+# so the object's whole image fits in one staging slab of SHARE_CHUNK_BYTES (an async save
+# then hands it to the writer, and to O_DIRECT, as one block).
+SHARE_HEADER_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ def _train_step(emb: torch.nn.Embedding, opt: torch.optim.Optimizer, rows: torch
 
 
 def sparse_table_rank(rank: int, world: int, root: str, remote: str) -> dict[str, Any]:
-    _shared.SHARE_CHUNK_BYTES = BLOCK_ROWS * DIM * 4  # row blocks of 1 MiB, not 64 MiB
+    # Row blocks of 1 MiB, not 64 MiB (an object's header has room beside its chunk).
+    _shared.SHARE_CHUNK_BYTES = BLOCK_ROWS * DIM * 4 + _shared.SHARE_HEADER_BYTES
     uploaded: list[str] = []  # the shared objects this rank's uploads copied
     copy_file = _tiers.copy_file
 

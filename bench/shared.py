@@ -8,7 +8,8 @@
   to a second directory holding the previous upload) against a full upload.
 - ``dense``: every tensor changes each save (the bench's usual case): a synchronous save and
   an async save's blocking with sharing against the same without it (the hashing must hide
-  under the write), and a load of each.
+  under the write), and a load of each. The saves with sharing remember what changed, as a
+  manager's do (``_shared.Changes``).
 - ``spread``: a checkpoint whose objects were written by 10 earlier saves (each changed a
   tenth of the tensors) loads against a plain checkpoint of the same state.
 """
@@ -26,8 +27,9 @@ from typing import Any
 import torch
 
 import tardigrade as tg
-from tardigrade._save import base_index
+from tardigrade._save import base_index, save_with
 from tardigrade._save_job import SaveOptions
+from tardigrade._shared import Changes
 from tardigrade._tiers import copy_checkpoint
 from tardigrade.storage import LocalStorage
 
@@ -119,6 +121,17 @@ def _dense(opts: SharedOptions, work: Path) -> dict[str, Any]:
     out: dict[str, list[float]] = {}
     # A checkpointer each (their staging reused from save to save, as a manager's is).
     savers = {"plain": tg.AsyncCheckpointer(), "shared": tg.AsyncCheckpointer()}
+    # What each save found new, for the next one's (a manager's saves keep it): the chunks
+    # that changed are then hashed as they are written.
+    changes = {"sync": Changes(), "async": Changes()}
+
+    def options(where: Path, base: Path | None, kind: str) -> SaveOptions:
+        if base is None:
+            return SaveOptions()
+        index = base_index(where, base, None)
+        index.changes = changes[kind]
+        return SaveOptions(shared=index)
+
     for rnd in range(opts.repeats + 1):  # round 0 warms the async savers' staging up
         for t in state.values():
             t.add_(1.0)
@@ -127,7 +140,8 @@ def _dense(opts: SharedOptions, work: Path) -> dict[str, Any]:
         for key, base in pair if rnd % 2 else pair[::-1]:
             where = work / f"{key}-{rnd}"
             settle(opts.settle_s)
-            s = measure(lambda where=where, base=base: {"n": tg.save(where, state, base=base).nbytes})  # fmt: skip
+            chosen = options(where, base, "sync")
+            s = measure(lambda where=where, o=chosen: {"n": save_with(where, state, o).nbytes})  # type: ignore[union-attr]  # fmt: skip
             out.setdefault(f"{key}_save_s", []).append(s.seconds)
             live = {k: torch.empty_like(v) for k, v in state.items()}
             settle(opts.settle_s)
@@ -136,8 +150,7 @@ def _dense(opts: SharedOptions, work: Path) -> dict[str, Any]:
             del live
             shutil.rmtree(where)
             settle(opts.settle_s)
-            shared = None if base is None else base_index(where, base, None)
-            fut = savers[key].submit(where, state, SaveOptions(shared=shared))
+            fut = savers[key].submit(where, state, options(where, base, "async"))
             assert fut is not None
             res = fut.result()
             out.setdefault(f"{key}_blocking_s", []).append(res.blocking_seconds)

@@ -186,6 +186,17 @@ class Commit(abc.ABC):
         ``where``; the same bytes there already (an earlier save's) are kept."""
         return None  # a store's writer made it durable there (``shared_target``)
 
+    def unnamed_object(self, staging: str, file: str) -> str | None:
+        """Where a save may write a shared object before it knows its name (hashing it as it
+        writes; ``publish_shared`` then moves it), ``file`` as in ``shared_target``; None
+        where nothing can be renamed (a store: an object is written under its name)."""
+        return None
+
+    def keep_unnamed(self, written: str, file: str) -> None:
+        """Make the object written at ``written`` (``unnamed_object``) the save's own data
+        file ``file`` (in its staging): another chunk of the save holds the same bytes."""
+        raise NotImplementedError("only where unnamed_object gives a place")
+
     @abc.abstractmethod
     def commit(
         self, staging: str, name: str, manifest: bytes, *, save_id: str, replace: bool
@@ -351,6 +362,12 @@ class RenameCommit(Commit):
         """In the save's staging directory (its lock covers it), moved into ``.shared/``
         once written and fsynced."""
         return f"{staging}/{file}.object"
+
+    def unnamed_object(self, staging: str, file: str) -> str | None:
+        return f"{staging}/{file}.object"
+
+    def keep_unnamed(self, written: str, file: str) -> None:
+        self.storage.move(written, file)
 
     def publish_shared(self, written: str, where: str) -> None:
         storage = self.storage

@@ -29,6 +29,7 @@ __all__ = [
     "SHARE_CHUNK_BYTES",
     "SHARE_HEADER_BYTES",
     "SHARE_MIN_BYTES",
+    "Changes",
     "Held",
     "SharedIndex",
     "pin",
@@ -58,21 +59,44 @@ class Held:
     checksum: str  # its one chunk's
 
 
+class Changes:
+    """Which chunks held new bytes at the last save, by their planned file (the same file of
+    the same plan holds the same chunk from save to save): a save writes such a chunk at once,
+    hashing it as it writes, rather than hashing it first and writing it then (a second pass
+    over its bytes). Training changes the same tensors every step, and leaves frozen ones
+    alone: a guess wrong either way costs a write or a pass, never a wrong checkpoint."""
+
+    def __init__(self) -> None:
+        self._new: dict[str, bool] = {}
+        self._lock = threading.Lock()
+
+    def was_new(self, file: str) -> bool:
+        with self._lock:
+            return self._new.get(file, False)
+
+    def record(self, file: str, new: bool) -> None:
+        with self._lock:
+            self._new[file] = new
+
+
 class SharedIndex:
     """The shared objects a save may reference instead of writing them: those its base
     checkpoints reference (an empty index: a first save, which writes every object). Given
     ``load`` instead, they are read at the first ``get``: a save with no chunk large enough to
-    share never reads its base."""
+    share never reads its base. ``changes``: what the saves before found new (a manager's),
+    which this one's writers consult and update."""
 
     def __init__(
         self,
         held: dict[str, Held] | None = None,
         *,
         load: Callable[[], dict[str, Held]] | None = None,
+        changes: Changes | None = None,
     ) -> None:
         self._held = held
         self._load = load
         self._lock = threading.Lock()
+        self.changes = changes
 
     @staticmethod
     def held_by(manifests: Iterable[Manifest]) -> dict[str, Held]:

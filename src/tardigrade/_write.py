@@ -78,6 +78,9 @@ END: Any = None
 ABORT: Any = object()
 
 
+# Writer threads of a save that shares data, at least (``write_files``).
+SHARED_WRITERS = 4
+
 # An accelerator tensor is copied to host in pieces of this size as its writer takes them.
 DEVICE_PIECE_BYTES = 64 * 1024 * 1024
 
@@ -194,7 +197,68 @@ def _write_shared(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[A
     """One chunk as a shared object: its whole stream is taken (one chunk of at most
     ``SHARE_CHUNK_BYTES`` x 2), its file hashed (``Identity``: the object's name), then
     referenced when the save's index holds that object and it is there, else written under
-    staging and published under ``.shared/`` (``Commit.publish_shared``) before the commit."""
+    staging and published under ``.shared/`` (``Commit.publish_shared``) before the commit.
+    A chunk that held new bytes at the last save (``Changes``) is written at once instead,
+    hashed as it is written (``_write_unnamed``)."""
+    assert job.shared is not None
+    changes = job.shared.changes
+    if changes is not None and changes.was_new(fp.name):
+        target = job.commit.unnamed_object(staging, fp.name)
+        if target is not None:
+            written = _write_unnamed(job, fp, staging, target, segments)
+            changes.record(fp.name, written.written)
+            return written
+    written = _hash_then_write(job, fp, staging, segments)
+    if changes is not None:
+        changes.record(fp.name, written.written)
+    return written
+
+
+def _write_unnamed(
+    job: SaveJob, fp: FilePlan, staging: str, target: str, segments: Iterable[Any]
+) -> WrittenFile:
+    """Write a candidate to ``target`` in staging, hashing its name on the way (one pass over
+    its bytes), then: publish it under that name; or, when the save's base holds that object
+    after all (the chunk did not change), delete it and reference the object; or, a chunk
+    another file of the save holds too, keep it as a plain data file of the save."""
+    assert job.shared is not None
+    identity = Identity()
+    written = _write_data(job, fp, target, segments, identity=identity)
+    name = shared_name(identity.hexdigest())
+    if not job.claim(name, fp.name):
+        job.commit.keep_unnamed(target, f"{staging}/{job.stored_name(fp.name)}")
+        return written
+    job.pin(name)
+    referenced = _reference(job, name)
+    if referenced is not None:
+        job.storage.delete(target)  # written for nothing: the guess was wrong
+        return referenced
+    job.commit.publish_shared(target, data_path(job.name, name))
+    return dataclasses.replace(written, shared=name)
+
+
+def _reference(job: SaveJob, name: str) -> WrittenFile | None:
+    """What the manifest records of shared object ``name`` when the save's base holds it and
+    it is there (the save references it); None when it must be written."""
+    assert job.shared is not None
+    known = job.shared.get(name)
+    if known is None:
+        return None
+    where = data_path(job.name, name)
+    there = job.storage.stat(where)
+    if there is not None and there.size == known.size:
+        return WrittenFile(known.size, known.header_checksum, known.checksum, name, False)
+    log.warning(
+        "tardigrade: %s, which the previous checkpoint references, is %s; writing it again",
+        job.storage.url(where),
+        "missing" if there is None else f"{there.size} bytes, not {known.size}",
+    )
+    return None
+
+
+def _hash_then_write(
+    job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[Any]
+) -> WrittenFile:
     assert job.shared is not None
     held: list[Any] = []
     stream = iter(segments)
@@ -217,18 +281,10 @@ def _write_shared(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[A
         mine = job.claim(name, fp.name)
         if mine:
             job.pin(name)
-        known = job.shared.get(name) if mine else None
-        where = data_path(job.name, name)
-        if known is not None:
-            there = job.storage.stat(where)
-            if there is not None and there.size == known.size:
+            referenced = _reference(job, name)
+            if referenced is not None:
                 _release(held)  # referenced, not written: the staged copy goes back
-                return WrittenFile(known.size, known.header_checksum, known.checksum, name, False)
-            log.warning(
-                "tardigrade: %s, which the previous checkpoint references, is %s; writing it again",
-                job.storage.url(where),
-                "missing" if there is None else f"{there.size} bytes, not {known.size}",
-            )
+                return referenced
     except BaseException:
         _release(held)
         if not ended:  # drained to its end: every staging buffer must come back
@@ -238,8 +294,20 @@ def _write_shared(job: SaveJob, fp: FilePlan, staging: str, segments: Iterable[A
         # Another chunk of this save holds the same bytes: this copy is a plain data file.
         stored = job.commit.data_name(fp.name, job.header["save_id"])
         return _write_data(job, fp, f"{staging}/{stored}", [*held, END])
+    where = data_path(job.name, name)
     target = job.commit.shared_target(staging, where, fp.name)
-    written = _write_data(job, fp, target, [*held, END])
+    # Live tensors (a synchronous save's segments) are hashed again from the copy written,
+    # as it is written: bytes changed in between (a tensor mutated by another thread) must
+    # not be published under a name that is not theirs, which later saves would reference.
+    again = None if held and isinstance(held[0], Block) else Identity()
+    written = _write_data(job, fp, target, [*held, END], identity=again)
+    if again is not None and again.hexdigest() != identity.hexdigest():
+        raise SaveError(
+            f"{job.storage.url(job.name)}: the bytes of {fp.name} changed while the save "
+            "wrote them (a tensor modified during a synchronous save, by another thread); "
+            "nothing was committed. Save when nothing modifies the state, or save "
+            "asynchronously (it copies the state first)."
+        )
     job.commit.publish_shared(target, where)
     return dataclasses.replace(written, shared=name)
 
@@ -250,7 +318,27 @@ def _release(segments: list[Any]) -> None:
             seg.done()
 
 
-def _write_data(job: SaveJob, fp: FilePlan, path: str, segments: Iterable[Any]) -> WrittenFile:
+class _Both:
+    """Two hashes fed the same bytes (a chunk's checksum and its object's name)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = a, b
+
+    def update(self, data: memoryview | bytes | bytearray) -> None:
+        self.a.update(data)
+        self.b.update(data)
+
+
+def _write_data(
+    job: SaveJob,
+    fp: FilePlan,
+    path: str,
+    segments: Iterable[Any],
+    *,
+    identity: Identity | None = None,
+) -> WrittenFile:
     """Stream one data file to ``path``: header, then each item's bytes, hashed on the way;
     then fsync.
 
@@ -263,8 +351,12 @@ def _write_data(job: SaveJob, fp: FilePlan, path: str, segments: Iterable[Any]) 
     mutated mid-save may hold a mix of old and new values. A Block is a private staging copy;
     it is hashed here and written without another copy. Every run is checked against the
     header's layout (``_Layout``) before it is written, and the file's size at the end.
+    ``identity`` is fed every byte of the file, header included (its name, as a shared
+    object), from the same copy the checksums see.
     """
     hashers = [Hasher() for _ in fp.items]
+    # What a Segment's bytes feed as the writer copies them: its item's checksum (and name).
+    feeds: list[Any] = hashers if identity is None else [_Both(h, identity) for h in hashers]
     failure: BaseException | None = None
     writer = None
     head = b""
@@ -299,6 +391,8 @@ def _write_data(job: SaveJob, fp: FilePlan, path: str, segments: Iterable[Any]) 
                     if not image:
                         layout.advance(len(head))
                         writer.write(head)
+                        if identity is not None:
+                            identity.update(head)
                 if isinstance(seg, Block) != image:
                     raise layout.bad("a stream mixes whole-file blocks and item segments")
                 if isinstance(seg, Block):
@@ -309,6 +403,8 @@ def _write_data(job: SaveJob, fp: FilePlan, path: str, segments: Iterable[Any]) 
                         layout.item(item, layout.pos + lo, hi - lo)
                         for start in range(lo, hi, st.SLICE_BYTES):
                             hashers[item].update(seg.data[start : min(hi, start + st.SLICE_BYTES)])
+                    if identity is not None:  # the whole run, header bytes included
+                        identity.update(seg.data)
                     layout.advance(seg.data.nbytes)
                     writer.write(seg.data)
                 else:
@@ -317,7 +413,7 @@ def _write_data(job: SaveJob, fp: FilePlan, path: str, segments: Iterable[Any]) 
                     layout.advance(data.nbytes)
                     for start in range(0, data.nbytes, st.SLICE_BYTES):
                         piece = data[start : start + st.SLICE_BYTES]
-                        writer.write(piece, hasher=hashers[seg.item])
+                        writer.write(piece, hasher=feeds[seg.item])
         except BaseException as e:
             failure = e
         finally:
@@ -572,7 +668,11 @@ def write_files(
         functools.partial(write_file, job, fp, staging, stream)
         for fp, stream in zip(files, streams, strict=True)
     ]
-    results = in_workers(calls, DEFAULT_MAX_FILES, "tardigrade-write")
+    # A save sharing data writes a file per large chunk, each ending in an fsync and a
+    # rename: more writers than cores overlap those waits.
+    shares = job.shared is not None and any(is_candidate(fp.name) for fp in files)
+    workers = max(DEFAULT_MAX_FILES, SHARED_WRITERS) if shares else DEFAULT_MAX_FILES
+    results = in_workers(calls, workers, "tardigrade-write")
     return {fp.name: w for fp, w in zip(files, results, strict=True)}
 
 

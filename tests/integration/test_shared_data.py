@@ -330,3 +330,68 @@ def test_a_lora_run_on_the_store_and_its_uploads_send_the_base_once(
     finally:
         for url in (root, remote):
             open_root(url).delete("")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_chunks_that_changed_last_save_are_hashed_as_they_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """A manager's save writes a chunk that held new bytes at its last save straight away,
+    naming it from the bytes it wrote (one pass); the others are hashed first. A guess that
+    proves wrong (the chunk did not change this time) references the object and leaves no
+    file behind; every checkpoint loads exactly."""
+    from tardigrade import _write
+
+    calls: list[str] = []
+    for fn in ("_hash_then_write", "_write_unnamed"):
+        real = getattr(_write, fn)
+        monkeypatch.setattr(
+            _write, fn, lambda *a, _f=fn, _r=real, **k: calls.append(_f) or _r(*a, **k)
+        )
+    root = tmp_path / "run"
+    state = {"a": torch.randn(512, 1024), "b": torch.randn(512, 1024)}  # 2 MiB each
+    kept = {}
+    with tg.CheckpointManager(root, state, async_save=async_save) as mgr:
+        for step in (1, 2, 3):
+            calls.clear()
+            state["a"].add_(1.0)
+            if step < 3:
+                state["b"].add_(1.0)  # b stops changing at step 3: the guess is wrong
+            mgr.save(step)
+            mgr.wait()
+            kept[step] = {k: v.clone() for k, v in state.items()}
+            if step == 1:
+                assert sorted(calls) == ["_hash_then_write"] * 2
+            else:
+                assert sorted(calls) == ["_write_unnamed"] * 2
+        assert mgr.stats[-1].nbytes < 3 * MiB  # b was referenced: only a's 2 MiB written
+    assert len(shared_objects(root)) == 5  # a: 3 versions, b: 2
+    for step, want in kept.items():
+        ckpt = root / f"step-{step:09d}"
+        assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json"]  # nothing left over
+        tg.verify(ckpt)
+        got = tg.load(ckpt)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_bytes_changed_during_a_synchronous_save_are_never_published_under_a_wrong_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor modified by another thread between the hash that names its object and the
+    write: the save fails and nothing is committed or published (a later save referencing
+    that name would load other bytes)."""
+    from tardigrade._save_job import SaveJob
+
+    state = {"w": torch.zeros(512, 1024)}
+    tg.save(tmp_path / "base", state)
+    real = SaveJob.claim
+
+    def claim_then_mutate(self: SaveJob, name: str, file: str) -> bool:
+        state["w"].add_(1.0)  # after the hash, before the write
+        return real(self, name, file)
+
+    monkeypatch.setattr(SaveJob, "claim", claim_then_mutate)
+    with pytest.raises(tg.SaveError, match="changed while the save wrote them"):
+        tg.save(tmp_path / "next", state, base=tmp_path / "base")
+    assert not (tmp_path / "next").exists()
+    assert shared_objects(tmp_path) == []

@@ -22,7 +22,7 @@ from .._catalog import Catalog, step_name
 from .._ramtier import SAVED_ALONE
 from .._save import save_with
 from .._save_job import SaveOptions, SaveResult
-from .._shared import Held, SharedIndex
+from .._shared import Changes, Held, SharedIndex
 from ..errors import (
     CheckpointExistsError,
     CheckpointLockedError,
@@ -82,6 +82,7 @@ class SaveDispatch:
     ) -> None:
         self.state = state
         self._dedup = dedup
+        self._changes = Changes()  # what each save found new: the next one's guess
         self.preemption = preemption or Preemption()
         self.catalog = catalog
         self.ranks = ranks
@@ -122,7 +123,7 @@ class SaveDispatch:
         checkpoint before it (each save references every unchanged object again, so the
         newest holds all a save can find); none when it does not read. Read by the save's
         first large chunk: a state without one costs no listing, no read."""
-        return SharedIndex(load=functools.partial(self._held_before, step))
+        return SharedIndex(load=functools.partial(self._held_before, step), changes=self._changes)
 
     def _held_before(self, step: int) -> dict[str, Held]:
         try:

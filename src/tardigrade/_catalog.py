@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, TypeAlias
 
 from ._commit import LOCK, TMP_PREFIX, commit_for, committed, due, size_of
 from ._open import manifest_at, save_id_at
-from ._shared import shared_root, sweeping
+from ._shared import abandon, abandoned, forget_abandoned, shared_root, sweeping
 from .errors import CorruptCheckpointError, InvalidArgumentError, TardigradeError
 from .format.jsonio import dumps, loads_strict
 from .format.manifest import LEASE_GENERATION, MANIFEST, SHARED_DIR, Manifest, data_path, is_shared
@@ -469,7 +469,19 @@ class Catalog:
     def retire(self, name: str) -> None:
         """Delete checkpoint ``name``, so that no crash leaves it half-deleted in view: out of
         view first (renamed to ``.tmp-deleting-*``; on a store, its manifest deleted), then
-        its data."""
+        its data. The shared objects it referenced are recorded (``_shared.abandon``): once
+        no other checkpoint references them, a sweep need not wait out the grace period."""
+        try:
+            refs = [f for f in self.manifest(name).files if is_shared(f)]
+        except (OSError, TardigradeError) as e:
+            refs = []
+            log.warning(
+                "tardigrade: removing %s: its manifest does not read (%s); the shared data only "
+                "it referenced goes once past the grace period",
+                self.path(name),
+                e,
+            )
+        abandon(shared_root(self.storage.url, name), refs)
         self.commit.retire(name)
 
     def remove(self, name: str, why: str) -> bool:
@@ -602,12 +614,15 @@ class Catalog:
         if not objects:
             return []
         cutoff = grace_cutoff(storage.gc_grace_seconds)
-        with sweeping(shared_root(storage.url, "")) as pinned:
+        root = shared_root(storage.url, "")
+        # What failed saves of this process published need not wait out the grace period.
+        failed = abandoned(root)
+        with sweeping(root) as pinned:
             candidates = [n for n in objects if n not in pinned]
             # Ages only where the grace period asks (on a store, a stat is a request each).
-            stats = {n: storage.stat(n) for n in candidates} if grace else {}
+            stats = {n: storage.stat(n) for n in candidates if n not in failed} if grace else {}
             if grace:
-                candidates = [n for n in candidates if (st := stats[n]) is not None and due(st, cutoff, None)]  # fmt: skip
+                candidates = [n for n in candidates if n in failed or ((st := stats[n]) is not None and due(st, cutoff, None))]  # fmt: skip
             if not candidates:
                 return []
             marks = self._mark([n for n in self.names() if self.committed(n)])
@@ -623,6 +638,8 @@ class Catalog:
             stats.update({n: storage.stat(n) for n in dead if n not in stats})  # their sizes
             if dead and not dry_run:
                 storage.delete_many(dead)
+        if dead and not dry_run:
+            forget_abandoned(root, dead)
         if not dead:
             return []
         nbytes = sum(st.size for n in dead if (st := stats[n]) is not None)
@@ -686,9 +703,11 @@ class Catalog:
         ``progress`` is called with each leftover once it is dealt with. The caller holds the
         lease."""
         done = self.collect(dry_run=dry_run, progress=progress)
-        done += self.sweep_shared(dry_run=dry_run, progress=progress)
         done += self.commit.leftovers(dry_run=dry_run, progress=progress)
         done += self.storage.tidy(dry_run=dry_run, progress=progress)
         if fenced and self.fences():  # one stat, once per catalog
             done += self.retire_fenced(self.scan().fenced, dry_run=dry_run, progress=progress)
+        # Last: what the steps above removed (a dead save's staging, a half-deleted checkpoint)
+        # no longer holds its shared objects.
+        done += self.sweep_shared(dry_run=dry_run, progress=progress)
         return done

@@ -705,7 +705,7 @@ class RamMirror:
         staging = None
         # A shared object: as the disk writer writes it, into this tier's own .shared/
         # (which holds the ones its newest checkpoint references: those are not rewritten).
-        mine = replace(job, storage=storage, shared=SharedIndex(), pins=[])
+        mine = replace(job, storage=storage, shared=SharedIndex(), pins=[], published=[])
         self._copy = mine
         try:
             self.tier._make_room(_image_bytes(job), keep=job.name)

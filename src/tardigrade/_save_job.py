@@ -33,7 +33,7 @@ from ._plan import (
     global_plan,
     local_plan,
 )
-from ._shared import SharedIndex, pin, shared_root, unpin
+from ._shared import SharedIndex, abandon, pin, shared_root, unpin
 from ._tree import Entry, Flat, flatten
 from ._units import gbps
 from ._version import __version__
@@ -119,6 +119,7 @@ class SaveJob:
     # None: every chunk goes into the save's own data files.
     shared: SharedIndex | None = None
     pins: list[str] = field(default_factory=list)  # the shared objects this save pinned
+    published: list[str] = field(default_factory=list)  # ... and those it wrote
     # Shared object -> the planned file that holds it in this save: a chunk held twice is
     # one object once, the other copies plain files of the save. One map for the save and
     # its copies into other tiers (``dataclasses.replace`` keeps it), so all decide alike.
@@ -147,6 +148,12 @@ class SaveJob:
     def unpin(self) -> None:
         unpin(shared_root(self.storage.url, self.name), self.pins)
         self.pins.clear()
+
+    def abandon_published(self) -> None:
+        """The save failed: the shared objects it wrote may be swept without waiting out the
+        grace period, once no committed checkpoint references them (if the save committed
+        after all, its checkpoint does)."""
+        abandon(shared_root(self.storage.url, self.name), self.published)
 
     @property
     def entries(self) -> list[Entry]:

@@ -32,6 +32,9 @@ __all__ = [
     "Changes",
     "Held",
     "SharedIndex",
+    "abandon",
+    "abandoned",
+    "forget_abandoned",
     "pin",
     "shared_root",
     "sweeping",
@@ -156,6 +159,31 @@ def unpin(root: str, names: Iterable[str]) -> None:
             held[n] -= 1
             if held[n] <= 0:
                 del held[n]
+
+
+# Shared objects saves of this process published and then failed (nothing committed): a sweep
+# need not wait out the grace period for them, as for a failed save's own files on a store.
+_abandoned: dict[str, set[str]] = {}
+
+
+def abandon(root: str, names: Iterable[str]) -> None:
+    """Record that a failed save of this process published shared objects ``names``."""
+    with _pins_lock:
+        _abandoned.setdefault(root, set()).update(names)
+
+
+def abandoned(root: str) -> frozenset[str]:
+    """The shared objects under ``root`` failed saves of this process published."""
+    with _pins_lock:
+        return frozenset(_abandoned.get(root, ()))
+
+
+def forget_abandoned(root: str, names: Iterable[str]) -> None:
+    """``names`` are gone (swept): no longer recorded."""
+    with _pins_lock:
+        left = _abandoned.get(root)
+        if left is not None:
+            left.difference_update(names)
 
 
 @contextlib.contextmanager

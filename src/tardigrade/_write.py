@@ -234,6 +234,7 @@ def _write_unnamed(
         job.storage.delete(target)  # written for nothing: the guess was wrong
         return referenced
     job.commit.publish_shared(target, data_path(job.name, name))
+    job.published.append(name)
     return dataclasses.replace(written, shared=name)
 
 
@@ -295,6 +296,13 @@ def _hash_then_write(
         stored = job.commit.data_name(fp.name, job.header["save_id"])
         return _write_data(job, fp, f"{staging}/{stored}", [*held, END])
     where = data_path(job.name, name)
+    if job.commit.unnamed_object(staging, fp.name) is None:
+        adopted = _adopt(job, fp, name, held)
+        if adopted is not None:
+            return adopted
+        # A store's writer writes under the object's name: a write that fails may leave it
+        # there, whole or not, and a sweep must not wait out the grace period for it.
+        job.published.append(name)
     target = job.commit.shared_target(staging, where, fp.name)
     # Live tensors (a synchronous save's segments) are hashed again from the copy written,
     # as it is written: bytes changed in between (a tensor mutated by another thread) must
@@ -309,7 +317,31 @@ def _hash_then_write(
             "asynchronously (it copies the state first)."
         )
     job.commit.publish_shared(target, where)
+    if target != where:
+        job.published.append(name)
     return dataclasses.replace(written, shared=name)
+
+
+def _adopt(job: SaveJob, fp: FilePlan, name: str, held: list[Any]) -> WrittenFile | None:
+    """On a store (objects written under their names, never renamed): when an object of
+    this name and size is there already, though the base does not reference it (a save that
+    failed after writing it, a checkpoint deleted since), it holds these bytes, which its
+    name is the hash of; writing it again would only replace it in place under readers. Its
+    checksums are computed from the staged bytes, which then go back; None: not there."""
+    head = file_header(fp)
+    there = job.storage.stat(data_path(job.name, name))
+    if there is None or there.size != len(head) + fp.nbytes:
+        return None
+    hashers = [Hasher() for _ in fp.items]
+    for seg in held:
+        if isinstance(seg, Block):
+            for item, lo, hi in seg.ranges:
+                hashers[item].update(seg.data[lo:hi])
+        else:
+            hashers[seg.item].update(seg.data)
+    _release(held)
+    sums = "".join(h.hexdigest() for h in hashers)
+    return WrittenFile(there.size, checksum(head), sums, name, False)
 
 
 def _release(segments: list[Any]) -> None:
@@ -849,6 +881,7 @@ def write_and_commit(job: SaveJob, streams: Sequence[Iterable[Any]]) -> SaveResu
         committed = committed_here(job) if staging is not None else False
         if staging is not None:
             end_staging(job, staging, committed)
+        job.abandon_published()  # swept unless a committed checkpoint references them
         raise_save_error(job, e, committed)
     finally:
         job.unpin()

@@ -36,7 +36,7 @@ import tardigrade as tg
 from tardigrade._catalog import Catalog
 from tardigrade._commit import LOCK
 from tardigrade.errors import TardigradeError
-from tardigrade.format.manifest import MANIFEST
+from tardigrade.format.manifest import MANIFEST, SHARED_DIR, data_path, is_shared
 from tardigrade.storage import LocalStorage, Storage
 from tardigrade.storage import base as storage_base
 from tardigrade.testing import ERRORS, FaultyStorage
@@ -109,9 +109,22 @@ def objects(storage: Storage, prefix: str) -> dict[str, bytes]:
 
 
 def committed(storage: Storage) -> dict[str, dict[str, bytes]]:
-    """Each committed checkpoint under the root, with every object under its name."""
+    """Each committed checkpoint under the root, with every object under its name and every
+    shared object (format 7) its manifest references."""
     catalog = Catalog(storage)
-    return {n: objects(storage, n) for n in catalog.names() if catalog.committed(n)}
+    out = {}
+    for n in catalog.names():
+        if catalog.committed(n):
+            out[n] = objects(storage, n)
+            for f in referenced(storage, n):
+                out[n][f] = storage.read_bytes(f, 1 << 30) if storage.exists(f) else b"<missing>"
+    return out
+
+
+def referenced(storage: Storage, name: str) -> list[str]:
+    """The shared objects committed checkpoint ``name`` references, by their storage names."""
+    files = [f["name"] for f in tg.read_manifest(storage.url(name))["files"]]
+    return [data_path(name, f) for f in files if is_shared(f)]
 
 
 def wipe(storage: Storage) -> None:
@@ -167,6 +180,8 @@ def leftovers(storage: Storage) -> list[str]:
     catalog = Catalog(storage)
     out = []
     for n in catalog.names():
+        if n == SHARED_DIR:
+            continue  # its objects: below
         if n == LOCK:
             record = storage.lease(LOCK).read()
             if record is not None and record.get("released") is not True:
@@ -177,6 +192,10 @@ def leftovers(storage: Storage) -> list[str]:
             continue
         listed = {f["name"] for f in tg.read_manifest(storage.url(n))["files"]}
         out.extend(f"{n}/{x}" for x in storage.list(n) if x != MANIFEST and x not in listed)
+    # Shared objects no committed checkpoint references (a failed save's; a retired one's).
+    held = {f for n in catalog.names() if n not in (LOCK, SHARED_DIR) and catalog.committed(n)
+            for f in referenced(storage, n)}  # fmt: skip
+    out.extend(f for f in catalog._shared_objects() if f not in held)
     return out
 
 

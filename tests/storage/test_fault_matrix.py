@@ -92,6 +92,62 @@ def bounded_async_save(faulty: FaultyStorage, attempt: int) -> Outcome:
     return outcome(run)
 
 
+# -- shared data (format 7) ----------------------------------------------------------------------
+
+SHARED_N = 300_000  # 1.1 MiB of float32: a shared object
+
+
+def shared_state(value: float) -> dict[str, Any]:
+    """A frozen tensor (the same object in every checkpoint) and one of ``value``."""
+    return {
+        "frozen": torch.arange(SHARED_N, dtype=torch.float32),
+        "moving": torch.full((SHARED_N,), value),
+        "step": int(value),
+    }
+
+
+def prepare_shared(faulty: FaultyStorage) -> None:
+    """Step 1 (a plain checkpoint), then step 2 sharing data with it: two shared objects."""
+    tg.save(faulty.inner.url("step-1"), shared_state(1.0))
+    tg.save(faulty.inner.url("step-2"), shared_state(2.0), base=faulty.inner.url("step-1"))
+
+
+def shared_save(faulty: FaultyStorage, attempt: int) -> Outcome:
+    """A save referencing step 2's frozen object and writing a new one for ``moving``."""
+    step = 5 + attempt
+    url = faulty.url(f"step-{step}")
+    return outcome(lambda: tg.save(url, shared_state(step), base=faulty.url("step-2")))
+
+
+def saved_what_it_says(faulty: FaultyStorage, out: Outcome) -> None:
+    if out.error is None:
+        got = tg.load(faulty.inner.url("step-5"), verify="all")
+        assert got["step"] == 5 and float(got["moving"][-1]) == 5.0
+        assert torch.equal(got["frozen"], shared_state(5.0)["frozen"])
+
+
+def prepare_dedup(faulty: FaultyStorage) -> None:
+    state = shared_state(0.0)
+    with tg.CheckpointManager(faulty.inner.root, state, async_save=False) as mgr:
+        for step in (1, 2):
+            state["moving"].fill_(float(step))
+            mgr.save(step)
+
+
+def manager_dedup(faulty: FaultyStorage, attempt: int) -> Outcome:
+    """A manager sharing data saves a step; retention (two kept) retires step 1 and sweeps
+    the object only it referenced."""
+    step = 3 + attempt
+    state = shared_state(float(step))
+    try:
+        mgr = warn_manager(faulty, state, async_mode=False)
+    except TardigradeError as e:
+        return Outcome(error=e)
+    warn_mode(lambda: mgr.step(step))
+    warn_mode(mgr.close)
+    return Outcome(failed=mgr.stats.failed, value=mgr.stats.succeeded)
+
+
 # -- load ----------------------------------------------------------------------------------------
 
 
@@ -327,6 +383,16 @@ FAMILIES = {
     "restore": Family("restore", prepare_two, restore, tidy_leftovers, restored_what_it_says),
     "gc": Family("gc", prepare_leftover, gc_later, tidy_later),
     "upload": Family("upload", prepare_one, upload, tidy_leftovers, uploaded_whole),
+    "shared-save": Family(
+        "shared-save", prepare_shared, shared_save, tidy_leftovers, saved_what_it_says
+    ),
+    "manager-dedup": Family(
+        "manager-dedup",
+        prepare_dedup,
+        manager_dedup,
+        tidy_leftovers,
+        may_retire=frozenset({"step-000000001"}),
+    ),
 }
 
 
@@ -339,7 +405,7 @@ FAMILIES = {
 FULL = os.environ.get("FAULT_MATRIX_FULL", "") not in ("", "0")
 SAMPLED_ON_DISK = {
     "async-save-bounded", "manager-step", "manager-step-async", "manager-goes-on",
-    "manager-goes-on-async", "restore",
+    "manager-goes-on-async", "restore", "shared-save", "manager-dedup",
 }  # fmt: skip
 
 

@@ -406,6 +406,7 @@ class _Save:
             committed = _outcome(job, ranks, e)
             if staging is not None and (ranks.coordinator or own):
                 end_staging(job, staging, committed)
+            job.abandon_published()  # swept unless a committed checkpoint references them
             raise_save_error(job, e, committed)
         finally:
             job.unpin()  # committed, or failed on every rank: no sweep need spare them now

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import collections
 import datetime
 import functools
 import json
@@ -329,13 +330,40 @@ def _carries_cpu_over_gloo(group: Any) -> bool:
 
 # A program's own objects may hold its group past destroy_process_group() (a DDP module does),
 # so its threads can outlive the interpreter whatever Tardigrade holds. What must not happen is
-# a gloo thread dropping the last reference to one of our finished operation's tensors during
-# teardown: when wait() returns, the worker may still hold the operation a moment, and our
-# references would go first. So the last operation's tensors stay referenced from here (not the
-# operation itself: it holds its group) until the next one replaces them or the main thread
-# clears the module at exit. (With a DDP module held past destroy and a load as the last
-# collective, 2 runs of 10 aborted before; 1 of 50 since, cause unknown.)
-_LAST_TENSORS: list[Any] = [None]
+# a gloo thread dropping the last reference to one of our finished operations during teardown:
+# when wait() returns, the worker that ran it may still hold it a while (with each rank on one
+# CPU, until the scheduler runs that thread again), and our references would go first. So the
+# last few operations of each group (their Work and tensors) stay referenced from here until
+# later ones replace them, or the group is freed (destroy_process_group() with nothing else
+# holding it: the Work holds gloo's context, whose thread must stop then too), or the
+# interpreter's teardown clears this module (in the main thread). Not at atexit: freed there,
+# as the program exits, the aborts came back (the reproducer: a DDP module held past destroy,
+# each rank pinned to one CPU, a save or a load as the last collective: 19 of 24 runs aborted
+# with the last operation's tensors alone kept; 0 of 24 with this; 13 of 24 freed at atexit).
+_RECENT_OPS = 4
+_RECENT: dict[int, collections.deque[Any]] = {}
+_RECENT_LOCK = threading.Lock()
+
+
+def _hold(group: Any, op: Any) -> None:
+    """Keep ``op`` (an operation's Work and tensors) referenced, as the note above says."""
+    key = id(group)
+    with _RECENT_LOCK:
+        recent = _RECENT.get(key)
+        if recent is None:
+            recent = _RECENT[key] = collections.deque()
+            weakref.finalize(group, _forget, key).atexit = False  # see the note
+        recent.append(op)
+        old = recent.popleft() if len(recent) > _RECENT_OPS else None
+    del old  # freed here, outside the lock
+
+
+def _forget(key: int) -> None:
+    """Drop what ``_hold`` keeps of group ``key`` (it was freed)."""
+    with _RECENT_LOCK:
+        gone = _RECENT.pop(key, None)
+    del gone
+
 
 # A gloo group beside each non-gloo (NCCL) group, created on its first collective and kept
 # while that group exists: creating one is itself a collective, so it must happen once.
@@ -573,12 +601,10 @@ class Ranks:
         sent = {r: _Pieces(p, chunk) for r, p in out.items()}
         sizes = {r: torch.tensor([p.nbytes], dtype=torch.int64) for r, p in sent.items()}
         lengths = {r: torch.empty(1, dtype=torch.int64) for r in sources}
-        self._wait_all(
-            what,
-            "exchanging sizes",
-            [dist.isend(t, peer(r), group) for r, t in sizes.items()]
-            + [dist.irecv(t, peer(r), group) for r, t in lengths.items()],
-        )
+        works = [dist.isend(t, peer(r), group) for r, t in sizes.items()]
+        works += [dist.irecv(t, peer(r), group) for r, t in lengths.items()]
+        _hold(group, (works, sizes, lengths))  # as _issue's
+        self._wait_all(what, "exchanging sizes", works)
         got = {r: torch.empty(int(t.item()), dtype=torch.uint8) for r, t in lengths.items()}
         # Fresh memory: its pages are faulted in beside the receive, not by it, piece by piece.
         faulting = threading.Thread(
@@ -779,10 +805,12 @@ class Ranks:
         The group is passed in rather than held in callers' locals: the frames a traceback
         keeps must not keep the group alive (see the note on process groups at exit).
         """
-        _LAST_TENSORS[0] = tensors  # dropped by the next operation, never by a gloo thread
         start = time.monotonic()
         try:
-            work = op(self._transport_group(what))
+            group = self._transport_group(what)
+            work = op(group)
+            _hold(group, (work, tensors))  # dropped later, never by a gloo thread at exit
+            del group  # a traceback keeps no group
             if not work.wait(timeout=self._wait):
                 raise TimeoutError("Operation timed out!")
         except Exception as exc:

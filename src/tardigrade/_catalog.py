@@ -610,7 +610,7 @@ class Catalog:
         A manifest that does not read stops the sweep (what it references cannot be told):
         nothing is deleted, and the log says which."""
         storage = self.storage
-        objects = self._shared_objects()
+        objects = self.shared_objects()
         if not objects:
             return []
         cutoff = grace_cutoff(storage.gc_grace_seconds)
@@ -648,7 +648,7 @@ class Catalog:
             progress(done[0])
         return done
 
-    def _shared_objects(self) -> list[str]:
+    def shared_objects(self) -> list[str]:
         """Every shared object here (``.shared/ab/<hash>.safetensors``); a link in place of
         ``.shared`` or of one of its directories is not followed (what it points at is not
         this root's to delete)."""

@@ -32,7 +32,7 @@ import queue
 import re
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,14 +41,14 @@ from ._commit import committed
 from ._load import files_to_read, load_from
 from ._open import save_id_at
 from ._ramtier import RamTier, family_of, saved_alone, source_of
-from ._tiers import Gate, file_rank
+from ._tiers import Gate
 from ._tree import flatten
 from ._verify import verify_files
 from .distributed._collectives import Ranks
 from .errors import CorruptCheckpointError, StorageError
 from .format import limits
 from .format.jsonio import loads_strict
-from .format.manifest import MANIFEST, parse
+from .format.manifest import MANIFEST, SHARED_DIR, data_path, is_shared, parse
 from .storage import LocalStorage, Storage
 from .storage.base import Reader, Stat
 from .storage.local import free_bytes
@@ -165,13 +165,17 @@ def _json(doc: Any) -> bytes:
 @dataclass
 class Share:
     """One rank's share of checkpoint ``name``, as received: its manifest and the data files
-    it holds (views of the payload they came in)."""
+    it holds (views of the payload they came in). A rank's share is what its RAM tier holds
+    of the checkpoint: the data files it wrote, and the shared objects of the chunks it
+    wrote (or referenced), whichever rank's chunk first wrote them."""
 
     share: int
     name: str
     save_id: str
     manifest: bytes
     files: dict[str, memoryview] = field(default_factory=dict)
+    kept: list[str] = field(default_factory=list)
+    """Shared objects of the share not sent: the receiver said it holds them already."""
 
 
 class Payload:
@@ -224,33 +228,42 @@ class Payload:
 EMPTY = Payload([])  # sent in place of shares that could not be read (the peer's log says why)
 
 
-def pack(shares: Sequence[tuple[int, Storage]], name: str, only: set[int] | None = None) -> Payload:
-    """The shares of checkpoint ``name`` kept in each storage (``(share, storage)``: a RAM
-    tier's, or a replica's) as one payload: a JSON head, then each share's manifest and data
-    files (those of index ``only`` in its manifest, when given), each file opened now and read
-    as it is sent."""
+def pack(
+    shares: Sequence[tuple[int, Storage, Collection[int] | None]],
+    name: str,
+    skip: Collection[str] = (),
+) -> Payload:
+    """The shares of checkpoint ``name`` kept in each storage (``(share, storage, only)``: a
+    RAM tier's, or a replica's) as one payload: a JSON head, then each share's manifest and
+    the data files it holds (those of index ``only`` in its manifest, when given), each file
+    opened now and read as it is sent. A shared object named in ``skip`` (the receiver holds
+    it already) is not sent: the head lists it as the share's, ``kept``."""
     head: list[dict[str, Any]] = []
     blobs: list[tuple[bytes, list[Reader]]] = []
     readers: list[Reader] = []
     try:
-        for k, storage in shares:
+        for k, storage, only in shares:
             raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
             m = parse(raw, storage.url(f"{name}/{MANIFEST}"))
             save_id = loads_strict(raw, storage.url(name)).get("save_id")
             files: list[tuple[str, int]] = []
+            kept: list[str] = []
             opened: list[Reader] = []
             for i, f in enumerate(m.files):
                 if only is not None and i not in only:
                     continue
-                st = storage.stat(f"{name}/{f}")
+                st = storage.stat(data_path(name, f))
                 if st is None or st.is_dir:
                     continue
-                reader = storage.open_reader(f"{name}/{f}")
+                if f in skip:
+                    kept.append(f)
+                    continue
+                reader = storage.open_reader(data_path(name, f))
                 readers.append(reader)
                 opened.append(reader)
                 files.append((f, reader.size))
             head.append({"share": k, "name": name, "save_id": str(save_id),
-                         "manifest": len(raw), "files": files})  # fmt: skip
+                         "manifest": len(raw), "files": files, "kept": kept})  # fmt: skip
             blobs.append((raw, opened))
     except BaseException:
         for reader in readers:
@@ -288,6 +301,7 @@ def unpack(data: memoryview, sender: int) -> list[Share]:
             share = Share(int(h["share"]), str(h["name"]), str(h["save_id"]), manifest)
             for f, size in h["files"]:
                 share.files[str(f)] = span(size)
+            share.kept = [str(f) for f in h.get("kept", [])]
             out.append(share)
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{what}: malformed ({e})") from e
@@ -356,27 +370,27 @@ class Replicator:
     def _replicate(self, name: str) -> None:
         self.own.wait()  # a synchronous save's copy is made in the background
         self._go.wait()  # not while training waits on a save
-        try:
-            payload = pack([(self.ranks.rank, self.own.storage)], name)
-        except Exception as e:  # the peers still take part: they get an empty payload
-            self.own._failed(f"the replica of {name} for the peers", e)
-            payload = EMPTY
-        with payload:
-            self._send(name, payload)
-        if payload.error is not None:
-            self.own._failed(f"the replica of {name} for the peers", payload.error)
-
-    def _send(self, name: str, payload: Payload) -> None:
-        targets = self.placement.targets(self.ranks.rank)
-        if payload.nbytes and targets:
+        me = self.ranks.rank
+        targets = self.placement.targets(me)
+        if targets:
             self.sent = self.sent[-7:]  # the latest ones only are asked about
+        whole = True
         for j, target in enumerate(targets):
-            sources = self.placement.sources(self.ranks.rank, j)
-            got = self.ranks.exchange(
-                f"peer tier: replicating {name}", {target: payload}, sources, go=self._go.wait
-            )
-            if payload.nbytes:
-                self.own.count_sent(payload.nbytes)
+            sources = self.placement.sources(me, j)
+            held = self._held_by(target, sources, name)
+            try:
+                payload = pack([(me, self.own.storage, None)], name, skip=held)
+            except Exception as e:  # the peers still take part: they get an empty payload
+                self.own._failed(f"the replica of {name} for the peers", e)
+                payload = EMPTY
+            with payload:
+                got = self.ranks.exchange(
+                    f"peer tier: replicating {name}", {target: payload}, sources, go=self._go.wait
+                )
+            if payload.error is not None:
+                self.own._failed(f"the replica of {name} for the peers", payload.error)
+            whole = whole and bool(payload.nbytes) and payload.error is None
+            self.own.count_sent(payload.nbytes)
             for source, data in sorted(got.items()):
                 if data:
                     self._keep(source, data)
@@ -387,8 +401,29 @@ class Replicator:
                         source,
                         name,
                     )
-        if payload.nbytes and targets:
+        if targets and whole:
             self.sent.append(name)
+
+    def _held_by(self, target: int, sources: list[int], name: str) -> set[str]:
+        """The shared objects ``target`` holds already in its replica of this rank's share
+        (not sent again); this rank tells each of ``sources`` the same of theirs."""
+        mine = {}
+        for s in sources:
+            kept = self.kept.get(s)
+            objects: list[str] = []
+            if kept is not None:
+                try:
+                    objects = kept.catalog.shared_objects()
+                except OSError as e:  # then it receives them all again
+                    log.warning("tardigrade: listing %s: %s", kept.storage.url(SHARED_DIR), e)
+            mine[s] = Payload([(0, _json(objects))])
+        got = self.ranks.exchange(
+            f"peer tier: objects held for {name}", mine, [target], go=self._go.wait
+        )
+        try:
+            return {str(f) for f in loads_strict(bytes(got[target]), f"rank {target}'s list")}
+        except (CorruptCheckpointError, TypeError):
+            return set()  # sent whole: the replica is complete either way
 
     def _keep(self, source: int, data: memoryview) -> None:
         try:
@@ -409,33 +444,53 @@ class Replicator:
 
 
 def keep_share(tier: RamTier, share: Share, go: Callable[[], object] = lambda: None) -> None:
-    """Commit ``share`` (received from a peer) in ``tier``: written into a staging directory,
-    every byte verified against its manifest, then renamed into place (the newest only).
-    ``go()`` is called before each file and the check (a pause while training waits)."""
+    """Commit ``share`` (received from a peer) in ``tier``: every byte verified against its
+    manifest, then written into a staging directory (its shared objects published under the
+    tier's ``.shared/``, beside those of the previous replica the peer did not send again),
+    then renamed into place (the newest only). ``go()`` is called before each file and the
+    check (a pause while training waits)."""
     where = tier.storage.url(share.name)
     m = parse(share.manifest, f"{where}/{MANIFEST}")
-    for f in share.files:
-        if f not in m.files:
+    for f in [*share.files, *share.kept]:
+        if f not in m.files or (f in share.kept and not is_shared(f)):
             raise CorruptCheckpointError(f"{where}: {f} is not a data file of its manifest")
+    for f in share.kept:
+        st = tier.storage.stat(data_path(share.name, f))
+        if st is None or st.size != m.files[f]:
+            raise CorruptCheckpointError(
+                f"{where}: the peer did not send {f} (this rank said it held it), and it is "
+                f"{'missing' if st is None else f'{st.size} bytes, not {m.files[f]}'} here"
+            )
+    go()
+    order = list(m.files)
+    received: dict[int, bytes | memoryview] = {order.index(f): d for f, d in share.files.items()}
+    view = _SharesView(share.name, share.manifest, order, {}, received)
+    verify_files(view, share.name, m, list(share.files))  # before a byte is written
     need = len(share.manifest) + sum(v.nbytes for v in share.files.values())
     tier._make_room(need, keep=share.name)
-    staging = tier.catalog.commit.begin(share.name, share.save_id)
+    commit = tier.catalog.commit
+    staging = commit.begin(share.name, share.save_id)
     try:
+        objects = []
         for f, data in share.files.items():
             go()
-            writer = tier.storage.open_writer(f"{staging}/{f}")
+            at = f"{staging}/{f}"
+            if is_shared(f):
+                at = commit.shared_target(staging, data_path(share.name, f), f.rpartition("/")[2])
+                objects.append((at, data_path(share.name, f)))
+            writer = tier.storage.open_writer(at)
             try:
                 writer.write(data)
             except BaseException:
                 writer.abort()
                 raise
             writer.close()
-        go()
-        verify_files(tier.storage, staging, m, list(share.files))
+        for at, there in objects:
+            commit.publish_shared(at, there)
         tier._commit(staging, share.name, share.manifest, share.save_id)
     except BaseException:
         with contextlib.suppress(OSError):
-            tier.catalog.commit.abort(staging, share.name, share.save_id)
+            commit.abort(staging, share.name, share.save_id)
         raise
 
 
@@ -497,13 +552,14 @@ class MemoryShares:
         self.where = where
         self._plan: dict[str, Any] | None = None
         self._copies: dict[int, Storage] = {}
+        self._present: dict[int, frozenset[int]] = {}  # per copy: the data files it holds
         self.kept: dict[int, RamTier] | None = None  # the replicas this rank keeps (peer tier)
 
-    def _scan(self, name: str | None) -> dict[str, dict[int, tuple[Storage, str, int, Any, bool]]]:
-        """What this node's memory holds: checkpoint name -> share -> (where, save id, world
-        size, epoch); of checkpoint ``name`` only, or of every one (None)."""
+    def _scan(self, name: str | None) -> dict[str, dict[int, _Copy]]:
+        """What this node's memory holds: checkpoint name -> share -> its copy here; of
+        checkpoint ``name`` only, or of every one (None)."""
         self.own.wait()
-        found: dict[str, dict[int, tuple[Storage, str, int, Any, bool]]] = {}
+        found: dict[str, dict[int, _Copy]] = {}
         for k, storage in local_copies(
             self.own.base, self.own.job_directory, self.run, replicas=self.replicas
         ):
@@ -517,34 +573,20 @@ class MemoryShares:
                 try:
                     if k in found.get(n, {}) or not storage.exists(f"{n}/{MANIFEST}"):
                         continue
-                    where = storage.url(f"{n}/{MANIFEST}")
-                    raw = storage.read_bytes(f"{n}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
-                    m = parse(raw, where)
-                    sid = str(loads_strict(raw, where).get("save_id"))
-                    found.setdefault(n, {})[k] = (
-                        storage,
-                        sid,
-                        m.world_size,
-                        m.epoch,
-                        saved_alone(m),
-                    )
+                    found.setdefault(n, {})[k] = _Copy.at(storage, n)
                 except Exception as e:  # an unreadable copy is not held
                     log.warning("tardigrade: not restoring from %s: %s", storage.url(n), e)
         return found
 
     def steps(self) -> dict[int, Any]:
-        """The steps whose every share this job's nodes hold in memory, under one save id (a
-        step with two whole saves is none: which is current cannot be told), with their
+        """The steps whose every data file this job's nodes hold in memory, under one save
+        id (a step with two whole saves is none: which is current cannot be told), with their
         epochs. Collective: the same answer on every rank."""
         found = self._scan(None)
 
         def mine() -> bytes:
             held = {
-                n: {
-                    str(k): [sid, world, epoch]
-                    for k, (_, sid, world, epoch, alone) in shares.items()
-                    if alone
-                }
+                n: {str(k): c.report() for k, c in shares.items() if c.alone}
                 for n, shares in found.items()
             }
             return _json(held)
@@ -553,18 +595,11 @@ class MemoryShares:
         out: dict[int, Any] = {}
         for n in sorted({n for held in seen for n in held}):
             step = STEP_NAMES.step(n)
-            sids = {v[0] for held in seen for v in held.get(n, {}).values()}
-            whole = []
-            for sid in sorted(sids):
-                shares = [
-                    {int(k): v[1] for k, v in h.get(n, {}).items() if v[0] == sid} for h in seen
-                ]
-                if _holders(shares) is not None:
-                    whole.append(sid)
+            reports = [h.get(n, {}) for h in seen]
+            sids = {v[0] for h in reports for v in h.values()}
+            whole = [sid for sid in sorted(sids) if _holders(_shares(reports, sid)) is not None]
             if step is not None and len(whole) == 1:
-                out[step] = next(
-                    v[2] for h in seen for v in h.get(n, {}).values() if v[0] == whole[0]
-                )
+                out[step] = next(v[4] for h in reports for v in h.values() if v[0] == whole[0])
         return out
 
     def holds(self, name: str) -> bool:
@@ -577,40 +612,46 @@ class MemoryShares:
                 with contextlib.suppress(Exception):  # unreadable: nothing restores from memory
                     if committed(self.root, name):
                         expect = save_id_at(self.root, name)
-            held = {str(k): [sid, world] for k, (_, sid, world, _, _) in copies.items()}
+            held = {str(k): c.report() for k, c in copies.items()}
             return _json({"node": node_name(), "expect": expect, "held": held})
 
         seen = [json.loads(b) for b in self.ranks.all_gather(f"{self.where}: {name}", mine)]
+        reports = [s["held"] for s in seen]
         expect = seen[0]["expect"]
         if expect is None:
-            # Not in the root (a step saved to memory alone): the one save whose every share
-            # memory holds, if there is exactly one.
-            sids = {v[0] for s in seen for v in s["held"].values()}
-            whole = [sid for sid in sorted(sids) if _holders(_shares(seen, sid)) is not None]
+            # Not in the root (a step saved to memory alone): the one save whose every data
+            # file memory holds, if there is exactly one.
+            sids = {v[0] for h in reports for v in h.values()}
+            whole = [sid for sid in sorted(sids) if _holders(_shares(reports, sid)) is not None]
             if len(whole) != 1:
                 return False
             expect = whole[0]
-        held = _shares(seen, expect)
+        held = _shares(reports, expect)
         found = _holders(held)
         if found is None:
-            missing = _missing(held)
             if self.ranks.coordinator:
+                missing, total = _missing(held)
+                lost = _lost_shares(held)
                 log.info(
-                    "tardigrade: %s is not whole in %s: no node holds the share of rank(s) %s "
-                    "in memory; reading it from the next tier",
+                    "tardigrade: %s is not whole in %s: no node holds %d of its %d data "
+                    "file(s) in memory%s; reading it from the next tier",
                     name,
                     self.where,
                     missing,
+                    total,
+                    f" (the share of rank(s) {lost} is held nowhere)" if lost else "",
                 )
             return False
         world, holder = found
-        self._copies = {k: c[0] for k, c in copies.items() if c[1] == expect}
-        shares = [set(h) for h in held]
+        mine_now = {k: c for k, c in copies.items() if c.save_id == expect}
+        self._copies = {k: c.storage for k, c in mine_now.items()}
+        self._present = {k: c.present for k, c in mine_now.items()}
         self._plan = {
             "name": name,
             "world": world,
             "holder": holder,
-            "held": shares,
+            "held": [set(h) for h in held],
+            "near": [set().union(*(p for _, p, _ in h.values())) for h in held],
             "seen": seen,
             "save_id": expect,
         }
@@ -653,16 +694,15 @@ class MemoryShares:
         load_from(view, name, into=state, verify=True, **collective)
         self._log(plan)
         self.own.restored()
-        local = all(self._sender(plan, order, i, me) is None for i in reads[me])
+        local = all(self._sender(plan, i, me) is None for i in reads[me])
         if local and me in self._copies:
             return self._copies[me].url(name)  # every byte read from this node's memory
         return f"{self.where}: {name} (rank {me} of {self.ranks.size})"
 
     @staticmethod
-    def _sender(plan: dict[str, Any], order: list[str], i: int, r: int) -> int | None:
+    def _sender(plan: dict[str, Any], i: int, r: int) -> int | None:
         """The rank that sends data file ``i`` to rank ``r`` (None: ``r``'s node holds it)."""
-        k = file_rank(order[i]) % plan["world"]
-        return None if k in plan["held"][r] else int(plan["holder"][k])
+        return None if i in plan["near"][r] else int(plan["holder"][i])
 
     def _gather(
         self, plan: dict[str, Any], order: list[str], reads: list[list[int]]
@@ -675,20 +715,17 @@ class MemoryShares:
         need_from: set[int] = set()
         for r, files in enumerate(reads):
             for i in files:
-                sender = self._sender(plan, order, i, r)
-                if sender == me:
-                    k = file_rank(order[i]) % plan["world"]
+                sender = self._sender(plan, i, r)
+                if sender == me:  # from this rank's own copy first, else another here
+                    k = next(k for k in sorted(self._present, key=lambda k: (k != me, k))
+                             if i in self._present[k])  # fmt: skip
                     out.setdefault(r, {}).setdefault(k, []).append(i)
                 if r == me and sender is not None:
                     need_from.add(sender)
         payloads: dict[int, Payload] = {}
         for r, shares in out.items():
             try:
-                payloads[r] = pack(
-                    [(k, self._copies[k]) for k in shares],
-                    name,
-                    {i for v in shares.values() for i in v},
-                )
+                payloads[r] = pack([(k, self._copies[k], set(v)) for k, v in shares.items()], name)
             except Exception as e:
                 log.warning("tardigrade: cannot send %s's files to rank %d: %s", name, r, e)
                 payloads[r] = EMPTY
@@ -728,41 +765,86 @@ class MemoryShares:
             return
         seen, held = plan["seen"], plan["held"]
         parts = []
-        for k, h in sorted(plan["holder"].items()):
-            own = k < len(seen) and k in held[k] and seen[k]["node"] == seen[h]["node"]
+        for k in range(plan["world"]):
+            ranks = [r for r, h in enumerate(held) if k in h]
+            if not ranks:
+                continue  # every file it held is held in other shares
+            h = k if k in ranks else ranks[0]
+            own = k < len(seen) and seen[k]["node"] == seen[h]["node"]
             kind = "own RAM" if own else "a replica"
             parts.append(f"rank {k}'s share from {kind} on node {seen[h]['node']!r} (rank {h})")
         log.info("tardigrade: %s restored from %s: %s", plan["name"], self.where, "; ".join(parts))
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """One share of a checkpoint as this node's memory holds it: where, of which save (and
+    world size, epoch), whether saved to memory alone, and which of the manifest's data files
+    (by index) are there: a rank's share is the files its RAM tier holds."""
+
+    storage: Storage
+    save_id: str
+    world: int
+    epoch: Any
+    alone: bool
+    present: frozenset[int]
+    files: int  # how many data files the manifest names
+
+    @classmethod
+    def at(cls, storage: Storage, name: str) -> _Copy:
+        where = storage.url(f"{name}/{MANIFEST}")
+        raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
+        m = parse(raw, where)
+        sid = str(loads_strict(raw, where).get("save_id"))
+        present = frozenset(i for i, f in enumerate(m.files) if storage.exists(data_path(name, f)))
+        return cls(storage, sid, m.world_size, m.epoch, saved_alone(m), present, len(m.files))
+
+    def report(self) -> list[Any]:
+        """What a rank tells the others of it (``_shares`` reads it)."""
+        return [self.save_id, self.world, sorted(self.present), self.files, self.epoch]
 
 
 def plan_save_id(plan: dict[str, Any]) -> str:
     return str(plan["save_id"])
 
 
-def _shares(seen: list[dict[str, Any]], sid: str) -> list[dict[int, int]]:
-    """Per rank, the shares (and their save's world size) it holds of save ``sid``."""
-    return [{int(k): v[1] for k, v in s["held"].items() if v[0] == sid} for s in seen]
+def _shares(reports: list[dict[str, list[Any]]], sid: str) -> list[dict[int, Any]]:
+    """Per rank, the shares it holds of save ``sid`` (``_Copy.report``s): share -> (world
+    size, the data files held, how many the manifest names)."""
+    return [
+        {int(k): (v[1], frozenset(v[2]), v[3]) for k, v in h.items() if v[0] == sid}
+        for h in reports
+    ]
 
 
-def _holders(held: list[dict[int, int]]) -> tuple[int, dict[int, int]] | None:
-    """The save's world size and, for each of its shares, the rank that sends it (the rank
-    of that number when it holds it, else the lowest that does); None unless every share is
-    held somewhere (and the copies agree on the world size)."""
-    worlds = {w for h in held for w in h.values()}
+def _holders(held: list[dict[int, Any]]) -> tuple[int, dict[int, int]] | None:
+    """The save's world size and, for each of its data files (by index), the rank that sends
+    it: one whose own share holds it, else the lowest that holds it; None unless every file
+    is held somewhere (and the copies agree on the manifest)."""
+    worlds = {(w, n) for h in held for w, _, n in h.values()}
     if len(worlds) != 1:
         return None
-    world = worlds.pop()
+    world, n = worlds.pop()
+    near = [set().union(*(p for _, p, _ in h.values())) for h in held]
     holder = {}
-    for k in range(world):
-        ranks = [r for r, h in enumerate(held) if k in h]
+    for i in range(n):
+        own = [r for r, h in enumerate(held) if r in h and i in h[r][1]]
+        ranks = own or [r for r, p in enumerate(near) if i in p]
         if not ranks:
             return None
-        holder[k] = k if k in ranks else ranks[0]
+        holder[i] = ranks[0]
     return world, holder
 
 
-def _missing(held: list[dict[int, int]]) -> list[int]:
-    world = max((w for h in held for w in h.values()), default=0)
+def _missing(held: list[dict[int, Any]]) -> tuple[int, int]:
+    """How many data files of the save no rank holds, of how many."""
+    total = max((n for h in held for _, _, n in h.values()), default=0)
+    near = set().union(*(p for h in held for _, p, _ in h.values()))
+    return total - len(near), total
+
+
+def _lost_shares(held: list[dict[int, Any]]) -> list[int]:
+    world = max((w for h in held for w, _, _ in h.values()), default=0)
     return [k for k in range(world) if not any(k in h for h in held)]
 
 
@@ -771,7 +853,7 @@ class _SharesView(Storage):
     each data file from a copy on this node that holds it, else from the files received
     (by index). A file held by neither is not read here: its size is the manifest's, and
     opening it fails. Every copy's manifest names the same files in the same order; only
-    their names may differ, by where each was copied from."""
+    their names may differ, by where each was copied from (a shared object's never does)."""
 
     def __init__(
         self,
@@ -785,14 +867,16 @@ class _SharesView(Storage):
         self.root = f"memory of the job's nodes ({name})"
         self.manifest = manifest
         self.sizes = parse(manifest, self.root).files
+        self.paths = {data_path(name, f): n for f, n in self.sizes.items()}
         self._files: dict[str, tuple[Storage, str] | bytes | memoryview] = {}
         for storage in copies.values():
             raw = storage.read_bytes(f"{name}/{MANIFEST}", limits.MAX_MANIFEST_BYTES)
             for f, there in zip(order, parse(raw, storage.url(name)).files, strict=True):
-                if f"{name}/{f}" not in self._files and storage.exists(f"{name}/{there}"):
-                    self._files[f"{name}/{f}"] = (storage, f"{name}/{there}")
+                key, at = data_path(name, f), data_path(name, there)
+                if key not in self._files and storage.exists(at):
+                    self._files[key] = (storage, at)
         for i, data in received.items():
-            self._files.setdefault(f"{name}/{order[i]}", data)
+            self._files.setdefault(data_path(name, order[i]), data)
 
     def open_reader(self, name: str) -> Reader:
         if name == f"{self.name}/{MANIFEST}":
@@ -812,7 +896,7 @@ class _SharesView(Storage):
             return Stat(0, "0", is_dir=True)
         found = self._files.get(name)
         if found is None:
-            size = self.sizes.get(name.split("/", 1)[1]) if "/" in name else None
+            size = self.paths.get(name)
             return None if size is None else Stat(size, "0")  # held elsewhere, not read here
         if not isinstance(found, tuple):
             return Stat(len(found), "0")
@@ -820,7 +904,7 @@ class _SharesView(Storage):
 
     def list(self, name: str = "") -> list[str]:
         if name == self.name:
-            return sorted([MANIFEST, *self.sizes])
+            return sorted([MANIFEST, *(f for f in self.sizes if not is_shared(f))])
         return [self.name] if name == "" else []
 
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:

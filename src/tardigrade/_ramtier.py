@@ -55,7 +55,7 @@ from ._open import save_id_at
 from ._plan import is_candidate
 from ._save_job import SaveJob, SaveResult, file_header
 from ._shared import Held, SharedIndex
-from ._tiers import CopyPlan
+from ._tiers import CopyPlan, copy_file
 from ._write import ABORT, END, Segment, write_file
 from .errors import (
     CorruptCheckpointError,
@@ -65,7 +65,7 @@ from .errors import (
     TardigradeError,
 )
 from .format import limits
-from .format.manifest import MANIFEST, Manifest, parse
+from .format.manifest import MANIFEST, Manifest, is_shared, parse
 from .storage import LocalStorage, PreconditionFailed, Storage
 from .storage.local import free_bytes, private_directory
 
@@ -272,10 +272,10 @@ class RamTier:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def mirror(self) -> RamMirror:
+    def mirror(self, files: Callable[[str], bool] | None = None) -> RamMirror:
         """A copy of the next async save into this tier, written from its staged copy (in a
-        distributed job, this rank's files of it)."""
-        return RamMirror(self)
+        distributed job, this rank's files of it: those ``files`` accepts)."""
+        return RamMirror(self, files)
 
     def saved(
         self, src: Storage, name: str, *, files: Callable[[str], bool] | None, teed: bool
@@ -385,8 +385,9 @@ class RamTier:
             log.warning("tardigrade: removing unreferenced shared data from the RAM tier: %s", e)
 
     def shared_index(self) -> SharedIndex:
-        """The shared objects the checkpoints here reference (a save need not write them),
-        read when a save first asks."""
+        """The shared objects the checkpoints here reference and this tier holds (a save need
+        not write them), read when a save first asks. In a distributed job a rank's copy
+        holds the objects of its own chunks alone, of all those its manifest references."""
 
         def load() -> dict[str, Held]:
             manifests = []
@@ -394,7 +395,12 @@ class RamTier:
                 if STEP_NAMES.step(n) is not None and self.catalog.committed(n):
                     with contextlib.suppress(OSError, TardigradeError):  # unreadable: rewritten
                         manifests.append(self.catalog.manifest(n))
-            return SharedIndex.held_by(manifests)
+            held = SharedIndex.held_by(manifests)
+            try:
+                here = set(self.catalog.shared_objects()) if held else set()
+            except OSError:
+                return {}
+            return {k: v for k, v in held.items() if k in here}
 
         return SharedIndex(load=load)
 
@@ -599,8 +605,9 @@ class RamMirror:
     raised: the disk save's outcome is the save's outcome.
     """
 
-    def __init__(self, tier: RamTier) -> None:
+    def __init__(self, tier: RamTier, files: Callable[[str], bool] | None = None) -> None:
         self.tier = tier
+        self.files = files  # a rank's share of the save's data files (None: all)
         self.sources: list[Callable[[], Any]] = []  # per file: its next block or segment
         self._reading = 0  # the source the writer reads now: the ones from here are not drained
         self._job: SaveJob | None = None
@@ -661,6 +668,7 @@ class RamMirror:
                 save_id = job.header["save_id"]
                 if save_id_at(job.storage, job.name) != save_id:
                     raise SaveError(f"{job.storage.url(job.name)}: replaced meanwhile")
+                self._fill(job, staging, manifest)
                 self.tier._commit(staging, job.name, manifest, save_id)
                 return result
             except Exception as e:
@@ -668,6 +676,19 @@ class RamMirror:
         self._abort()
         self.tier._failed(job.name, failure)
         return result
+
+    def _fill(self, job: SaveJob, staging: str, manifest: bytes) -> None:
+        """Copy from the committed checkpoint the files of this rank's share its streams did
+        not carry: a chunk another rank held too, written here as its shared object, which
+        rank 0 made a plain data file of this rank's in the checkpoint."""
+        if self.files is None:
+            return
+        storage = self.tier.storage
+        m = parse(manifest, job.storage.url(f"{job.name}/{MANIFEST}"))
+        for f, size in m.files.items():
+            if is_shared(f) or not self.files(f) or storage.exists(f"{staging}/{f}"):
+                continue
+            copy_file(job.storage, f"{job.name}/{f}", storage, f"{staging}/{f}", size)
 
     def _start(self, job: SaveJob) -> None:
         self._job = job

@@ -116,7 +116,7 @@ def unreachable(url: str) -> list[str]:
             owner = m.raw["save_id"][:16]
             referenced |= {f for f in m.files if is_shared(f)}
         left += [f"{name}/{n}" for n, _ in objects if owner is None or not n.startswith(owner)]
-    objects = catalog._shared_objects()
+    objects = catalog.shared_objects()
     assert all(o.startswith(f"{SHARED_DIR}/") for o in objects), objects
     return sorted(left + [o for o in objects if o not in referenced])
 

@@ -195,7 +195,7 @@ def leftovers(storage: Storage) -> list[str]:
     # Shared objects no committed checkpoint references (a failed save's; a retired one's).
     held = {f for n in catalog.names() if n not in (LOCK, SHARED_DIR) and catalog.committed(n)
             for f in referenced(storage, n)}  # fmt: skip
-    out.extend(f for f in catalog._shared_objects() if f not in held)
+    out.extend(f for f in catalog.shared_objects() if f not in held)
     return out
 
 

@@ -192,10 +192,10 @@ class CheckpointManager:
         ``run_id``: the id of this job across its restarts (default: ``TORCHELASTIC_RUN_ID``
             or ``SLURM_JOB_ID`` where set, else the directory alone): a RAM copy is restored
             only in the run that made it; another run's, left on this node, is removed.
-        ``dedup``: write only what changed (default ``True``; in a distributed job, unless
-            ``ram_tier`` is on): each chunk of 1 MiB or more is an object in
-            ``directory/.shared/`` written once (by the rank that writes it), referenced by
-            every checkpoint holding those bytes, deleted once none does. See docs/format.md.
+        ``dedup``: write only what changed (default ``True``): each chunk of 1 MiB or more
+            is an object in ``directory/.shared/`` written once (by the rank that writes it),
+            referenced by every checkpoint holding those bytes, deleted once none does; the
+            RAM, peer and remote tiers copy only the objects they lack. See docs/format.md.
 
     In a distributed job the constructor, ``step``, ``save``, ``stop_at_boundary``,
     ``restore``, ``steps``, ``latest``, ``exists``, ``load``, ``wait`` and ``close`` are

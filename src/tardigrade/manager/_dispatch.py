@@ -96,9 +96,8 @@ class SaveDispatch:
 
     @property
     def dedup(self) -> bool:
-        """Whether saves share data between checkpoints: as asked, except in a distributed
-        job with memory tiers (whose per-rank copies and peer replicas hold whole files)."""
-        return self._dedup and (not self.ranks.collective or self.tiers.memory_copy() is None)
+        """Whether saves share data between checkpoints (as asked)."""
+        return self._dedup
 
     def _sweep_after_failure(self) -> None:
         """After a failed save (a full disk: an operator may have deleted checkpoints by hand

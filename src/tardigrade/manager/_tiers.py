@@ -168,7 +168,7 @@ class MemoryTier(Tier):
         return self.ram.stats
 
     def sinks(self) -> list[Sink]:
-        return [self.ram.mirror()]
+        return [self.ram.mirror(self.ranks.share)]
 
     def committed(self, name: str, *, teed: bool) -> None:
         # Every rank records the save here, once committed: each keeps its own files.

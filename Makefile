@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo test test-fast docs bench fuzz soak lint format clean
+.PHONY: demo test test-fast docs bench gpu-check fuzz soak lint format clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -69,6 +69,16 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
+
+# On a machine with a CUDA device: the CUDA tests (pinned staging, the overlap fence on device
+# tensors, every device's RNG, DTensor over NCCL with two GPUs) and the GPU bench (async save
+# blocking against DCP's async_save, the step after a save). Runs with GPU_PY, a Python whose
+# torch has CUDA (this venv's torch is the CPU build): `make gpu-check GPU_PY=python3`.
+GPU_PY ?= python3
+gpu-check:
+	PYTHONPATH=src $(GPU_PY) -m pytest -q -p no:cacheprovider \
+		tests/gpu tests/unit/test_async.py -k "cuda or gpu or Cuda" -rs
+	PYTHONPATH=src $(GPU_PY) -m bench.gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import cli_start, distributed, loop, node_loss, same_node, shared, store
+from . import cadence, cli_start, distributed, loop, node_loss, overlap, same_node, shared, store
 from .measure import freeze_imports
 from .report import Target, summarise, table, targets, targets_table
 from .run import Options, run
@@ -56,6 +56,14 @@ async-save blocking with and without the RAM tier.
 Then shared data (format 7): a LoRA-like state (a frozen base of 2/3 of the --size state and
 a ~2% adapter with AdamW) saved with and without sharing, uploaded, a dense state where
 everything changes (sharing must cost nothing there), and a load spread over 10 saves.
+
+Then overlap: a 1/4 --size state saved with and without overlap=True before a training step
+of at least a memcpy of compute and an Adam step (the fence): blocking and the next step.
+
+Then cadence: a manager choosing its interval from the measured cost of its saves, over a
+1/8 --size state and the loop's compute step, 40 s a run (8 s with --quick):
+OverheadBudget(0.02) (blocking over wall time) and YoungDaly (the gap between saves against
+sqrt(2 C M)).
 
 A default run (3 GB, 3 repeats + 1 warm-up) takes about 7-9 minutes on a 2-core VM, plus a few
 minutes for the distributed part (1 GB per rank).
@@ -241,6 +249,28 @@ def main(argv: list[str] | None = None) -> int:
         summary["shared"] = shared.summarise(results["shared"])
         goals += shared.targets(summary["shared"])
         sections.append(shared.table(results["shared"], summary["shared"]))
+    if not args.distributed_only:
+        overlap_opts = overlap.OverlapOptions(
+            nbytes=args.target_bytes // 4,
+            repeats=args.repeats,
+            settle_s=args.settle,
+            dir=opts.dir,
+        )
+        results["overlap"] = overlap.run(overlap_opts, log)
+        summary["overlap"] = overlap.summarise(results["overlap"])
+        goals += overlap.targets(summary["overlap"])
+        sections.append(overlap.table(results["overlap"], summary["overlap"]))
+    if not args.distributed_only:
+        cadence_opts = cadence.CadenceOptions(
+            nbytes=args.target_bytes // 8,
+            seconds=8.0 if args.quick else 40.0,
+            settle_s=args.settle,
+            dir=opts.dir,
+        )
+        results["cadence"] = cadence.run(cadence_opts, log)
+        summary["cadence"] = cadence.summarise(results["cadence"])
+        goals += cadence.targets(summary["cadence"])
+        sections.append(cadence.table(results["cadence"], summary["cadence"]))
     if not args.distributed_only:
         log("CLI start-up (commands that need no torch)")
         # A median of 5 runs per command by default (3 repeats), of 3 with --quick.

@@ -264,6 +264,14 @@ def targets(summary: dict[str, Any], cpu_count: int) -> list[Target]:
             1.0,
             "GB/s",
         ),
+        # Issue "Saves that hide under training": the loop's overhead with the copy overlapped.
+        Target(
+            "training loop overhead, tg async with overlap",
+            summary.get("loop", {}).get("tardigrade_overlap", {}).get("overhead_pct"),
+            "<=",
+            30.0,
+            "%",
+        ),
     ]
 
 

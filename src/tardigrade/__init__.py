@@ -46,20 +46,38 @@ if TYPE_CHECKING:
     from .data import ResumableSampler, SampleIndex, SeededDataset, seed_sample
     from .format.tree import SparseRef, TensorRef
     from .job import Job, JobRunner
-    from .manager import CheckpointManager, SaveStats
+    from .manager import (
+        AnyOf,
+        CheckpointManager,
+        Continuous,
+        EveryEpochs,
+        EverySeconds,
+        EverySteps,
+        OverheadBudget,
+        Policy,
+        SaveStats,
+        YoungDaly,
+    )
 
 # The `tardigrade` command imports these on first use (PEP 562): its --version, --help and
 # manifest-only commands then start without importing torch (a second or more). A program
 # imports them all at once, as always: tardigrade.distributed must be imported before the
 # program creates its process group (see distributed/_collectives.py).
 _LAZY = {
+    "AnyOf": ".manager",
     "AsyncCheckpointer": "._async",
     "Catalog": "._catalog",
     "Checkpoint": "._checkpoint",
     "CheckpointManager": ".manager",
+    "Continuous": ".manager",
+    "EveryEpochs": ".manager",
+    "EverySeconds": ".manager",
+    "EverySteps": ".manager",
     "Job": ".job",
     "JobRunner": ".job",
+    "OverheadBudget": ".manager",
     "PerRank": "._sharding",
+    "Policy": ".manager",
     "RNGState": "._rng",
     "ResumableSampler": ".data",
     "SampleIndex": ".data",
@@ -72,6 +90,7 @@ _LAZY = {
     "Stateful": "._tree",
     "TensorRef": ".format.tree",
     "VerifyReport": "._verify",
+    "YoungDaly": ".manager",
     "load": "._load",
     "read_manifest": "._open",
     "save": "._save",
@@ -114,6 +133,7 @@ if os.environ.get("TARDIGRADE_KILL_POINT"):
 
 
 __all__ = [
+    "AnyOf",
     "AsyncCheckpointer",
     "Catalog",
     "Checkpoint",
@@ -122,13 +142,19 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
+    "Continuous",
     "CorruptCheckpointError",
     "DistributedError",
+    "EveryEpochs",
+    "EverySeconds",
+    "EverySteps",
     "InsufficientMemoryError",
     "InvalidArgumentError",
     "Job",
     "JobRunner",
+    "OverheadBudget",
     "PerRank",
+    "Policy",
     "RNGState",
     "ResumableSampler",
     "SampleIndex",
@@ -147,6 +173,7 @@ __all__ = [
     "UnsupportedFormatError",
     "UnsupportedTypeError",
     "VerifyReport",
+    "YoungDaly",
     "__version__",
     "load",
     "read_manifest",

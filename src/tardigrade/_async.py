@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import _sinks
+from ._overlap import FENCE, Overlap, fenced_storages
 from ._plan import global_plan, local_plan
 from ._save_job import (
     SaveJob,
@@ -61,10 +62,17 @@ class SaveFuture:
         self._staged = threading.Event()
         self.observed = False  # whether the caller has seen the outcome
         self.blocking_seconds = 0.0  # how long save() blocked the caller
+        self._overlap: Overlap | None = None  # a save staging beside training (overlap)
 
     def staged(self) -> bool:
         """True once the state has been copied and training may mutate it."""
-        return self._staged.is_set()
+        return self._staged.is_set() and (self._overlap is None or self._overlap.staged.is_set())
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until the state has been copied (a save with ``overlap`` copies it in the
+        background: the fence before a mutation an optimizer's ``step()`` does not cover);
+        False if ``timeout`` passed first."""
+        return self._overlap is None or self._overlap.wait(timeout)
 
     def done(self) -> bool:
         """True once the save has committed or failed."""
@@ -90,7 +98,9 @@ class SaveFuture:
         return f"<SaveFuture {self.path} {state}>"
 
 
-def stage_copy(job: SaveJob, pool: SlabPool, streams: list[Any]) -> None:
+def stage_copy(
+    job: SaveJob, pool: SlabPool, streams: list[Any], check: Callable[[], None] | None = None
+) -> None:
     """Copy every data file's bytes, header included, into pool slabs; feed them to the writers.
 
     Each slab holds the next run of one file's image, so a writer sends a full slab to disk as
@@ -98,7 +108,8 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[Any]) -> None:
     it. Files are staged one after another, so at most one slab is partly filled and a budget
     of two slabs cannot deadlock against the writers draining them. Without a budget, blocks
     are handed to the writers only once everything is staged. ``streams``: one queue (anything
-    with ``put``) per file.
+    with ``put``) per file. ``check()`` runs once every byte is copied, before any block is
+    handed over (without a budget): raising there writes nothing.
     """
     bounded = pool.max_bytes is not None
     copier = _Copier()
@@ -184,6 +195,8 @@ def stage_copy(job: SaveJob, pool: SlabPool, streams: list[Any]) -> None:
                     remaining -= n
             close_slab(True, fill)
         copier.run()
+        if check is not None:
+            check()
     except BaseException:
         # Give back every slab this save took that no writer will release.
         for _, blocks in held:
@@ -307,6 +320,30 @@ def _write_staged(
     staged.wait()
     blocking = job.blocking_seconds
     assert blocking is not None  # set before ``staged``
+    return dataclasses.replace(
+        result, blocking_seconds=blocking, total_seconds=max(result.total_seconds, blocking)
+    )
+
+
+def _stage_and_write(
+    job: SaveJob,
+    pool: SlabPool,
+    into: list[Any],
+    readers: list[Any],
+    sinks: Sequence[Sink],
+    overlap: Overlap,
+) -> SaveResult:
+    """An overlapped save's background: stage (the fence waits for it; the fenced tensors'
+    versions checked), then write and commit. Training waited for what ``save`` blocked
+    (``job.blocking_seconds`` so far) and for the fence."""
+    try:
+        stage_copy(job, pool, into, check=overlap.check)
+    finally:
+        overlap.staged.set()
+    done = threading.Event()
+    done.set()
+    result = _write_staged(job, readers, done, sinks)
+    blocking = (job.blocking_seconds or 0.0) + overlap.waited_seconds()
     return dataclasses.replace(
         result, blocking_seconds=blocking, total_seconds=max(result.total_seconds, blocking)
     )
@@ -508,13 +545,16 @@ class AsyncCheckpointer:
         epoch: int | None = None,
         metrics: Mapping[str, float] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        overlap: bool = False,
     ) -> SaveFuture | None:
         """Stage ``state`` into host memory and write it in the background; see the class doc.
 
         ``path`` and the other arguments are ``tg.save``'s: a local path or a URL, with
         ``storage_options`` for its backend (e.g. an ``s3://`` endpoint and credentials).
         Options belong to each save, as its location does: one checkpointer may save to
-        several places.
+        several places. ``overlap``: return before the copy, which runs beside the next
+        forward and backward; every optimizer's ``step()`` waits for it, and so does
+        ``wait_staged()`` (see docs/manager.md; without a staging budget only).
 
         >>> ckpt.save("s3://bucket/run/step-100", state,
         ...           storage_options={"endpoint": "http://127.0.0.1:8333"})  # doctest: +SKIP
@@ -526,6 +566,7 @@ class AsyncCheckpointer:
             epoch=epoch,
             metrics=metrics,
             storage_options=storage_options,
+            overlap=overlap,
         )
         return self.submit(path, state, options)
 
@@ -572,6 +613,9 @@ class AsyncCheckpointer:
             # Under a budget the writers must drain slabs while staging goes on; without one
             # they start once the copy is done, so nothing competes with it for the cores.
             bounded = self.pool.max_bytes is not None
+            fenced = fenced_storages(state) if options.overlap and not bounded else set()
+            if fenced:  # else nothing would fence the copy: it is made here, as always
+                return self._overlapped(job, fenced, into, readers, sinks)
             staged = threading.Event()
             background = (
                 self._executor.submit(_write_staged, job, readers, staged, sinks)
@@ -598,6 +642,32 @@ class AsyncCheckpointer:
             self._last = fut
             self._staged_saves += 1
             return fut
+
+    def _overlapped(
+        self, job: SaveJob, fenced: set[int], into: list[Any], readers: list[Any], sinks: Any
+    ) -> SaveFuture:
+        """``submit`` with ``overlap``: snapshot what no optimizer fences (``fenced``: the
+        storages one does), stage the rest in the background (see ``_overlap``); under the
+        checkpointer's lock."""
+        overlap = Overlap(job.entries, fenced)
+        overlap.snapshot()
+        job.blocking_seconds = time.perf_counter() - job.started
+        FENCE.add(overlap)
+        background = self._executor.submit(
+            _stage_and_write, job, self.pool, into, readers, sinks, overlap
+        )
+        fut = SaveFuture(job.storage.url(job.name), background)
+        fut.blocking_seconds = job.blocking_seconds
+        fut._overlap = overlap
+        fut._staged.set()
+        self._last = fut
+        self._staged_saves += 1
+        return fut
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until the save in flight has copied the state (``SaveFuture.wait_staged``)."""
+        last = self._last
+        return last is None or last.wait_staged(timeout)
 
     def save_collective(
         self,

@@ -96,6 +96,9 @@ class SaveOptions:
     # The largest chunk of a shared object (a writer holds one whole before deciding; under a
     # staging budget, a fraction of it: ``AsyncCheckpointer.submit``).
     share_chunk_bytes: int = field(default_factory=lambda: _shared.SHARE_CHUNK_BYTES)
+    # An async save: copy to host memory in the background while training goes on, the
+    # optimizers' step() waiting for the copy (``_overlap``); the rest snapshotted first.
+    overlap: bool = False
 
 
 _claiming = threading.Lock()

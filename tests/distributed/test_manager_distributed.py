@@ -92,7 +92,7 @@ def policies_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     for step in range(8):
         set_state(state, rank, float(step))
         if step == 4 and rank == 0:
-            mgr._last_save_time -= 7200.0  # only rank 0's clock says the interval has passed
+            mgr._cadence.last_save -= 7200.0  # only rank 0's clock says the interval has passed
         if mgr.step(step):
             saved.append(step)
     mgr.wait()  # the last save may still run in the background

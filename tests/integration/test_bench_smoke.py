@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = {"tardigrade", "torch", "safetensors", "dcp"}
 REFERENCES = {"raw_write", "raw_write_direct", "hot_read", "memcpy"}
-LOOP_MODES = {"none", "tardigrade_async", "dcp_async"}
+LOOP_MODES = {"none", "tardigrade_async", "tardigrade_overlap", "dcp_async"}
 
 
 @pytest.mark.slow
@@ -93,6 +93,10 @@ def test_quick_run_measures_every_tool(tmp_path: Path) -> None:
     ):
         assert needle in names, (needle, names)
     assert "SAME-NODE RESTORE" in proc.stdout
+    # Staging beside training, and a cadence chosen from the measured cost.
+    assert {"overlap_blocking_s", "async_blocking_s", "plain_step_s"} <= set(summary["overlap"])
+    assert summary["cadence"]["overhead_saves"] >= 2 and summary["cadence"]["young_daly_saves"] >= 2
+    assert "OVERLAP:" in proc.stdout and "CADENCE:" in proc.stdout
     for needle in ("raw fsync'd write", "DCP save", "hot read", "DCP load", "verify", "async"):
         assert any(needle in n for n in names), (needle, names)
     # The async targets: steady blocking and the first save of a process, both against a

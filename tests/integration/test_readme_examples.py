@@ -190,6 +190,11 @@ CHAINS = {
         'result = tg.save("ckpt/step-000000100", state, step=100',
         'fut = tg.save("ckpt/step-000000200", state, step=200, async_=True)',
         "with tg.AsyncCheckpointer(max_staging_bytes=256 * 2**20) as ckpt:",
+        'fut = ckpt.save("ckpt/step-000000500", live, step=500, overlap=True)',
+    ],
+    "cadence": [
+        'result = tg.save("ckpt/step-000000100", state, step=100',
+        "policy = tg.OverheadBudget(max_overhead=0.02) | tg.EverySteps(1000)",
     ],
     "data position": [
         'result = tg.save("ckpt/step-000000100", state, step=100',

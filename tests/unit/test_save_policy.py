@@ -6,7 +6,14 @@ here each knob's rule is pinned step by step, with readings of a clock the test 
 
 from __future__ import annotations
 
-from tardigrade.manager._policy import SavePolicy
+import math
+from collections.abc import Callable
+
+import pytest
+
+import tardigrade as tg
+from tardigrade.errors import InvalidArgumentError
+from tardigrade.manager._policy import Costs, Moment, SavePolicy
 
 
 class Clock:
@@ -54,11 +61,11 @@ def test_every_seconds_reads_the_clock_it_is_given() -> None:
     policy = SavePolicy(every_seconds=10.0)
     clock, last_save = Clock(), 1000.0
     clock.now = 1009.9
-    assert not policy.due_by_time(clock, last_save)
+    assert not policy.due_by_time(Moment(clock, last_save))
     clock.now = 1010.0
-    assert policy.due_by_time(clock, last_save)  # the interval is inclusive
+    assert policy.due_by_time(Moment(clock, last_save))  # the interval is inclusive
     clock.now = 1500.0
-    assert policy.due_by_time(clock, last_save)
+    assert policy.due_by_time(Moment(clock, last_save))
     assert clock.reads == 3
 
 
@@ -68,7 +75,7 @@ def test_a_clock_driven_run_saves_at_each_interval_from_the_last_save() -> None:
     last_save = clock()
     for step, now in enumerate([1001, 1005, 1009.9, 1010, 1012, 1019.9, 1020.5, 1021, 1040]):
         clock.now = now
-        if policy.due_by_time(clock, last_save):
+        if policy.due_by_time(Moment(clock, last_save)):
             fired.append(step)
             last_save = clock()
     assert fired == [3, 6, 8]
@@ -77,9 +84,9 @@ def test_a_clock_driven_run_saves_at_each_interval_from_the_last_save() -> None:
 def test_policies_that_are_off_never_fire() -> None:
     off, clock = SavePolicy(), Clock(now=1e9)
     assert not any(off.due_by_count(s, epoch=s, last_epoch=s - 1) for s in range(1, 50))
-    assert not off.due_by_time(clock, last_save=0.0)
+    assert not off.due_by_time(Moment(clock, last_save=0.0))
     steps_only = SavePolicy(every_steps=3)
-    assert not steps_only.due_by_time(clock, last_save=0.0)
+    assert not steps_only.due_by_time(Moment(clock, last_save=0.0))
     assert not steps_only.due_by_count(4, epoch=2, last_epoch=1)  # epochs are off
     assert clock.reads == 0  # a policy that is off costs no clock reading per step
 
@@ -89,4 +96,90 @@ def test_any_policy_that_is_on_fires() -> None:
     assert policy.due_by_count(10, epoch=0, last_epoch=0)  # by steps only
     assert policy.due_by_count(11, epoch=1, last_epoch=0)  # by epochs only
     assert not policy.due_by_count(12, epoch=1, last_epoch=1)
-    assert policy.due_by_time(Clock(now=200.0), last_save=100.0)  # by time, whatever the step
+    assert policy.due_by_time(
+        Moment(Clock(now=200.0), last_save=100.0)
+    )  # by time, whatever the step
+
+
+# -- policies of the measured cost -----------------------------------------------------------
+
+
+def test_an_overhead_budget_saves_at_once_then_every_blocking_over_budget_seconds() -> None:
+    policy = tg.OverheadBudget(max_overhead=0.02)
+    clock = Clock(now=1000.0)
+    # Nothing measured yet: the first save measures what a save costs.
+    assert policy.interval(Costs()) == 0.0 and policy.due_by_time(Moment(clock, 1000.0))
+    costs = Costs(blocking=0.1, background=0.5)
+    assert policy.interval(costs) == pytest.approx(5.0)  # 0.1 s of every 5 s: 2 %
+    clock.now = 1004.99
+    assert not policy.due_by_time(Moment(clock, 1000.0, costs))
+    clock.now = 1005.0
+    assert policy.due_by_time(Moment(clock, 1000.0, costs))
+    # Never more often than a save takes to finish behind training.
+    assert policy.interval(Costs(blocking=0.01, background=3.0)) == 3.0
+
+
+def test_young_daly_aims_at_the_square_root_of_twice_the_cost_times_the_mtbf() -> None:
+    policy = tg.YoungDaly(mtbf=3600.0)
+    assert policy.interval(Costs(blocking=0.5, background=1.0)) == pytest.approx(60.0)
+    assert policy.interval(Costs(blocking=2.0, background=1.0)) == pytest.approx(120.0)
+    assert policy.interval(Costs(blocking=1e-6, background=2.0)) == 2.0
+    clock = Clock(now=1059.0)
+    assert not policy.due_by_time(Moment(clock, 1000.0, Costs(0.5, 0.0)))
+    clock.now = 1060.0
+    assert policy.due_by_time(Moment(clock, 1000.0, Costs(0.5, 0.0)))
+
+
+def test_continuous_saves_whenever_nothing_is_in_flight_at_most_every_min_interval() -> None:
+    policy = tg.Continuous(min_interval=2.0)
+    clock = Clock(now=1003.0)
+    assert policy.due_by_time(Moment(clock, 1000.0, in_flight=False))
+    assert not policy.due_by_time(Moment(clock, 1000.0, in_flight=True))
+    clock.now = 1001.0
+    assert not policy.due_by_time(Moment(clock, 1000.0, in_flight=False))
+    assert tg.Continuous().interval(Costs(0.2, 1.0)) == pytest.approx(1.2)
+
+
+def test_policies_joined_are_due_when_any_is_and_aim_at_the_shortest_interval() -> None:
+    policy = tg.EverySteps(10) | tg.EverySeconds(60) | tg.YoungDaly(mtbf=1800)
+    assert isinstance(policy, tg.AnyOf)
+    assert policy.due_by_count(20, None, None) and not policy.due_by_count(21, None, None)
+    assert policy.interval(Costs(blocking=0.25, background=0.0)) == pytest.approx(30.0)
+    assert policy.interval(Costs(blocking=4.0, background=0.0)) == pytest.approx(60.0)
+    clock = Clock(now=1030.0)
+    assert policy.due_by_time(Moment(clock, 1000.0, Costs(0.25, 0.0)))
+    assert tg.AnyOf(tg.EveryEpochs(2)).interval(Costs(1.0, 1.0)) is None
+
+
+def test_costs_follow_the_median_of_the_latest_five_saves() -> None:
+    assert Costs.of([]) == Costs()
+    saves = [(0.1, 1.0)] * 4 + [(9.0, 20.0)]  # one slow save does not move it
+    assert Costs.of(saves) == Costs(0.1, pytest.approx(0.9))
+    drifted = saves + [(0.4, 2.0)] * 3  # the cost rose for good: followed
+    assert Costs.of(drifted) == Costs(0.4, pytest.approx(1.6))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: tg.OverheadBudget(0),
+        lambda: tg.OverheadBudget(1),
+        lambda: tg.OverheadBudget(-0.1),
+        lambda: tg.OverheadBudget(True),
+        lambda: tg.OverheadBudget("2%"),
+        lambda: tg.YoungDaly(mtbf=0),
+        lambda: tg.YoungDaly(mtbf=-5),
+        lambda: tg.YoungDaly(mtbf=math.inf),
+        lambda: tg.YoungDaly(mtbf=math.nan),
+        lambda: tg.Continuous(min_interval=-1),
+        lambda: tg.EverySteps(0),
+        lambda: tg.EverySeconds(math.nan),
+        lambda: tg.EverySteps(100) | 5,
+    ],
+)
+def test_impossible_policies_are_refused_by_name(make: Callable[[], object]) -> None:
+    with pytest.raises(InvalidArgumentError) as e:
+        make()
+    assert any(
+        w in str(e.value) for w in ("OverheadBudget", "YoungDaly", "Continuous", "Every", "policy")
+    )

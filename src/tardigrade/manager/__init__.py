@@ -7,7 +7,7 @@ epoch intervals, a maximum kept, automatic restore of the latest), Caffe2's
 
 ``CheckpointManager`` (``_checkpoint_manager``) is a facade over small collaborators, each in
 its own module, each given what it needs when the facade wires them (none reaches back into
-it): the argument checks (``_options``), the save policy (``_policy``, pure), the tiers
+it): the argument checks (``_options``), the save policies and the cadence in force (``_policy``, pure), the tiers
 (``_tiers``: one ``Tier`` protocol; the RAM tier, the run's root and the remote tier are its
 instances, asked as an ordered whole), save dispatch (``_dispatch``), the background saves in
 flight and the recording of every save's outcome (``_pending``), restore with its candidates
@@ -20,6 +20,28 @@ and the per-save records (``_stats``).
 """
 
 from ._checkpoint_manager import CheckpointManager
+from ._policy import (
+    AnyOf,
+    Continuous,
+    EveryEpochs,
+    EverySeconds,
+    EverySteps,
+    OverheadBudget,
+    Policy,
+    YoungDaly,
+)
 from ._stats import ManagerStats, SaveStats
 
-__all__ = ["CheckpointManager", "ManagerStats", "SaveStats"]
+__all__ = [
+    "AnyOf",
+    "CheckpointManager",
+    "Continuous",
+    "EveryEpochs",
+    "EverySeconds",
+    "EverySteps",
+    "ManagerStats",
+    "OverheadBudget",
+    "Policy",
+    "SaveStats",
+    "YoungDaly",
+]

@@ -13,7 +13,6 @@ import functools
 import logging
 import os
 import signal
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -30,7 +29,7 @@ from ..errors import (
 )
 from ..storage.lease import Lease
 from ._agreement import DUE, NOTHING, PREEMPTED, agreement
-from ._dispatch import SaveDispatch
+from ._dispatch import SaveDispatch, SaveModes
 from ._options import (
     Uploads,
     check_directory,
@@ -45,6 +44,7 @@ from ._options import (
     check_step,
 )
 from ._pending import Outcomes, PendingSaves
+from ._policy import Cadence, Policy
 from ._preflight import RunLock
 from ._restore import Restorer
 from ._retainer import Retainer
@@ -120,7 +120,8 @@ class CheckpointManager:
     >>> mgr.close()                                                               # doctest: +SKIP
 
     Policies: a save happens when any of ``every_steps`` (step % N == 0), ``every_epochs``
-    (the epoch passed to ``step`` changed and epoch % N == 0) or ``every_seconds`` fires.
+    (the epoch passed to ``step`` changed and epoch % N == 0), ``every_seconds`` or
+    ``policy`` fires; ``policy=`` takes ``tg.OverheadBudget(0.02)``, ``tg.YoungDaly(mtbf=...)``, others.
     Retention keeps the union of the last ``keep_last``, every ``keep_every_steps``-th step
     and the ``keep_best`` best by ``best_metric``; the newest committed checkpoint is always
     kept; with all three None everything is kept. Old checkpoints are deleted only after a new
@@ -141,49 +142,43 @@ class CheckpointManager:
         ``best_metric``: the metric (passed to ``step``/``save``) that ``keep_best`` ranks by;
             ``best_mode``: ``"min"`` (default) or ``"max"``.
         ``async_save``: write checkpoints in the background (default ``True``); training
-            blocks only for a copy of the state to host memory.
+            blocks only for a copy of the state to host memory. ``overlap``: make that copy
+            while the next forward and backward run, an optimizer's ``step()`` waiting for it
+            (default ``False``; see docs/manager.md for what else must wait).
         ``on_save_error``: ``"warn"`` (default) logs a failed save and keeps training;
             ``"raise"`` raises it.
         ``save_on_signals``: signals that request a final save at the next step boundary and
             set ``should_stop`` (default SIGTERM, what schedulers send before a kill).
-        ``preemption_budget``: seconds from such a signal to the stop: the final save goes to
-            the RAM and peer tiers first, then into the directory while they last (default
-            25, inside Kubernetes' 30 s grace); then ``exit_code`` is 128 + the signal.
+        ``preemption_budget``: seconds from such a signal to the stop (default 25, inside
+            Kubernetes' 30 s grace): the RAM and peer tiers first, then the directory.
         ``max_staging_bytes``: cap on host memory used to stage async saves (None: enough
             for the whole state, kept for reuse).
         ``lock_lease_seconds``: how long a lock whose holder runs on another machine stays
-            valid without a heartbeat (a holder on this machine frees it when it dies: a
-            directory's at once, a store's as soon as its process is gone).
-        ``lock_timeout``: seconds the constructor waits for a lock whose holder may be dead
-            (another machine's), logging who holds it, before ``CheckpointLockedError``
-            (default None: one lease, so a restarted job starts; 0: fail at once). A directory's
-            flock held on this machine, or another manager of this process, is refused at once.
+            valid without a heartbeat (one on this machine is freed when its holder dies).
+        ``lock_timeout``: seconds to wait for a lock whose holder may be dead (another
+            machine's) before ``CheckpointLockedError`` (None: one lease; 0: fail at once).
         ``process_group``: in a distributed job (``torch.distributed`` initialized) the group
             whose ranks share this manager (default: the whole job); ignored otherwise.
         ``timeout``: seconds any rank waits for the others in one of the manager's collectives
             (its saves and loads included) before every rank raises ``DistributedError``.
         ``upload_to``: a second, remote tier (e.g. ``"s3://bucket/run"``): each checkpoint
-            committed in ``directory`` is copied there in the background; it counts as
-            uploaded once its remote manifest is committed. A failed upload is logged,
-            counted in ``uploads`` and retried, never raised. ``restore()`` first downloads
-            the remote tier's newest checkpoint when it is newer than the newest here. In a
-            distributed job each rank uploads the files it wrote, rank 0 commits.
+            committed in ``directory`` is copied there in the background (a failure logged,
+            counted in ``uploads``, retried); ``restore()`` first downloads its newest when it
+            is newer than the newest here. See docs/storage.md.
         ``keep_last_remote``: retention of the remote tier (None: keep every upload).
         ``upload_timeout``: seconds ``close()`` waits for pending uploads (default 600).
         ``upload_every``: the remote tier's own cadence: it takes the checkpoints of steps
             that are multiples of it (None: every checkpoint ``directory`` commits).
-        ``storage_options``: options for the backend of a URL ``directory`` (for ``s3://``:
-            ``endpoint``, ``region``, ``access_key_id``, ``secret_access_key``, ...; for an
-            fsspec URL, its filesystem's arguments); a local directory takes none.
+        ``storage_options``: options for the backend of a URL ``directory`` (``s3://``:
+            ``endpoint``, ``region``, credentials, ...; fsspec: its filesystem's arguments).
         ``upload_storage_options``: the same for ``upload_to`` (each location has its own:
             a local ``directory`` and an ``s3://`` tier is the usual pair).
         ``ram_tier``: ``True`` keeps a copy of the newest checkpoint in host shared memory
             (``/dev/shm``), a path in that directory (a tmpfs); ``False`` (default) does not.
             A process restarted on the same node restores from memory the same save as the
-            newest checkpoint here (``restored_from`` says which copy was read). Namespaced
-            by this directory and ``run_id``, removed by ``close()`` (not on a crash); a
-            failed copy is logged and counted in ``ram_tier_stats``, never raised. In a
-            distributed job each rank keeps its own files. See docs/storage.md.
+            newest checkpoint here (``restored_from`` says which). Removed by ``close()`` (not
+            on a crash); a failed copy is logged and counted in ``ram_tier_stats``, never
+            raised. See docs/storage.md.
         ``peer_replicas``: with ``ram_tier`` in a distributed job, each rank's share is also
             kept in the memory of this many ranks on other nodes (``$TARDIGRADE_NODE`` or the
             host name): a node's loss restores from memory. See docs/failures.md.
@@ -211,9 +206,9 @@ class CheckpointManager:
     synchronous (said once, in a warning).
     """
 
-    every_steps = _Knob("_policy")
-    every_epochs = _Knob("_policy")
-    every_seconds = _Knob("_policy")
+    every_steps = _Knob("_cadence", "shorthand")
+    every_epochs = _Knob("_cadence", "shorthand")
+    every_seconds = _Knob("_cadence", "shorthand")
     keep_last = _Knob("_retainer", "policy")
     keep_every_steps = _Knob("_retainer", "policy")
     keep_best = _Knob("_retainer", "policy")
@@ -230,6 +225,7 @@ class CheckpointManager:
         every_steps: int | None = None,
         every_epochs: int | None = None,
         every_seconds: float | None = None,
+        policy: Policy | None = None,
         keep_last: int | None = None,
         keep_every_steps: int | None = None,
         keep_best: int | None = None,
@@ -255,19 +251,18 @@ class CheckpointManager:
         persist_every: int | None = None,
         run_id: str | None = None,
         dedup: bool = True,
+        overlap: bool = False,
     ) -> None:
         # Every byte, listing and delete goes through the catalog over the storage contract.
         self._storage_options = storage_options
         self._catalog = check_run_directory(Catalog(check_directory(directory), storage_options))
         self.directory = self._catalog.root
         self.state = state
-        self._policy = check_policy(every_steps, every_epochs, every_seconds)
+        self._cadence = Cadence(check_policy(every_steps, every_epochs, every_seconds))
         retention = check_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         on_error = check_one_of("on_save_error", on_save_error, ("warn", "raise"))
         check_flag("async_save", async_save)
         self.should_stop = self._closed = self._ram_keep = False  # _ram_keep: see __exit__
-        self._last_step: int | None = None
-        self._last_epoch: int | None = None
         self.restored_from: str | None = None  # where restore() read its checkpoint
         self._uploads = Uploads.check(upload_to, keep_last_remote, upload_timeout, upload_every)
         signals, run = check_signals(save_on_signals), check_run_id(run_id)
@@ -275,7 +270,7 @@ class CheckpointManager:
         self._run_lock = RunLock(
             self._catalog, self.directory, lease_seconds=lock_lease_seconds, timeout=lock_timeout
         )
-        self._wire(retention, on_error, persist_every, check_flag("dedup", dedup))
+        self._wire(retention, on_error, persist_every, SaveModes.check(dedup, overlap), policy)
         self._open()
         self._start(async_save, max_staging_bytes, signals, preemption_budget)
         if upload_to is not None:
@@ -284,10 +279,12 @@ class CheckpointManager:
         self._open_tier(lambda: tiers(root=self._catalog, ranks=self._ranks, run=run, state=state))
 
     def _wire(
-        self, retention: Retention, on_save_error: str, persist_every: Any, dedup: bool
+        self, retention: Retention, on_error: str, persist_every: Any, modes: SaveModes, policy: Any
     ) -> None:
         """Make the collaborators, each given what it needs (none reaches back in here)."""
         catalog, ranks, lock = self._catalog, self._ranks, self._run_lock
+        self._last_step: int | None = None
+        self._last_epoch: int | None = None
         self._preemption = Preemption()
         self._staging: StagingReservation | None = None  # with async saves
         self._tiers = Tiers(RootTier(catalog, self._collective, persist_every))
@@ -305,6 +302,7 @@ class CheckpointManager:
             coordinator=ranks.coordinator,
         )
         self.stats = ManagerStats()
+        self._cadence.wire(policy, self.stats)
         self._outcomes = Outcomes(
             catalog=catalog,
             ranks=ranks,
@@ -312,7 +310,7 @@ class CheckpointManager:
             timeline=self._timeline,
             pending=pending,
             stats=self.stats,
-            on_save_error=on_save_error,
+            on_save_error=on_error,
             teed=False,
             forget=self._retainer.forget,
             retain=self._retainer.retain,
@@ -337,7 +335,7 @@ class CheckpointManager:
             retainer=self._retainer,
             storage_options=self._storage_options,
             preemption=self._preemption,
-            dedup=dedup,
+            modes=modes,
         )
 
     def _open(self) -> None:
@@ -359,7 +357,6 @@ class CheckpointManager:
     ) -> None:
         """Listen for the preemption signals; start the background saver."""
         async_save = self._ranks.split.async_saves(async_save, max_staging_bytes)
-        self._last_save_time = time.monotonic()
         try:
             self._preemption.budget = check_positive("preemption_budget", budget, float)
             self._preemption.listen(signals)
@@ -557,7 +554,7 @@ class CheckpointManager:
         self._last_step = restored.step
         self.restored_from = restored.source
         self._last_epoch = restored.epoch
-        self._last_save_time = time.monotonic()
+        self._cadence.saved()
         if self._staging is not None:
             self._staging.restart()  # the restored state may have grown (moments)
         return restored.step
@@ -599,10 +596,7 @@ class CheckpointManager:
                 "increase (did you forget start = mgr.restore() + 1?)"
             )
         self._ranks.record_finished(self._drain)
-        # time.monotonic looked up here: tests put a clock of their own in its place.
-        timed = self._ranks.coordinator and self._policy.due_by_time(
-            time.monotonic, self._last_save_time
-        )
+        timed = self._ranks.coordinator and self._cadence.due_by_time(self._dispatch.in_flight)
         level = self._agree(f".step({step})", f"saving step {step}", DUE if timed else NOTHING)
         if level == PREEMPTED:
             try:
@@ -611,7 +605,7 @@ class CheckpointManager:
                 self.should_stop = True  # even if the save raised: the signal is consumed
             self._advance(step, epoch)
             return saved
-        due = level == DUE or self._policy.due_by_count(step, epoch, self._last_epoch)
+        due = level == DUE or self._cadence.policy.due_by_count(step, epoch, self._last_epoch)
         saved = due and self._save(step, epoch, metrics, sync=False, from_step=True)
         if not saved and self._staging is not None:
             self._staging.tick()
@@ -682,12 +676,18 @@ class CheckpointManager:
     def _save(self, step: int, epoch: int | None, metrics: Any, **how: bool) -> bool:
         saved = self._dispatch.save(step, epoch, metrics, **how)
         if saved:
-            self._last_save_time = time.monotonic()
+            self._cadence.saved()
         return saved
 
     def _drain(self, *, wait: bool, agree: bool = True) -> None:
         """Record the outcome of finished async saves (all of them when ``wait``)."""
         self._dispatch.drain(wait=wait, agree=agree)
+
+    def wait_staged(self) -> None:
+        """Block until an async save copying the state beside training (``overlap``) copied
+        it: call it before updating the state other than by an optimizer's ``step()``."""
+        if self._async is not None:
+            self._async.wait_staged()
 
     def wait(self) -> None:
         """Block until in-flight saves are committed (or failed and reported).

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from .._async import AsyncCheckpointer, image_sizes
@@ -35,6 +36,7 @@ from ..errors import (
     UnsupportedTypeError,
 )
 from ._agreement import Agreement
+from ._options import check_flag
 from ._pending import Outcomes
 from ._preflight import RunLock
 from ._retainer import Retainer
@@ -59,6 +61,20 @@ class _Until(threading.Event):
         return True
 
 
+@dataclass(frozen=True)
+class SaveModes:
+    """How the manager's saves are made: sharing data between checkpoints (``dedup``), and
+    copying the state to host memory while training goes on (``overlap``)."""
+
+    dedup: bool = False
+    overlap: bool = False
+
+    @classmethod
+    def check(cls, dedup: Any, overlap: Any) -> SaveModes:
+        """The manager's ``dedup=`` and ``overlap=`` arguments, checked."""
+        return cls(check_flag("dedup", dedup), check_flag("overlap", overlap))
+
+
 class SaveDispatch:
     """Starts the saves of ``state`` into the root of ``catalog`` (see the module docstring).
 
@@ -78,10 +94,10 @@ class SaveDispatch:
         retainer: Retainer,
         storage_options: Mapping[str, Any] | None,
         preemption: Preemption | None = None,
-        dedup: bool = False,
+        modes: SaveModes | None = None,
     ) -> None:
         self.state = state
-        self._dedup = dedup
+        self.modes = modes or SaveModes()
         self._changes = Changes()  # what each save found new: the next one's guess
         self.preemption = preemption or Preemption()
         self.catalog = catalog
@@ -97,7 +113,22 @@ class SaveDispatch:
     @property
     def dedup(self) -> bool:
         """Whether saves share data between checkpoints (as asked)."""
-        return self._dedup
+        return self.modes.dedup
+
+    @property
+    def overlap(self) -> bool:
+        """Whether an async save copies the state beside training (``_overlap``): as asked,
+        in a single process without a staging budget (a collective save copies in the
+        caller, not yet beside training)."""
+        saver = self.saver
+        if not self.modes.overlap or saver is None or saver.pool.max_bytes is not None:
+            return False
+        return not self.ranks.collective
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save of this rank still runs in the background."""
+        return self.outcomes.pending.running()
 
     def _sweep_after_failure(self) -> None:
         """After a failed save (a full disk: an operator may have deleted checkpoints by hand
@@ -176,6 +207,7 @@ class SaveDispatch:
                 storage_options=self.storage_options,
                 lease_generation=self.lock.lease.generation,
                 shared=self._base(step) if self.dedup else None,
+                overlap=self.overlap,
             )
             self._start(step, options, sync=sync, fastest=preempted)
         except (InvalidArgumentError, UnsupportedTypeError):

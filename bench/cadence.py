@@ -120,7 +120,8 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
     ratios = []
     for before, this in zip(y["decided"], y["decided"][1:], strict=False):
         target = math.sqrt(2 * this["cost"] * y["mtbf_s"])
-        ratios.append((this["at"] - before["at"]) / target)
+        if target > 0:  # a save decided before any was measured aims at no interval
+            ratios.append((this["at"] - before["at"]) / target)
     return {
         "overhead_share": o["steady_blocking_s"] / o["steady_wall_s"],
         "overhead_share_all": o["blocking_s"] / o["wall_s"],

@@ -183,3 +183,12 @@ def test_impossible_policies_are_refused_by_name(make: Callable[[], object]) -> 
     assert any(
         w in str(e.value) for w in ("OverheadBudget", "YoungDaly", "Continuous", "Every", "policy")
     )
+
+
+def test_a_policy_of_the_cost_waits_for_its_first_save_to_be_measured() -> None:
+    """Before any save was measured the first step saves; while that save is still in flight
+    (its cost unknown), the next steps do not save again and again."""
+    for policy in (tg.OverheadBudget(0.02), tg.YoungDaly(mtbf=3600.0)):
+        clock = Clock(now=1000.0)
+        assert policy.due_by_time(Moment(clock, 900.0, Costs(), in_flight=False))
+        assert not policy.due_by_time(Moment(clock, 999.0, Costs(), in_flight=True))

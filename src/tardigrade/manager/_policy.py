@@ -151,9 +151,12 @@ def EverySeconds(seconds: float) -> SavePolicy:
 
 class _ByInterval(Policy):
     """A policy of the clock that saves once ``interval(costs)`` seconds passed since the last
-    save; before any save was measured, at once (the first save measures the cost)."""
+    save; before any save was measured, at once (the first save measures the cost), unless
+    that first save is still in flight: its cost is what the interval waits for."""
 
     def due_by_time(self, now: Moment) -> bool:
+        if now.costs.blocking is None and now.in_flight:
+            return False
         interval = self.interval(now.costs)
         return interval is not None and now.since_save() >= interval
 

@@ -1,8 +1,9 @@
 """Asynchronous saves: block only to copy the state to host memory, write in the background.
 
 ``save`` snapshots every tensor into pooled host slabs synchronously, a background thread writes
-and commits, at most one save is in flight per checkpointer (the next one waits, or is skipped
-with a warning), ``wait()`` blocks until idle, errors surface on ``result()``, on the next
+and commits, at most ``max_in_flight`` saves are in flight per checkpointer (default one: the
+next one waits for room, or is skipped with a warning), saves into one directory write and
+commit one after another in the order they were made, ``wait()`` blocks until idle, errors surface on ``result()``, on the next
 ``save`` and on ``wait()``/``close()``, and closing (also at interpreter exit) waits for
 in-flight work.
 """
@@ -18,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -63,6 +65,7 @@ class SaveFuture:
         self.observed = False  # whether the caller has seen the outcome
         self.blocking_seconds = 0.0  # how long save() blocked the caller
         self._overlap: Overlap | None = None  # a save staging beside training (overlap)
+        self.root = ""  # the directory it saves into (its commits keep their order)
 
     def staged(self) -> bool:
         """True once the state has been copied and training may mutate it."""
@@ -92,6 +95,10 @@ class SaveFuture:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)
+
+    def _unseen_error(self) -> bool:
+        """Whether the save failed and nobody has seen it fail (once done)."""
+        return not self.observed and self._future.exception() is not None
 
     def __repr__(self) -> str:
         state = "done" if self.done() else ("writing" if self.staged() else "staging")
@@ -307,15 +314,26 @@ def stage_entries(
 
 
 def _write_staged(
-    job: SaveJob, readers: list[Any], staged: threading.Event, sinks: Sequence[Sink] = ()
+    job: SaveJob,
+    readers: list[Any],
+    staged: threading.Event,
+    sinks: Sequence[Sink] = (),
+    turn: Callable[[], None] | None = None,
 ) -> SaveResult:
-    """Write and commit in the background; report how long staging blocked the caller.
+    """Write and commit in the background, once ``turn()`` returned (the saves into the same
+    directory made before this one have ended); report how long staging blocked the caller.
 
     Under a budget the writers run while ``save`` is still staging, and may commit before the
     caller's clock stops: the blocking time is read only once staging has set it (and the save
     as a whole took at least as long as it blocked the caller). Each of ``sinks`` (the RAM
     tier's copy) writes from the same staged blocks beside the disk writers.
+
+    Saves into one directory write one after another, not only commit in order: a save that
+    shares data then finds the objects of the one before it committed, and references them
+    rather than writing them again (one disk is no faster for two writers).
     """
+    if turn is not None:
+        turn()
     result = _sinks.around(sinks, job, lambda: write_and_commit(job, readers))
     staged.wait()
     blocking = job.blocking_seconds
@@ -332,6 +350,7 @@ def _stage_and_write(
     readers: list[Any],
     sinks: Sequence[Sink],
     overlap: Overlap,
+    turn: Callable[[], None] | None,
 ) -> SaveResult:
     """An overlapped save's background: stage (the fence waits for it; the fenced tensors'
     versions checked), then write and commit. Training waited for what ``save`` blocked
@@ -342,7 +361,7 @@ def _stage_and_write(
         overlap.staged.set()
     done = threading.Event()
     done.set()
-    result = _write_staged(job, readers, done, sinks)
+    result = _write_staged(job, readers, done, sinks, turn)
     blocking = (job.blocking_seconds or 0.0) + overlap.waited_seconds()
     return dataclasses.replace(
         result, blocking_seconds=blocking, total_seconds=max(result.total_seconds, blocking)
@@ -441,11 +460,59 @@ def image_sizes(state: Any, *, share: bool = False) -> ImageSizes:
     return ImageSizes(len(file_header(fp)) + fp.nbytes for fp in plan.files)
 
 
+class _Flight:
+    """The saves of one checkpointer that may still matter, oldest first: those running,
+    and those that failed unseen (their error surfaces on the next call)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.saves: list[SaveFuture] = []
+
+    def running(self) -> list[SaveFuture]:
+        return [f for f in self.saves if not f.done()]
+
+    def full(self) -> SaveFuture | None:
+        """The oldest save running when ``limit`` run (None: there is room for one more)."""
+        running = self.running()
+        return running[0] if len(running) >= self.limit else None
+
+    def wait_for_room(self) -> None:
+        """Block until fewer than ``limit`` saves run (whichever ends first makes room: a
+        fast tier's save is not held behind a slow one's)."""
+        while len(running := self.running()) >= self.limit:
+            futures.wait([f._future for f in running], return_when=futures.FIRST_COMPLETED)
+
+    def wait_all(self) -> None:
+        futures.wait([f._future for f in self.saves])
+
+    def add(self, fut: SaveFuture) -> None:
+        # What ended and needs no reporting any more leaves the list.
+        self.saves = [f for f in self.saves if not f.done() or f._unseen_error()]
+        self.saves.append(fut)
+
+    def unseen(self) -> SaveFuture | None:
+        """The oldest save that failed with nobody having seen the failure."""
+        return next((f for f in self.saves if f.done() and f._unseen_error()), None)
+
+    def turn(self, root: str) -> Callable[[], None] | None:
+        """What a new save into ``root`` waits for before it writes: the newest save into the
+        same directory still running (which waits for the one before it in turn)."""
+        before = [f._future for f in self.running() if f.root == root]
+        if not before:
+            return None
+        last = before[-1]
+
+        def wait() -> None:
+            futures.wait([last])  # however it ends: a failed save commits nothing
+
+        return wait
+
+
 _live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
 
 
 class AsyncCheckpointer:
-    """Saves in the background, one at a time, from reused host staging buffers.
+    """Saves in the background, one at a time by default, from reused host staging buffers.
 
     >>> ckpt = tg.AsyncCheckpointer(max_staging_bytes=None)   # doctest: +SKIP
     >>> fut = ckpt.save("ckpt/step-100", state)                 # returns after the host copy
@@ -453,8 +520,12 @@ class AsyncCheckpointer:
     >>> ckpt.wait()                                             # or fut.result()
     >>> ckpt.close()                                            # also waits; idempotent
 
-    ``if_busy="wait"`` (default) makes a new save wait for the one in flight; ``"skip"`` skips
-    the new save with a warning instead (``save`` then returns None). ``max_staging_bytes``
+    ``max_in_flight`` saves may run in the background at once (default 1). A new save finding
+    them all running waits until one ends with ``if_busy="wait"`` (default), or is skipped with
+    a warning with ``"skip"`` (``save`` then returns None). Saves into the same directory
+    write and commit one after another, in the order they were made; a save into another
+    directory (a faster tier) does not wait for them. Each save in flight holds its own staged copy (``max_staging_bytes``
+    bounds them all together). ``max_staging_bytes``
     caps the host memory that staging holds (None: room for the whole state, kept between
     saves so later saves copy into memory that is already faulted in); under a cap, the
     writers drain staged slabs while the copy goes on, and ``save`` returns once the last
@@ -465,12 +536,21 @@ class AsyncCheckpointer:
     time, so the first save blocks no longer than later ones.
     """
 
-    def __init__(self, *, max_staging_bytes: int | None = None, if_busy: str = "wait") -> None:
+    def __init__(
+        self, *, max_staging_bytes: int | None = None, if_busy: str = "wait", max_in_flight: int = 1
+    ) -> None:
         if if_busy not in ("wait", "skip"):
             raise InvalidArgumentError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+        if type(max_in_flight) is not int or max_in_flight < 1:
+            raise InvalidArgumentError(
+                f"max_in_flight must be an int >= 1 (saves running at once), got {max_in_flight!r}"
+            )
         self.pool = SlabPool(max_bytes=max_staging_bytes)
         self.if_busy = if_busy
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tardigrade-save")
+        self.max_in_flight = max_in_flight
+        # One thread per save in flight: each writes and commits its own.
+        self._executor = ThreadPoolExecutor(max_in_flight, thread_name_prefix="tardigrade-save")
+        self._flight = _Flight(max_in_flight)
         self._last: SaveFuture | None = None
         # Per process group: the forked group a collective async save coordinates on.
         self._forks: dict[tuple[int, int], Any] = {}
@@ -523,9 +603,10 @@ class AsyncCheckpointer:
         return self.pool.stats()
 
     def _raise_unobserved(self) -> None:
-        """Raise the last save's error if it failed and nobody has seen the failure yet."""
-        last = self._last
-        if last is None or not last.done() or last.observed:
+        """Raise the error of a save that failed with nobody having seen the failure yet
+        (the oldest such: the others on the next calls)."""
+        last = self._flight.unseen()
+        if last is None:
             return
         last.observed = True
         exc = last.exception()
@@ -586,15 +667,14 @@ class AsyncCheckpointer:
         with self._lock:
             if self._closed:
                 raise InvalidArgumentError("this AsyncCheckpointer is closed; create a new one")
-            last = self._last
-            if last is not None and not last.done():
-                if self.if_busy == "skip":
-                    warn_user(
-                        f"skipping save to {os.fspath(path)}: the save to {last.path} is still "
-                        "in flight (if_busy='skip')"
-                    )
-                    return None
-                last.exception()  # wait; its error, if any, is raised just below
+            busy = self._flight.full()
+            if busy is not None and self.if_busy == "skip":
+                warn_user(
+                    f"skipping save to {os.fspath(path)}: the save to {busy.path} is still "
+                    f"in flight (if_busy='skip', max_in_flight={self.max_in_flight})"
+                )
+                return None
+            self._flight.wait_for_room()  # the error of one that failed is raised just below
             self._raise_unobserved()
             if options.shared is not None and self.pool.max_bytes is not None:
                 # A writer holds a shared object's chunk whole before it writes: under a
@@ -602,6 +682,8 @@ class AsyncCheckpointer:
                 limit = min(options.share_chunk_bytes, self.pool.max_bytes // 4)
                 options = dataclasses.replace(options, share_chunk_bytes=limit)
             job = make_job(path, state, options)
+            # What its writers wait for first: the saves into the same directory in flight.
+            turn = self._flight.turn(job.storage.url(""))
             # The save's own clock starts after any wait for the previous save, so its
             # blocking and total times describe this save alone.
             job.started = time.perf_counter()
@@ -615,10 +697,10 @@ class AsyncCheckpointer:
             bounded = self.pool.max_bytes is not None
             fenced = fenced_storages(state) if options.overlap and not bounded else set()
             if fenced:  # else nothing would fence the copy: it is made here, as always
-                return self._overlapped(job, fenced, into, readers, sinks)
+                return self._overlapped(job, fenced, into, readers, sinks, turn)
             staged = threading.Event()
             background = (
-                self._executor.submit(_write_staged, job, readers, staged, sinks)
+                self._executor.submit(_write_staged, job, readers, staged, sinks, turn)
                 if bounded
                 else None
             )
@@ -635,16 +717,28 @@ class AsyncCheckpointer:
                     background.exception()  # let the writers clean up before we report
                 raise
             if background is None:
-                background = self._executor.submit(_write_staged, job, readers, staged, sinks)
-            fut = SaveFuture(job.storage.url(job.name), background)
-            fut.blocking_seconds = job.blocking_seconds
-            fut._staged.set()
-            self._last = fut
-            self._staged_saves += 1
-            return fut
+                background = self._executor.submit(_write_staged, job, readers, staged, sinks, turn)
+            return self._started(job, background)
+
+    def _started(self, job: SaveJob, background: Future[SaveResult]) -> SaveFuture:
+        """The future of ``job``'s save, whose background runs as ``background``, in flight."""
+        fut = SaveFuture(job.storage.url(job.name), background)
+        fut.root = job.storage.url("")
+        fut.blocking_seconds = job.blocking_seconds or 0.0
+        fut._staged.set()
+        self._flight.add(fut)
+        self._last = fut
+        self._staged_saves += 1
+        return fut
 
     def _overlapped(
-        self, job: SaveJob, fenced: set[int], into: list[Any], readers: list[Any], sinks: Any
+        self,
+        job: SaveJob,
+        fenced: set[int],
+        into: list[Any],
+        readers: list[Any],
+        sinks: Any,
+        turn: Callable[[], None] | None,
     ) -> SaveFuture:
         """``submit`` with ``overlap``: snapshot what no optimizer fences (``fenced``: the
         storages one does), stage the rest in the background (see ``_overlap``); under the
@@ -654,20 +748,21 @@ class AsyncCheckpointer:
         job.blocking_seconds = time.perf_counter() - job.started
         FENCE.add(overlap)
         background = self._executor.submit(
-            _stage_and_write, job, self.pool, into, readers, sinks, overlap
+            _stage_and_write, job, self.pool, into, readers, sinks, overlap, turn
         )
-        fut = SaveFuture(job.storage.url(job.name), background)
-        fut.blocking_seconds = job.blocking_seconds
+        fut = self._started(job, background)
         fut._overlap = overlap
-        fut._staged.set()
-        self._last = fut
-        self._staged_saves += 1
         return fut
 
     def wait_staged(self, timeout: float | None = None) -> bool:
-        """Block until the save in flight has copied the state (``SaveFuture.wait_staged``)."""
-        last = self._last
-        return last is None or last.wait_staged(timeout)
+        """Block until every save in flight has copied the state (``SaveFuture.wait_staged``);
+        False if ``timeout`` passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for fut in self._flight.running():
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if not fut.wait_staged(left):
+                return False
+        return True
 
     def save_collective(
         self,
@@ -684,8 +779,9 @@ class AsyncCheckpointer:
         Returns once this rank's tensors are copied to host memory; a background thread then
         runs the collective protocol on a fork of the group (made here, collectively, at the
         group's first async save), so the training's own collectives never interleave with
-        it. A save in flight is waited for first: skipping one on some ranks only would leave
-        the others waiting, so ``if_busy="skip"`` is refused here.
+        it. Every save in flight is waited for first (one collective save at a time, whatever
+        ``max_in_flight``: the ranks' fork carries one): skipping one on some ranks only would
+        leave the others waiting, so ``if_busy="skip"`` is refused here.
         """
         with self._lock:
             if self._closed:
@@ -701,9 +797,7 @@ class AsyncCheckpointer:
                     "rank stages its whole state before the ranks agree on who writes what. "
                     "Use max_staging_bytes=None"
                 )
-            last = self._last
-            if last is not None:
-                last.exception()  # wait; its error, if any, is raised just below
+            self._flight.wait_all()  # the error of one that failed is raised just below
             self._raise_unobserved()
             key = (id(ranks.group), ranks.size)
             group = self._forks.get(key)
@@ -724,6 +818,7 @@ class AsyncCheckpointer:
             fut = SaveFuture(os.fspath(path), self._executor.submit(run))
             fut.blocking_seconds = blocking
             fut._staged.set()
+            self._flight.add(fut)
             self._last = fut
             self._staged_saves += 1
             return fut
@@ -735,11 +830,12 @@ class AsyncCheckpointer:
             self._forks.clear()
 
     def wait(self) -> SaveResult | None:
-        """Block until no save is in flight; raise the last save's error if nobody has seen it."""
+        """Block until no save is in flight; raise a save's error if nobody has seen it; return
+        the newest save's result (None: none was made, or it failed and was seen)."""
         last = self._last
         if last is None:
             return None
-        last.exception()  # waits
+        self._flight.wait_all()
         self._raise_unobserved()
         return None if last.exception() is not None else last.result()
 

@@ -260,8 +260,24 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 
 @pytest.mark.parametrize(
     "how, budget",
-    [("tg.save", None), ("checkpointer", None), ("checkpointer", 4 * MiB), ("overlap", None)],
-    ids=["default-checkpointer", "unbounded", "budget-4MiB", "overlap"],
+    [
+        ("tg.save", None),
+        ("checkpointer", None),
+        ("checkpointer", 4 * MiB),
+        ("overlap", None),
+        ("two-in-flight", None),
+        ("two-in-flight", 4 * MiB),
+        ("overlap-two-in-flight", None),
+    ],
+    ids=[
+        "default-checkpointer",
+        "unbounded",
+        "budget-4MiB",
+        "overlap",
+        "two-in-flight",
+        "two-in-flight-budget-4MiB",
+        "overlap-two-in-flight",
+    ],
 )
 def test_mutating_everything_after_staging_does_not_change_the_checkpoint(
     tmp_path: Path,
@@ -282,10 +298,16 @@ def test_mutating_everything_after_staging_does_not_change_the_checkpoint(
         fut = tg.save(path, state, async_=True, step=100)
         ckpt = None
     else:
-        ckpt = checkpointers(max_staging_bytes=budget)
-        fut = ckpt.save(path, state, step=100, overlap=how == "overlap")
+        two = how.endswith("two-in-flight")
+        ckpt = checkpointers(max_staging_bytes=budget, max_in_flight=2 if two else 1)
+        if two:  # another save still in flight (held at the gate, or writing under a budget)
+            other = ckpt.save(tmp_path / "other", small_state(7), overlap=how.startswith("overlap"))
+            assert other is not None
+        fut = ckpt.save(path, state, step=100, overlap=how.startswith("overlap"))
+        if two and gate is not None:
+            assert not other.done(), "the other save should still be in flight"
     assert isinstance(fut, tg.SaveFuture)
-    if how == "overlap":
+    if how.startswith("overlap"):
         # The copy of what the optimizer owns runs in the background; the mutations below
         # are not the optimizer's step, so they wait for it themselves (the fence).
         assert fut.wait_staged(60)
@@ -312,6 +334,8 @@ def test_mutating_everything_after_staging_does_not_change_the_checkpoint(
     result = fut.result(timeout=60)
     assert result.step == 100
     assert_same(tg.load(path), expected)
+    if how.endswith("two-in-flight"):
+        assert_same(tg.load(tmp_path / "other"), snapshot(small_state(7)))
     tg.verify(path)
     assert len(tg.read_manifest(path)["files"]) >= 2, "state should span several data files"
     if ckpt is not None:

@@ -7,6 +7,7 @@ The manager's own tests show the recording end to end (``tests/integration/test_
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -31,20 +32,32 @@ def result(step: int) -> SaveResult:
     return SaveResult(f"ckpt/step-{step:09d}", step, 10, 1, 0.0, 0.0)
 
 
-def test_finished_saves_are_taken_oldest_first_up_to_the_first_still_running() -> None:
+def test_finished_saves_are_taken_oldest_first_passing_over_those_still_running() -> None:
+    # A save into the RAM tier alone may end while an older one still writes the directory:
+    # it is recorded at once (its tier retires the older copies there), not held behind it.
     pending = PendingSaves()
     futs = {s: future(s) for s in (1, 2, 3)}
     for s, (fut, _) in futs.items():
         pending.add(s, fut)
     assert pending.running() and pending.steps() == {1, 2, 3}
     futs[1][1].set_result(result(1))
-    futs[3][1].set_result(result(3))  # finished, but behind step 2: recorded in order
-    assert [s for s, _ in pending.finished(wait=False)] == [1]
-    assert len(pending) == 2 and pending.steps() == {2, 3}
+    futs[3][1].set_result(result(3))  # finished while step 2 still runs
+    assert [s for s, _ in pending.finished(wait=False)] == [1, 3]
+    assert len(pending) == 1 and pending.steps() == {2}
     futs[2][1].set_exception(SaveError("ckpt/step-000000002: injected"))
     assert not pending.running()
-    assert [s for s, _ in pending.finished(wait=False)] == [2, 3]
+    assert [s for s, _ in pending.finished(wait=False)] == [2]
     assert len(pending) == 0 and not pending.steps()
+
+
+def test_waiting_takes_every_save_oldest_first() -> None:
+    pending = PendingSaves()
+    futs = {s: future(s) for s in (1, 2)}
+    for s, (fut, _) in futs.items():
+        pending.add(s, fut)
+    futs[2][1].set_result(result(2))
+    threading.Timer(0.05, futs[1][1].set_result, (result(1),)).start()
+    assert [s for s, _ in pending.finished(wait=True)] == [1, 2]
 
 
 def test_a_save_whose_recording_raises_is_reported_once() -> None:

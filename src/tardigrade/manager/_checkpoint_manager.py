@@ -33,7 +33,6 @@ from ._dispatch import SaveDispatch, SaveModes
 from ._options import (
     Uploads,
     check_directory,
-    check_flag,
     check_one_of,
     check_policy,
     check_positive,
@@ -145,6 +144,8 @@ class CheckpointManager:
             blocks only for a copy of the state to host memory. ``overlap``: make that copy
             while the next forward and backward run, an optimizer's ``step()`` waiting for it
             (default ``False``; see docs/manager.md for what else must wait).
+        ``max_in_flight``: async saves running at once (default 2, each its own staged copy;
+            one in a distributed job): a RAM tier's save goes on beside a slow one to disk.
         ``on_save_error``: ``"warn"`` (default) logs a failed save and keeps training;
             ``"raise"`` raises it.
         ``save_on_signals``: signals that request a final save at the next step boundary and
@@ -252,16 +253,16 @@ class CheckpointManager:
         run_id: str | None = None,
         dedup: bool = True,
         overlap: bool = False,
+        max_in_flight: int = 2,
     ) -> None:
         # Every byte, listing and delete goes through the catalog over the storage contract.
         self._storage_options = storage_options
         self._catalog = check_run_directory(Catalog(check_directory(directory), storage_options))
-        self.directory = self._catalog.root
-        self.state = state
+        self.directory, self.state = self._catalog.root, state
         self._cadence = Cadence(check_policy(every_steps, every_epochs, every_seconds))
         retention = check_retention(keep_last, keep_every_steps, keep_best, best_metric, best_mode)
         on_error = check_one_of("on_save_error", on_save_error, ("warn", "raise"))
-        check_flag("async_save", async_save)
+        modes = SaveModes.check(dedup, overlap, max_in_flight, async_save)
         self.should_stop = self._closed = self._ram_keep = False  # _ram_keep: see __exit__
         self.restored_from: str | None = None  # where restore() read its checkpoint
         self._uploads = Uploads.check(upload_to, keep_last_remote, upload_timeout, upload_every)
@@ -270,7 +271,7 @@ class CheckpointManager:
         self._run_lock = RunLock(
             self._catalog, self.directory, lease_seconds=lock_lease_seconds, timeout=lock_timeout
         )
-        self._wire(retention, on_error, persist_every, SaveModes.check(dedup, overlap), policy)
+        self._wire(retention, on_error, persist_every, modes, policy)
         self._open()
         self._start(async_save, max_staging_bytes, signals, preemption_budget)
         if upload_to is not None:
@@ -361,7 +362,7 @@ class CheckpointManager:
             self._preemption.budget = check_positive("preemption_budget", budget, float)
             self._preemption.listen(signals)
             if async_save:
-                self._dispatch.saver = AsyncCheckpointer(max_staging_bytes=max_staging_bytes)
+                self._dispatch.start_saver(max_staging_bytes)
         except BaseException:
             self._preemption.stop_listening()
             self._lock.release()
@@ -450,7 +451,7 @@ class CheckpointManager:
             except Exception as e:
                 errors.append(e)
         for part in (
-            self._close_async,
+            self._dispatch.close_saver,
             *self._tiers.closers(clean=lambda: not (self._ram_keep or self.exit_code)),
             self._preemption.stop_listening,
             self._lock.release,
@@ -458,10 +459,6 @@ class CheckpointManager:
             _run_to_end(part, errors)
         if errors:
             raise errors[0]
-
-    def _close_async(self) -> None:
-        if self._async is not None:
-            self._async.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -499,12 +496,9 @@ class CheckpointManager:
         return bool(
             self._agreed(
                 f"CheckpointManager({self.directory!r}).exists({step!r})",
-                lambda: self._exists_here(step),
+                lambda: self._catalog.visible(step_name(step)),
             )
         )
-
-    def _exists_here(self, step: int) -> bool:
-        return self._catalog.visible(step_name(step))
 
     def path(self, step: int) -> str:
         """The directory of the checkpoint for ``step``."""

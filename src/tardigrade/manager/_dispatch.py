@@ -63,16 +63,32 @@ class _Until(threading.Event):
 
 @dataclass(frozen=True)
 class SaveModes:
-    """How the manager's saves are made: sharing data between checkpoints (``dedup``), and
-    copying the state to host memory while training goes on (``overlap``)."""
+    """How the manager's saves are made: in the background (``async_save``) or not, sharing
+    data between checkpoints (``dedup``), copying the state to host memory while training
+    goes on (``overlap``), and how many may run in the background at once (``max_in_flight``;
+    one in a distributed job)."""
 
     dedup: bool = False
     overlap: bool = False
+    max_in_flight: int = 1
+    async_save: bool = True
 
     @classmethod
-    def check(cls, dedup: Any, overlap: Any) -> SaveModes:
-        """The manager's ``dedup=`` and ``overlap=`` arguments, checked."""
-        return cls(check_flag("dedup", dedup), check_flag("overlap", overlap))
+    def check(
+        cls, dedup: Any, overlap: Any, max_in_flight: Any = 1, async_save: Any = True
+    ) -> SaveModes:
+        """The manager's ``dedup=``, ``overlap=``, ``max_in_flight=`` and ``async_save=``
+        arguments, checked."""
+        if type(max_in_flight) is not int or max_in_flight < 1:
+            raise InvalidArgumentError(
+                f"max_in_flight must be an int >= 1 (saves running at once), got {max_in_flight!r}"
+            )
+        return cls(
+            check_flag("dedup", dedup),
+            check_flag("overlap", overlap),
+            max_in_flight,
+            check_flag("async_save", async_save),
+        )
 
 
 class SaveDispatch:
@@ -129,6 +145,17 @@ class SaveDispatch:
     def in_flight(self) -> bool:
         """Whether a save of this rank still runs in the background."""
         return self.outcomes.pending.running()
+
+    def start_saver(self, max_staging_bytes: int | None) -> None:
+        """Make the async saver: its staging budget, as many saves in flight as the modes say."""
+        self.saver = AsyncCheckpointer(
+            max_staging_bytes=max_staging_bytes, max_in_flight=self.modes.max_in_flight
+        )
+
+    def close_saver(self) -> None:
+        """Wait for the saves in flight and let the async saver go."""
+        if self.saver is not None:
+            self.saver.close()
 
     def _sweep_after_failure(self) -> None:
         """After a failed save (a full disk: an operator may have deleted checkpoints by hand

@@ -61,17 +61,21 @@ class PendingSaves:
         return any(not fut.done() for _, fut in self._saves)
 
     def finished(self, *, wait: bool) -> Iterator[tuple[int, SaveFuture]]:
-        """The saves that have finished, oldest first, up to the first still running; with
-        ``wait``, all of them, each waited for in turn.
+        """The saves that have finished, oldest first; with ``wait``, all of them, each waited
+        for in turn. Without it a save still running is passed over: a save into a faster
+        tier (the RAM tier alone) may end while an older one still writes the directory, and
+        is recorded (its tier keeping it, retiring the older copies there) at once.
 
         Each leaves the list before it is yielded: recording it may raise
         (``on_save_error="raise"``), and a failure must be reported exactly once.
         """
-        while self._saves:
-            step, fut = self._saves[0]
+        i = 0
+        while i < len(self._saves):
+            step, fut = self._saves[i]
             if not wait and not fut.done():
-                return
-            self._saves.pop(0)
+                i += 1
+                continue
+            self._saves.pop(i)
             yield step, fut
 
 
@@ -79,7 +83,8 @@ class Outcomes:
     """How each save ended, recorded once: counted in ``stats``, reported as ``on_save_error``
     says, and a committed one handed on (the timeline it replaced, the other tiers, retention).
 
-    Background saves wait in ``pending`` until ``drain`` records them, in step order.
+    Background saves wait in ``pending`` until ``drain`` records them, oldest first (a save
+    that ended before an older one still running, first).
     """
 
     def __init__(

@@ -36,10 +36,11 @@ def test_fifty_random_kills_lose_nothing_and_resume_from_the_newest(tmp_path: Pa
     soak = driver().run_soak(KILLS, seed=50, workdir=tmp_path, max_cycles=4 * KILLS)
     assert soak.problems == [], "\n\n".join(soak.problems[:5])
     assert soak.kills == KILLS, soak.summary()
-    # The kills spread over both world sizes, both save modes, and storage moments as well as
+    # The kills spread over both world sizes, the three save modes, and storage moments as well as
     # random times; and the checks ran.
     assert soak.by_world[1] and soak.by_world[2], soak.summary()
     assert soak.by_mode["sync"] and soak.by_mode["async"], soak.summary()
+    assert soak.by_mode["overlap"], soak.summary()  # async, copying beside training
     assert soak.by_moment["random"] and soak.by_moment["operation"], soak.summary()
     assert soak.by_phase["gc"] and soak.by_phase["retention"], soak.summary()
     assert soak.rewinds, soak.summary()

@@ -97,6 +97,10 @@ def test_quick_run_measures_every_tool(tmp_path: Path) -> None:
     assert {"overlap_blocking_s", "async_blocking_s", "plain_step_s"} <= set(summary["overlap"])
     assert summary["cadence"]["overhead_saves"] >= 2 and summary["cadence"]["young_daly_saves"] >= 2
     assert "OVERLAP:" in proc.stdout and "CADENCE:" in proc.stdout
+    # The RAM tier beside the store, with two saves in flight and with one.
+    tiers = summary["cadence"]["tiers"]
+    assert set(tiers) == {"in_flight_2", "in_flight_1"}, tiers
+    assert all(t["saves"] >= 2 and t["failed"] == 0 for t in tiers.values()), tiers
     for needle in ("raw fsync'd write", "DCP save", "hot read", "DCP load", "verify", "async"):
         assert any(needle in n for n in names), (needle, names)
     # The async targets: steady blocking and the first save of a process, both against a

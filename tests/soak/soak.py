@@ -3,8 +3,9 @@
     python tests/soak/soak.py --kills 1000 --seed 1          (``make soak``)
 
 Each cycle starts a job, on one process or on two gloo ranks, that resumes from its directory
-with a ``CheckpointManager`` (synchronous or asynchronous saves, retention ``keep_last`` 1-3 or
-none, a save every 1-3 steps, chosen per cycle; sometimes ``restore(step)`` of an older
+with a ``CheckpointManager`` (synchronous or asynchronous saves, up to two in flight, half the
+single-process asynchronous ones copying the state beside training (``overlap``: an optimizer
+updates part of it), retention ``keep_last`` 1-3 or none, a save every 1-3 steps, chosen per cycle; sometimes ``restore(step)`` of an older
 checkpoint, which abandons the later ones), trains a few steps of a deterministic update
 (in-place, so an async save must hold the values of its own step) and sometimes ends with
 ``tardigrade gc``. Most cycles are SIGKILLed, the whole job at once, at a random moment: a
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 N = 16384  # elements of w and m
+P_N = 4096  # elements of the parameter an optimizer updates (one process)
 # Elements of "frozen" (never changes: one shared object every checkpoint references) and
 # "slow" (changes every 3rd step: objects written, referenced again, then swept): over 1 MiB
 # of float32 each, so a single process's saves share them (format 7).
@@ -88,6 +90,10 @@ def make_state(rank: int, world: int) -> dict[str, Any]:
     state.update(frozen=torch.arange(SHARED_N, dtype=torch.float32), slow=torch.zeros(SHARED_N))
     if world == 1:
         state["rng"] = tg.RNGState()
+        # Updated by an optimizer's step() alone: what an overlapped save copies beside
+        # training, fenced by that step (the rest of the state is snapshotted first).
+        state["p"] = torch.zeros(P_N, requires_grad=True)
+        state["opt"] = torch.optim.SGD([state["p"]], lr=0.1, momentum=0.9)
     else:
         lo, hi = rows_of(rank, world)
         state["emb"] = tg.Sharded(torch.zeros(hi - lo, COLS), (lo, 0), (ROWS, COLS))
@@ -106,6 +112,9 @@ def advance(state: dict[str, Any], step: int, rank: int, world: int, g0: Any = N
     state["m"].mul_(0.9).add_(noise)
     state["w"].sub_(0.01 * state["m"])
     state["slow"].fill_(float(step // 3))
+    if world == 1:
+        state["p"].grad = torch.randn(P_N, generator=torch.Generator().manual_seed(10**6 + step))
+        state["opt"].step()
     if world > 1:
         table = torch.randn(ROWS, COLS, generator=g)
         emb = state["emb"]
@@ -157,6 +166,7 @@ def run_job(cfg: dict[str, Any], rank: int) -> None:
         every_steps=cfg["every"],
         keep_last=cfg["keep_last"],
         async_save=cfg["async"],
+        overlap=cfg["overlap"],
         timeout=cfg["timeout"],
     )
     note("phase restore")
@@ -376,6 +386,9 @@ class Reference:
             )
             if self.world > 1:
                 self.state["emb"] = torch.zeros(ROWS, COLS)
+            else:
+                self.state["p"] = torch.zeros(P_N, requires_grad=True)
+                self.state["opt"] = torch.optim.SGD([self.state["p"]], lr=0.1, momentum=0.9)
             self.g0 = torch.Generator().manual_seed(0)
             self.digests.append(state_digest(self.state))
         while len(self.digests) <= step:
@@ -385,11 +398,17 @@ class Reference:
 
 
 def state_digest(tree: dict[str, Any]) -> str:
+    """Of a live state or a loaded one (its optimizer then a plain state dict)."""
     h = hashlib.sha256()
-    for key in ("w", "m", "emb", "frozen", "slow"):
+    for key in ("w", "m", "emb", "frozen", "slow", "p"):
         if key in tree:
             h.update(key.encode())
-            h.update(tree[key].contiguous().numpy().tobytes())
+            h.update(tree[key].detach().contiguous().numpy().tobytes())
+    if "opt" in tree:
+        opt = tree["opt"]
+        per_param = (opt.state_dict() if hasattr(opt, "state_dict") else opt)["state"]
+        buf = per_param.get(0, {}).get("momentum_buffer")
+        h.update(b"momentum" + (b"" if buf is None else buf.numpy().tobytes()))
     h.update(str(tree["step"]).encode())
     return h.hexdigest()
 
@@ -404,7 +423,7 @@ class Soak:
     completed: int = 0  # cycles whose kill point never came: the job ended normally
     by_moment: Counter[str] = field(default_factory=Counter)
     by_world: Counter[int] = field(default_factory=Counter)
-    by_mode: Counter[str] = field(default_factory=Counter)  # sync / async saves
+    by_mode: Counter[str] = field(default_factory=Counter)  # sync / async / overlap saves
     by_phase: Counter[str] = field(default_factory=Counter)  # what the job was doing
     resumes_checked: int = 0
     rewinds: int = 0  # restore(older step) began a new timeline
@@ -460,6 +479,11 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def mode_of(cfg: dict[str, Any]) -> str:
+    """How the cycle's job saved: sync, async, or async with overlap."""
+    return "overlap" if cfg["overlap"] else "async" if cfg["async"] else "sync"
 
 
 def run_soak(
@@ -560,6 +584,13 @@ def run_soak(
                 "rewind": rng.random() < rewind_share,
                 "sabotage": sabotage,
             }
+            # Half the single-process async cycles copy the state beside training (drawn
+            # apart, so the other draws of a seed stay as they were).
+            cfg["overlap"] = (
+                cfg["async"]
+                and world == 1
+                and random.Random(seed * 7919 + soak.cycles).random() < 0.5
+            )
             kill_rank = rng.randrange(world)
             size = sizes[world]
             if moment == "random":
@@ -592,7 +623,7 @@ def run_soak(
                 soak.kills += 1
                 soak.by_moment[moment] += 1
                 soak.by_world[world] += 1
-                soak.by_mode["async" if cfg["async"] else "sync"] += 1
+                soak.by_mode[mode_of(cfg)] += 1
             else:
                 soak.completed += 1
                 seconds[world] = out["seconds"]

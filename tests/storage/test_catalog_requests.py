@@ -90,3 +90,29 @@ def test_the_sweep_after_retention_stats_only_the_objects_it_deletes() -> None:
             # it deletes.
             assert len(stats) <= (2 * 4 if step == 1 else 4 + 2 + 1), stats
     open_root(url).delete("")
+
+
+def test_a_save_into_the_ram_tier_alone_asks_the_store_only_for_its_lease(tmp_path) -> None:
+    # With persist_every, the steps between two persisted ones go to the RAM tier alone: the
+    # store's root is not theirs to check, set aside or retain (each request costs the
+    # training thread a round trip, slower still while the store ingests a persisted save);
+    # only the lease is read, so that a writer that lost it writes nothing more, here either.
+    url = f"memory://catalog-{uuid.uuid4().hex[:12]}/root"
+    faulty = FaultyStorage(url)
+    state = {"w": torch.ones(4)}
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with tg.CheckpointManager(
+        faulty.url(""), state, every_steps=1, ram_tier=shm, persist_every=10, keep_last=1
+    ) as mgr:
+        mgr.step(10)
+        mgr.wait()
+        for step in (11, 12, 13):
+            before = len(faulty.log)
+            mgr.step(step)
+            mgr.wait()
+            log = faulty.log[before:]
+            assert log and all(where.endswith("/.lock") for _, where in log), log
+        assert mgr.steps() == [10]
+        assert [s.step for s in mgr.stats] == [10, 11, 12, 13] and all(s.ok for s in mgr.stats)
+    open_root(url).delete("")

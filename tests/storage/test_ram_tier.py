@@ -556,7 +556,9 @@ def test_the_ram_tier_saves_more_often_than_the_directory(
             mgr.step(step)
         mgr.wait()
         assert mgr.steps() == [5]  # the directory took step 5 alone
-        assert mgr.ram_tier_stats.stored[-3:] == [  # type: ignore[union-attr]
+        # Step 6 (the RAM tier alone) may commit there before step 5's copy (after the
+        # directory's commit): two saves in flight.
+        assert sorted(mgr.ram_tier_stats.stored[-3:]) == [  # type: ignore[union-attr]
             "step-000000005",
             "step-000000006",
             "step-000000007",

@@ -235,10 +235,12 @@ def test_an_unseen_failure_surfaces_on_the_next_save_while_another_runs(
 
     monkeypatch.setattr(LocalWriter, "close", close)
     ckpt = checkpointers(max_in_flight=2)
+    gates.hold("bad")  # until the other save is made too
     gates.hold("slow")
     bad = ckpt.save(tmp_path / "bad", state_of(1))
     slow = ckpt.save(tmp_path / "slow", state_of(2))
     assert bad is not None and slow is not None
+    gates.release("bad")
     bad.exception(60)  # ended, unseen
     with pytest.raises(SaveError, match="injected I/O error"):
         ckpt.save(tmp_path / "next", state_of(3))

@@ -221,11 +221,12 @@ class SaveDispatch:
         self._sweep_after_failure()
         started = time.perf_counter()
         self._warn_unranked(step, metrics)
-        replace = self._may_replace(step, started, force=force, from_step=from_step)
+        alone = not preempted and self.tiers.alone(step_name(step))
+        replace = self._may_replace(step, started, force=force, from_step=from_step, alone=alone)
         if replace is None:
             return False
         try:
-            self._prepare(step, replace)
+            self._prepare(step, replace, alone=alone)
             options = SaveOptions(
                 overwrite=replace,
                 step=step,
@@ -330,13 +331,17 @@ class SaveDispatch:
             )
 
     def _may_replace(
-        self, step: int, started: float, *, force: bool, from_step: bool
+        self, step: int, started: float, *, force: bool, from_step: bool, alone: bool = False
     ) -> bool | None:
         """Whether saving ``step`` replaces a committed checkpoint; None: it must not be saved
         (reported as a failed save). A committed checkpoint is replaced only when asked
         (force), when it belongs to the timeline abandoned by restore(step), or when a writer
         committed it after losing the lease; repeating a step otherwise is a programming
         error."""
+        if alone:
+            # A save into the faster tiers alone leaves the directory as it is: nothing there
+            # to replace (a busy store would cost the training thread the request).
+            return force
         try:
             occupant = self.ranks.shared(
                 f"CheckpointManager({self.catalog.root!r}): is step {step} there",
@@ -364,8 +369,9 @@ class SaveDispatch:
             )
         return occupant != ""
 
-    def _prepare(self, step: int, replace: bool) -> None:
-        """Before saving ``step``: hold the lock, move an uncommitted ``step-N`` aside.
+    def _prepare(self, step: int, replace: bool, *, alone: bool = False) -> None:
+        """Before saving ``step``: hold the lock, move an uncommitted ``step-N`` aside (not for
+        a save into the faster tiers alone: ``alone``).
 
         Rank 0's work in a distributed job; its failure raises on every rank, as the same error
         (an OSError there arrives as a SaveError).
@@ -373,7 +379,7 @@ class SaveDispatch:
 
         def prepare_here() -> None:
             self.lock.ready(raising=self.outcomes.on_save_error == "raise")
-            if not replace:
+            if not replace and not alone:
                 self.timeline.set_aside_incomplete(step)
 
         self.ranks.on_coordinator(

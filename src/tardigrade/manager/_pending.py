@@ -143,6 +143,11 @@ class Outcomes:
                 s.throughput_gbps,
             )
         self.tiers.committed(step_name(step), teed=self.teed)
+        if not self.tiers.root.takes(step_name(step)):
+            # Saved into the faster tiers alone (``persist_every``): the directory holds what
+            # it held, so its timeline and retention wait for its next save (listing a store
+            # here would cost the training thread a request per save).
+            return
         if self.ranks.coordinator:
             self.timeline.saved_past(step)
         self.retain()

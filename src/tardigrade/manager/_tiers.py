@@ -526,13 +526,22 @@ class Tiers:
         """Where a save of ``name`` writes, and whether that is the root: the root when it
         takes the step (unless ``fastest``: a preemption's save), else the fastest tier that
         can be a save's target (the RAM tier)."""
-        if fastest or not self.root.takes(name):
-            for tier in self._tiers:
-                path = tier.target(name)
-                if tier is not self.root and path is not None and tier.takes(name):
-                    self._memory_only.add(name)
-                    return path, False
+        path = self._faster_target(name) if fastest or not self.root.takes(name) else None
+        if path is not None:
+            self._memory_only.add(name)
+            return path, False
         return self.root.catalog.path(name), True
+
+    def alone(self, name: str) -> bool:
+        """Whether a save of ``name`` (not a preemption's) goes to the faster tiers alone."""
+        return not self.root.takes(name) and self._faster_target(name) is not None
+
+    def _faster_target(self, name: str) -> str | None:
+        for tier in self._tiers:
+            path = tier.target(name)
+            if tier is not self.root and path is not None and tier.takes(name):
+                return path
+        return None
 
     def memory_copy(self) -> Storage | None:
         """The storage of the fastest tier saves can target (the RAM tier's), if any."""

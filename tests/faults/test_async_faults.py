@@ -763,3 +763,88 @@ def test_sync_stream_failing_midway_fails_the_save_cleanly(
         tg.save(tmp_path / "bad", make_state(seed=13, mib=2))
     only_entries(tmp_path, "prev")
     assert_intact(committed)
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("where", ["same-directory", "faster-directory"])
+def test_sigkill_with_two_saves_in_flight_loses_nothing_committed(
+    tmp_path: Path, overlap: bool, where: str, committed: tuple[Path, dict[str, Any]]
+) -> None:
+    """Two saves in flight (``max_in_flight=2``), the first held in its data write, and the
+    process killed: the first commits nothing; the second, into the same directory, waited
+    its turn and commits nothing either, while into another directory it committed whole
+    before the kill and stays so. ``overlap``: both copy an optimizer's state beside
+    training (the model and its SGD moments)."""
+    first = tmp_path / "a"
+    (tmp_path / "fast").mkdir()
+    second = tmp_path / ("b" if where == "same-directory" else "fast/b")
+    proc = subprocess.Popen(
+        child_argv(
+            f"""
+            held = LocalWriter.write
+
+            def hold_a(self, data):
+                if "/.tmp-a-" in self.path:
+                    print("WRITING A", flush=True)
+                    time.sleep(3600)
+                held(self, data)
+
+            LocalWriter.write = hold_a
+            torch.manual_seed(0)
+            model = torch.nn.Linear(1024, 2048)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            model(torch.randn(4, 1024)).sum().backward()
+            opt.step()
+            state = {{"model": model, "opt": opt, "extra": make_state(5, 4)}}
+            ckpt = tg.AsyncCheckpointer(max_in_flight=2)
+            a = ckpt.save({str(first)!r}, state, overlap={overlap})
+            b = ckpt.save({str(second)!r}, state, overlap={overlap})
+            print("BOTH MADE", flush=True)
+            b.wait_staged()
+            opt.step()  # the fence: waits for both copies
+            if {where == "faster-directory"}:
+                b.result()
+                print("B COMMITTED", flush=True)
+            time.sleep(3600)
+            """
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        want = "B COMMITTED" if where == "faster-directory" else "BOTH MADE"
+        output = read_until(proc, want, timeout=60)
+        if "WRITING A" not in output:
+            output += read_until(proc, "WRITING A", timeout=60)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    assert proc.returncode == -signal.SIGKILL, output
+
+    with pytest.raises(CheckpointNotFoundError):
+        tg.load(first)
+    if where == "same-directory":
+        with pytest.raises(CheckpointNotFoundError):
+            tg.load(second)
+    else:
+        tg.verify(second)
+        torch.manual_seed(0)  # the child's first step, replayed
+        model = torch.nn.Linear(1024, 2048)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(4, 1024)).sum().backward()
+        opt.step()
+        loaded = tg.load(second)
+        # Its values after one step: the second step waited for the copy (the fence).
+        assert torch.equal(loaded["model"]["weight"], model.weight.detach())
+        assert torch.equal(
+            loaded["opt"]["state"][0]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"]
+        )
+    leftovers = [n for n in os.listdir(tmp_path) if n not in ("prev", "fast")]
+    assert all(n.startswith(".tmp-") for n in leftovers), leftovers
+    assert_intact(committed)

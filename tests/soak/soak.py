@@ -56,7 +56,7 @@ from typing import Any
 N = 16384  # elements of w and m
 P_N = 4096  # elements of the parameter an optimizer updates (one process)
 # Elements of "frozen" (never changes: one shared object every checkpoint references) and
-# "slow" (changes every 3rd step: objects written, referenced again, then swept): over 1 MiB
+# "slow" (changes every 2nd step: objects written, referenced again, then swept): over 1 MiB
 # of float32 each, so a single process's saves share them (format 7).
 SHARED_N = 300_000
 ROWS, COLS = 48, 64  # the sharded table of the two-rank jobs
@@ -111,7 +111,7 @@ def advance(state: dict[str, Any], step: int, rank: int, world: int, g0: Any = N
         noise += 1e-3 * (torch.randn(N, generator=g0) if g0 is not None else torch.randn(N))
     state["m"].mul_(0.9).add_(noise)
     state["w"].sub_(0.01 * state["m"])
-    state["slow"].fill_(float(step // 3))
+    state["slow"].fill_(float(step // 2))
     if world == 1:
         state["p"].grad = torch.randn(P_N, generator=torch.Generator().manual_seed(10**6 + step))
         state["opt"].step()
@@ -289,6 +289,12 @@ def zygote() -> None:
     import tardigrade.testing._killpoint  # noqa: F401
 
     torch.set_num_threads(1)
+    # An optimizer's first step imports and sets up what later ones reuse (a second or more):
+    # done here once, or every job would spend it in its first step instead of in its saves,
+    # where the kills are meant to land.
+    p = torch.zeros(4, requires_grad=True)
+    p.grad = torch.ones(4)
+    torch.optim.SGD([p], lr=0.1, momentum=0.9).step()
     pr_set_child_subreaper = 36
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0) != 0:

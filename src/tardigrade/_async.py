@@ -24,7 +24,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import _sinks
@@ -39,6 +38,7 @@ from ._save_job import (
     make_job,
 )
 from ._sinks import Sink
+from ._stager import Stager
 from ._staging import Slab, SlabPool, StagingStats
 from ._tree import Entry, as_bytes, flatten
 from ._warn import warn_user
@@ -119,7 +119,7 @@ def stage_copy(
     handed over (without a budget): raising there writes nothing.
     """
     bounded = pool.max_bytes is not None
-    copier = _Copier()
+    stager = Stager()
     held: list[tuple[queue.SimpleQueue[Any], list[Any]]] = []
     slab: Slab | None = None
     pending: list[Block] = []  # blocks not handed over yet (device copies may be in flight)
@@ -128,21 +128,17 @@ def stage_copy(
     fill = 0
     ranges: list[tuple[int, int, int]] = []
     entries = job.entries
-    devices: set[torch.device] = set()  # devices copying into a pending block
     try:
         for fp, stream in zip(job.plan.files, streams, strict=True):
 
             def hand_over(final: bool, stream: queue.SimpleQueue[Any] = stream) -> None:
                 nonlocal pending
-                if devices:
-                    # Device-to-host copies into pinned slabs are asynchronous, on each source
-                    # device's own stream: the writer must not read a slab before the bytes
-                    # from every device have landed (not only the current device's).
-                    synchronize(devices)
-                    devices.clear()
+                # The writer must not read a block before its bytes landed: device copies
+                # (asynchronous, from every device that copied) now; host copies too under a
+                # budget, else in one parallel burst once everything is laid out.
+                stager.wait(host=bounded)
                 blocks: list[Any] = [*pending, *([END] if final else [])]
                 if bounded:
-                    copier.run()
                     pending = []
                     for b in blocks:
                         stream.put(b)
@@ -182,26 +178,20 @@ def stage_copy(
                     src = src.resolve_conj().resolve_neg().contiguous()
                 sources.append((n, as_bytes(src)))
             for i, flat in sources:
-                on_device = flat.device.type != "cpu"
                 pos = 0
                 while pos < flat.numel():
                     if slab is None or fill == buf.numel():
                         next_slab(remaining, fill)
                         fill = 0
                     n = min(flat.numel() - pos, buf.numel() - fill)
-                    dst = buf[fill : fill + n]
-                    if on_device:
-                        dst.copy_(flat[pos : pos + n], non_blocking=True)
-                        devices.add(flat.device)
-                    else:
-                        copier.add(dst.numpy(), flat[pos : pos + n].numpy())
+                    stager.copy(buf[fill : fill + n], flat[pos : pos + n])
                     if i is not None:
                         ranges.append((i, fill, fill + n))
                     fill += n
                     pos += n
                     remaining -= n
             close_slab(True, fill)
-        copier.run()
+        stager.wait()
         if check is not None:
             check()
     except BaseException:
@@ -262,14 +252,13 @@ def stage_entries(
 ) -> StagedEntries:
     """Copy every entry's bytes into pool slabs, as ``stage_copy`` does for a file image.
 
-    Host copies run in parallel (``_Copier``); device copies land in pinned slabs
-    asynchronously and are waited for before returning. The pool must hold the whole state
+    Host copies run in parallel and device copies land in pinned slabs asynchronously (a
+    ``Stager``), all waited for before returning. The pool must hold the whole state
     (no budget): the writers start only once the global plan is agreed, after staging.
     Entries in ``skip`` (replicated tensors this rank's plan does not give it) are not copied.
     """
     staged = StagedEntries()
-    copier = _Copier()
-    device = False
+    stager = Stager()
     sources = []
     for k, e in enumerate(entries):
         src = e.tensor.detach()
@@ -295,18 +284,12 @@ def stage_entries(
                     buf, fill = slab.claim(), 0
                 n = min(flat.numel() - pos, buf.numel() - fill)
                 dst = buf[fill : fill + n]
-                if flat.device.type != "cpu":
-                    dst.copy_(flat[pos : pos + n], non_blocking=True)
-                    device = True
-                else:
-                    copier.add(dst.numpy(), flat[pos : pos + n].numpy())
+                stager.copy(dst, flat[pos : pos + n])
                 staged.spans[k].append((pos, memoryview(dst.numpy())))
                 fill += n
                 pos += n
                 remaining -= n
-        copier.run()
-        if device:
-            torch.cuda.synchronize()
+        stager.wait()
     except BaseException:
         staged.release()
         raise
@@ -372,77 +355,6 @@ def _release(segments: list[Any]) -> None:
     for seg in segments:
         if seg is not END and seg.done is not None:
             seg.done()
-
-
-# Host copies run in this many threads (the caller's included), splitting the work into pieces
-# taken first come, first served: a core busy with something else slows the copy down instead
-# of stalling it, as a statically split parallel copy would.
-COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
-COPY_PIECE = 32 * 1024 * 1024
-_copy_pool: ThreadPoolExecutor | None = None
-_copy_pool_lock = threading.Lock()
-
-
-def _copy_threads() -> ThreadPoolExecutor:
-    global _copy_pool
-    with _copy_pool_lock:
-        if _copy_pool is None:
-            _copy_pool = ThreadPoolExecutor(
-                max(1, COPY_THREADS - 1), thread_name_prefix="tardigrade-copy"
-            )
-        return _copy_pool
-
-
-class _Copier:
-    """Host-to-host copies collected while slabs are laid out, then run in parallel."""
-
-    def __init__(self) -> None:
-        self._pieces: list[tuple[Any, Any]] = []
-
-    def add(self, dst: Any, src: Any) -> None:
-        for start in range(0, len(dst), COPY_PIECE):
-            self._pieces.append((dst[start : start + COPY_PIECE], src[start : start + COPY_PIECE]))
-
-    def run(self) -> None:
-        pieces, self._pieces = self._pieces, []
-        if not pieces:
-            return
-        work = iter(pieces)
-        lock = threading.Lock()
-
-        def drain() -> None:
-            # numpy copies without holding the GIL, so the threads copy side by side.
-            while True:
-                with lock:
-                    piece = next(work, None)
-                if piece is None:
-                    return
-                np.copyto(*piece)
-
-        helpers = min(COPY_THREADS - 1, len(pieces) - 1)
-        futures = []
-        try:
-            for _ in range(helpers):
-                futures.append(_copy_threads().submit(drain))
-        except RuntimeError:
-            pass  # the interpreter is exiting and takes no new work: copy in this thread
-        try:
-            drain()
-        finally:
-            for f in futures:
-                f.result()
-
-
-def synchronize(devices: set[torch.device]) -> None:
-    """Wait for the work queued on each of ``devices`` (CUDA or another accelerator)."""
-    for d in devices:
-        module = getattr(torch, d.type, None)
-        sync = getattr(module, "synchronize", None)
-        if sync is None:
-            raise SaveError(
-                f"cannot wait for copies from {d}: torch.{d.type}.synchronize is missing"
-            )
-        sync(d) if d.index is not None else sync()
 
 
 class ImageSizes(list[int]):

@@ -30,6 +30,7 @@ from ._save_job import (
     file_header,
     item_source,
 )
+from ._stager import Stager
 from ._tree import as_bytes
 from .errors import DistributedError, SaveError, StorageError, TardigradeError
 from .format import limits
@@ -97,8 +98,9 @@ def _borrowed(entries: list[Any], fp: FilePlan) -> Iterator[Any]:
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
         flat = as_bytes(t.contiguous())
+        stager = Stager()
         for lo in range(0, flat.numel(), DEVICE_PIECE_BYTES):
-            piece = flat[lo : lo + DEVICE_PIECE_BYTES].to("cpu")
+            piece = stager.to_host(flat[lo : lo + DEVICE_PIECE_BYTES])
             yield Segment(i, memoryview(piece.numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs say so from Python 3.12
     yield END
 

@@ -99,7 +99,7 @@ def test_ram_tier_saves_go_on_while_the_directory_write_is_held(
     assert torch.equal(tg.load(ckpt / "step-000000010")["w"], values(10))
 
 
-def test_saves_into_the_directory_commit_in_step_order_and_retention_spares_those_in_flight(
+def test_saves_into_the_directory_commit_in_step_order_and_restore_waits_for_them(
     tmp_path: Path, disk_gates: list[DiskGate]
 ) -> None:
     gate = DiskGate(tmp_path, 2)
@@ -116,8 +116,10 @@ def test_saves_into_the_directory_commit_in_step_order_and_retention_spares_thos
         state["w"].copy_(values(99))  # training goes on: neither save may see it
         assert not (tmp_path / "step-000000002").exists()
         assert not (tmp_path / "step-000000003").exists(), "step 3 committed before step 2"
-        gate.open.set()
-        mgr.wait()
+        # restore() waits for both saves in flight, then reads the newest: step 3.
+        threading.Timer(0.1, gate.open.set).start()
+        assert mgr.restore() == 3
+        assert torch.equal(state["w"], values(2)) and state["step"] == 2
         # keep_last=1: only the newest is left, each in flight save having committed whole.
         assert mgr.steps() == [3]
         assert [s.step for s in mgr.stats] == [0, 1, 2, 3]

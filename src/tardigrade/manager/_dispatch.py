@@ -300,8 +300,9 @@ class SaveDispatch:
         tier a save can target."""
         path, persisted = self.tiers.target(step_name(step), fastest=fastest)
         # A step the root does not take is saved into the RAM tier alone: in a distributed
-        # job every rank commits it (its files and the manifest) in its own; no sink copies it.
-        sinks = self.tiers.sinks() if persisted else []
+        # job every rank commits it (its files and the manifest) in its own; no sink copies it
+        # (the RAM tier's then removes the older copies there, in the save's thread).
+        sinks = self.tiers.sinks(alone=not persisted)
         if not persisted:
             options = dataclasses.replace(
                 options, each_rank_commits=True, metadata={SAVED_ALONE: True}

@@ -55,8 +55,9 @@ class Tier:
     restores: ClassVar[bool] = False
     """Whether ``restore()`` reads checkpoints from it (``holds`` and ``restore``)."""
 
-    def sinks(self) -> list[Sink]:
-        """What an async save feeds from its staged copy to keep a copy here."""
+    def sinks(self, *, alone: bool = False) -> list[Sink]:
+        """What an async save feeds from its staged copy to keep a copy here (``alone``: a
+        save committed straight into the faster tiers, what it runs once committed)."""
         return []
 
     def held(self) -> AbstractContextManager[None]:
@@ -167,8 +168,8 @@ class MemoryTier(Tier):
     def stats(self) -> RamTierStats:
         return self.ram.stats
 
-    def sinks(self) -> list[Sink]:
-        return [self.ram.mirror(self.ranks.share)]
+    def sinks(self, *, alone: bool = False) -> list[Sink]:
+        return [self.ram.retirer() if alone else self.ram.mirror(self.ranks.share)]
 
     def committed(self, name: str, *, teed: bool) -> None:
         # Every rank records the save here, once committed: each keeps its own files.
@@ -571,8 +572,8 @@ class Tiers:
         """The tiers ``restore()`` reads from, fastest first (the root is the last)."""
         return [t for t in self._tiers if t.restores]
 
-    def sinks(self) -> list[Sink]:
-        return [s for t in self._tiers for s in t.sinks()]
+    def sinks(self, *, alone: bool = False) -> list[Sink]:
+        return [s for t in self._tiers for s in t.sinks(alone=alone)]
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:

@@ -95,6 +95,19 @@ def commits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.fixture
+def bad_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save of a checkpoint named ``bad`` fails: the fsync of its data file (EIO)."""
+    original = LocalWriter.close
+
+    def close(self: LocalWriter) -> None:
+        if ".tmp-bad-" in self.path:
+            raise OSError(5, "injected I/O error")
+        original(self)
+
+    monkeypatch.setattr(LocalWriter, "close", close)
+
+
+@pytest.fixture
 def checkpointers() -> Iterator[Callable[..., tg.AsyncCheckpointer]]:
     made: list[tg.AsyncCheckpointer] = []
 
@@ -191,17 +204,9 @@ def test_a_save_into_another_directory_does_not_wait_for_a_slow_one(
 def test_a_save_failing_while_another_is_in_flight_is_reported_once(
     tmp_path: Path,
     gates: Gates,
-    monkeypatch: pytest.MonkeyPatch,
+    bad_fails: None,
     checkpointers: Callable[..., tg.AsyncCheckpointer],
 ) -> None:
-    original = LocalWriter.close
-
-    def close(self: LocalWriter) -> None:
-        if ".tmp-bad-" in self.path:
-            raise OSError(5, "injected I/O error")
-        original(self)
-
-    monkeypatch.setattr(LocalWriter, "close", close)
     (tmp_path / "fast").mkdir()
     ckpt = checkpointers(max_in_flight=2)
     gates.hold("good")
@@ -223,17 +228,9 @@ def test_a_save_failing_while_another_is_in_flight_is_reported_once(
 def test_an_unseen_failure_surfaces_on_the_next_save_while_another_runs(
     tmp_path: Path,
     gates: Gates,
-    monkeypatch: pytest.MonkeyPatch,
+    bad_fails: None,
     checkpointers: Callable[..., tg.AsyncCheckpointer],
 ) -> None:
-    original = LocalWriter.close
-
-    def close(self: LocalWriter) -> None:
-        if ".tmp-bad-" in self.path:
-            raise OSError(5, "injected I/O error")
-        original(self)
-
-    monkeypatch.setattr(LocalWriter, "close", close)
     ckpt = checkpointers(max_in_flight=2)
     gates.hold("bad")  # until the other save is made too
     gates.hold("slow")

@@ -3,9 +3,9 @@
 ``save`` snapshots every tensor into pooled host slabs synchronously, a background thread writes
 and commits, at most ``max_in_flight`` saves are in flight per checkpointer (default one: the
 next one waits for room, or is skipped with a warning), saves into one directory write and
-commit one after another in the order they were made, ``wait()`` blocks until idle, errors surface on ``result()``, on the next
-``save`` and on ``wait()``/``close()``, and closing (also at interpreter exit) waits for
-in-flight work.
+commit one after another in the order they were made, ``wait()`` blocks until idle, errors
+surface on ``result()``, on the next ``save`` and on ``wait()``/``close()``, and closing (also
+at interpreter exit) waits for in-flight work.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class SaveFuture:
         self.observed = False  # whether the caller has seen the outcome
         self.blocking_seconds = 0.0  # how long save() blocked the caller
         self._overlap: Overlap | None = None  # a save staging beside training (overlap)
-        self.root = ""  # the directory it saves into (its commits keep their order)
+        self.root = ""  # the directory it saves into (saves there write in turn)
 
     def staged(self) -> bool:
         """True once the state has been copied and training may mutate it."""

@@ -273,7 +273,7 @@ class CheckpointManager:
         )
         self._wire(retention, on_error, persist_every, modes, policy)
         self._open()
-        self._start(async_save, max_staging_bytes, signals, preemption_budget)
+        self._start(max_staging_bytes, signals, preemption_budget)
         if upload_to is not None:
             self._open_tier(lambda: self._remote_tier(upload_to, upload_storage_options))
         tiers = functools.partial(open_memory_tiers, ram_tier, peer_replicas, self._tiers)
@@ -353,11 +353,10 @@ class CheckpointManager:
             self._lock.release()  # perhaps taken here, but another rank failed: not ours to keep
             raise
 
-    def _start(
-        self, async_save: bool, max_staging_bytes: int | None, signals: Any, budget: Any
-    ) -> None:
-        """Listen for the preemption signals; start the background saver."""
-        async_save = self._ranks.split.async_saves(async_save, max_staging_bytes)
+    def _start(self, max_staging_bytes: int | None, signals: Any, budget: Any) -> None:
+        """Listen for the preemption signals; start the background saver (as asked)."""
+        asked = self._dispatch.modes.async_save
+        async_save = self._ranks.split.async_saves(asked, max_staging_bytes)
         try:
             self._preemption.budget = check_positive("preemption_budget", budget, float)
             self._preemption.listen(signals)

@@ -16,12 +16,14 @@ import subprocess
 import tempfile
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import tardigrade as tg
+from tardigrade.errors import TardigradeError
 from tardigrade.testing import S3Server
 
 # The run id a manager takes from the launcher by default (``run_id=``): the suite's own runs
@@ -44,6 +46,23 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"fault matrix: {sum(_WORKER_FAULTS.values())} faults injected: "
             + ", ".join(f"{k} {v}" for k, v in sorted(_WORKER_FAULTS.items()))
         )
+
+
+@pytest.fixture
+def checkpointers() -> Iterator[Callable[..., tg.AsyncCheckpointer]]:
+    """Make AsyncCheckpointers that are closed at teardown even when the test fails."""
+    made: list[tg.AsyncCheckpointer] = []
+
+    def make(**kw: Any) -> tg.AsyncCheckpointer:
+        made.append(tg.AsyncCheckpointer(**kw))
+        return made[-1]
+
+    yield make
+    for ckpt in made:
+        try:
+            ckpt.close()
+        except TardigradeError:
+            pass
 
 
 @pytest.fixture

@@ -114,22 +114,6 @@ def clean_default_checkpointer() -> Iterator[None]:
 
 
 @pytest.fixture
-def checkpointers() -> Iterator[Callable[..., tg.AsyncCheckpointer]]:
-    made: list[tg.AsyncCheckpointer] = []
-
-    def make(**kw: Any) -> tg.AsyncCheckpointer:
-        made.append(tg.AsyncCheckpointer(**kw))
-        return made[-1]
-
-    yield make
-    for ckpt in made:
-        try:
-            ckpt.close()
-        except TardigradeError:
-            pass
-
-
-@pytest.fixture
 def committed(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     """A checkpoint committed before the faulty save, in the same parent directory."""
     state = make_state(seed=99, mib=1)
@@ -248,6 +232,23 @@ def read_until(proc: subprocess.Popen, marker: str, timeout: float) -> str:
             pytest.fail(f"child exited before printing {marker!r}; output: {seen!r}")
         seen += chunk.decode(errors="replace")
     return seen
+
+
+def kill_after(proc: subprocess.Popen, *markers: str) -> str:
+    """SIGKILL the child once it printed every one of ``markers``; reap it; its output."""
+    output = ""
+    try:
+        for marker in markers:
+            if marker not in output:
+                output += read_until(proc, marker, timeout=60)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    return output
 
 
 # ----------------------------------------------------------------------------------------------
@@ -542,16 +543,8 @@ def test_sigkill_during_background_write_commits_nothing(
         stderr=subprocess.STDOUT,
         text=True,
     )
-    try:
-        output = read_until(proc, "WRITING", timeout=60)
-        # The background write is now in flight (and held for DELAY seconds): kill it.
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
+    # Once the background write is in flight (and held for DELAY seconds): kill it.
+    output = kill_after(proc, "WRITING")
     assert proc.returncode == -signal.SIGKILL
     assert "COMMITTED" not in output
 
@@ -813,18 +806,9 @@ def test_sigkill_with_two_saves_in_flight_loses_nothing_committed(
         stderr=subprocess.STDOUT,
         text=True,
     )
-    try:
-        want = "B COMMITTED" if where == "faster-directory" else "BOTH MADE"
-        output = read_until(proc, want, timeout=60)
-        if "WRITING A" not in output:
-            output += read_until(proc, "WRITING A", timeout=60)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
+    output = kill_after(
+        proc, "B COMMITTED" if where == "faster-directory" else "BOTH MADE", "WRITING A"
+    )
     assert proc.returncode == -signal.SIGKILL, output
 
     with pytest.raises(CheckpointNotFoundError):

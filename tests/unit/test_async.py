@@ -222,23 +222,6 @@ def clean_default_checkpointer() -> Iterator[None]:
 
 
 @pytest.fixture
-def checkpointers() -> Iterator[Callable[..., tg.AsyncCheckpointer]]:
-    """Make AsyncCheckpointers that are closed at teardown even when the test fails."""
-    made: list[tg.AsyncCheckpointer] = []
-
-    def make(**kw: Any) -> tg.AsyncCheckpointer:
-        made.append(tg.AsyncCheckpointer(**kw))
-        return made[-1]
-
-    yield make
-    for ckpt in made:
-        try:
-            ckpt.close()
-        except TardigradeError:
-            pass
-
-
-@pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """Hold every background write until the test sets the returned event."""
     opened = threading.Event()

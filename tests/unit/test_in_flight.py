@@ -22,7 +22,7 @@ import torch
 
 import tardigrade as tg
 from tardigrade._commit import RenameCommit
-from tardigrade.errors import InvalidArgumentError, SaveError, TardigradeError
+from tardigrade.errors import InvalidArgumentError, SaveError
 from tardigrade.storage.local import LocalWriter
 
 MiB = 1024 * 1024
@@ -105,22 +105,6 @@ def bad_fails(monkeypatch: pytest.MonkeyPatch) -> None:
         original(self)
 
     monkeypatch.setattr(LocalWriter, "close", close)
-
-
-@pytest.fixture
-def checkpointers() -> Iterator[Callable[..., tg.AsyncCheckpointer]]:
-    made: list[tg.AsyncCheckpointer] = []
-
-    def make(**kw: Any) -> tg.AsyncCheckpointer:
-        made.append(tg.AsyncCheckpointer(**kw))
-        return made[-1]
-
-    yield make
-    for ckpt in made:
-        try:
-            ckpt.close()
-        except TardigradeError:
-            pass
 
 
 def test_two_saves_run_at_once_and_a_third_waits_for_room(

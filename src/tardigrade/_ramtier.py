@@ -379,13 +379,20 @@ class RamTier:
         self.sweep()
 
     def _retire_before(self, name: str, step: int | None) -> None:
-        for n in self.catalog.names():
-            older = STEP_NAMES.step(n)
-            if older is not None and n != name and (step is None or older < step):
-                try:
-                    self.catalog.retire(n)
-                except OSError as e:
-                    log.warning("tardigrade: removing %s from the RAM tier: %s", n, e)
+        """Keep the newest copy only: the older ones go, and ``name`` itself when a newer one
+        committed here first (two saves in flight: a directory's save, copied here once it
+        committed there, ends after the next save into this tier alone)."""
+        held = {n: s for n in self.catalog.names() if (s := STEP_NAMES.step(n)) is not None}
+        if step is None:
+            doomed = [n for n in held if n != name]
+        else:
+            newest = max(step, *held.values())
+            doomed = [n for n, s in held.items() if s < newest]
+        for n in doomed:
+            try:
+                self.catalog.retire(n)
+            except OSError as e:
+                log.warning("tardigrade: removing %s from the RAM tier: %s", n, e)
 
     def sweep(self) -> None:
         """Remove the shared objects no checkpoint here references (the newest only is kept:
